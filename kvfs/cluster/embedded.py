@@ -1,0 +1,23 @@
+"""The embedded master: the metadata service called in-process (single-node mode)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from kvfs.cluster.master import MetadataService
+from kvfs.cluster.messages import Request
+
+
+class MasterClient(Protocol):
+    """How a node talks to the master, in-process or (later) over the network."""
+
+    async def call(self, request: Request) -> Any:
+        """Sends one request, returns its response or raises MetadataError."""
+
+
+class EmbeddedMaster:
+    def __init__(self, service: MetadataService) -> None:
+        self.service = service
+
+    async def call(self, request: Request) -> Any:
+        return self.service.handle(request)

@@ -1,0 +1,371 @@
+"""The metadata service: one request in, one response out, no I/O (pure).
+
+It owns the namespace, the object directory and the eviction policy. Every
+decision (names, versions, leases, what to evict, which temp files are orphans)
+is made here, synchronously, against an injected clock, so that it can be tested
+without a mount and moved behind RPC without change.
+"""
+
+from __future__ import annotations
+
+import errno
+import stat
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kvfs.clock import Clock
+from kvfs.cluster import messages as m
+from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace, check_name
+from kvfs.cluster.objects import FileVersion, ObjectDirectory
+from kvfs.errors import MetadataError
+from kvfs.policy import EvictionPolicy
+
+XATTR_NAME_MAX = 255
+XATTR_SIZE_MAX = 65536
+USER_XATTR_PREFIX = b"user."
+
+
+@dataclass(frozen=True)
+class MasterSettings:
+    temp_suffix: bytes = b".tmp"  # names that writers publish by rename
+    temp_grace_s: float = 300.0  # an untouched sealed temp file older than this is an orphan
+    root_mode: int = 0o755
+    root_uid: int = 0
+    root_gid: int = 0
+
+
+class MetadataService:
+    """Handles metadata requests; see `kvfs.cluster.messages` for the protocol."""
+
+    def __init__(self, clock: Clock, policy: EvictionPolicy, settings: MasterSettings = MasterSettings()) -> None:
+        self.clock = clock
+        self.policy = policy
+        self.settings = settings
+        self.ns = Namespace(clock.wall_ns(), settings.root_mode, settings.root_uid, settings.root_gid)
+        self.objects = ObjectDirectory()
+        self._temp_files: set[int] = set()
+        self._handlers: dict[type, Callable[[Any], Any]] = {
+            m.Lookup: self._lookup,
+            m.GetAttr: self._getattr,
+            m.SetAttr: self._setattr,
+            m.MkDir: self._mkdir,
+            m.Create: self._create,
+            m.Unlink: self._unlink,
+            m.RmDir: self._rmdir,
+            m.Rename: self._rename,
+            m.ReadDir: self._readdir,
+            m.Forget: self._forget,
+            m.OpenRead: self._open_read,
+            m.OpenWrite: self._open_write,
+            m.Release: self._release,
+            m.Seal: self._seal,
+            m.GetXattr: self._getxattr,
+            m.SetXattr: self._setxattr,
+            m.ListXattr: self._listxattr,
+            m.RemoveXattr: self._removexattr,
+            m.GetVersion: self._get_version,
+            m.Reclaim: self._reclaim,
+            m.CollectOrphans: self._collect_orphans,
+            m.Stats: self._stats,
+        }
+
+    def handle(self, request: m.Request) -> Any:
+        """Answers one request; raises MetadataError with the errno the caller should see."""
+        return self._handlers[type(request)](request)
+
+    # Helpers ---------------------------------------------------------------------------
+
+    def attr(self, inode: Inode) -> m.Attr:
+        if inode.children is not None:
+            return m.Attr(inode.ino, inode.mode, 2, inode.uid, inode.gid, 0,
+                          inode.atime_ns, inode.mtime_ns, inode.ctime_ns)
+        version = self.objects.versions.get(inode.version)
+        size, sealed = (version.size, version.sealed) if version else (0, True)
+        return m.Attr(inode.ino, inode.mode, 1 if inode.linked else 0, inode.uid, inode.gid, size,
+                      inode.atime_ns, inode.mtime_ns, inode.ctime_ns, inode.version, sealed)
+
+    def _referenced(self, inode: Inode) -> m.Attr:
+        """The attributes of an inode the node's kernel now holds a reference to."""
+        inode.referenced = True
+        return self.attr(inode)
+
+    def _file(self, ino: int) -> Inode:
+        inode = self.ns.get(ino)
+        if inode.is_dir:
+            raise MetadataError(errno.EISDIR, f"inode {ino} is a directory")
+        return inode
+
+    def _is_temp(self, name: bytes) -> bool:
+        return name.endswith(self.settings.temp_suffix)
+
+    def _new_entry(self, parent: int, name: bytes) -> Inode:
+        check_name(name)
+        directory = self.ns.directory(parent)
+        if not directory.linked:
+            raise MetadataError(errno.ENOENT, f"directory {parent} was removed")
+        if name in (b".", b"..") or name in directory.children:  # type: ignore[operator]
+            raise MetadataError(errno.EEXIST, f"{name!r} exists in directory {parent}")
+        return directory
+
+    def _link(self, directory: Inode, name: bytes, inode: Inode, now: int) -> None:
+        self.ns.link(directory, name, inode, now)
+        if not inode.is_dir and self._is_temp(name):
+            self._temp_files.add(inode.ino)
+        else:
+            self._temp_files.discard(inode.ino)
+
+    def _remove_file(self, inode: Inode, now: int, dropped: list[int]) -> None:
+        """Takes a file out of the namespace; its bytes go once nobody has them open."""
+        self._temp_files.discard(inode.ino)
+        self.policy.remove(inode.ino)
+        self.ns.unlink(inode, now)
+        version = self.objects.versions.get(inode.version)
+        if version is not None:
+            self.objects.retire(version, dropped)
+
+    # Namespace -------------------------------------------------------------------------
+
+    def _lookup(self, req: m.Lookup) -> m.Entry:
+        check_name(req.name)
+        inode = self.ns.lookup(req.parent, req.name)
+        return m.Entry(None if inode is None else self._referenced(inode))
+
+    def _getattr(self, req: m.GetAttr) -> m.Attr:
+        return self.attr(self.ns.get(req.ino))
+
+    def _setattr(self, req: m.SetAttr) -> m.Attr:
+        inode = self.ns.get(req.ino)
+        if req.mode is not None:
+            inode.mode = stat.S_IFMT(inode.mode) | stat.S_IMODE(req.mode)
+        if req.uid is not None:
+            inode.uid = req.uid
+        if req.gid is not None:
+            inode.gid = req.gid
+        if req.atime_ns is not None:
+            inode.atime_ns = req.atime_ns
+        if req.mtime_ns is not None:
+            inode.mtime_ns = req.mtime_ns
+        inode.ctime_ns = self.clock.wall_ns()
+        return self.attr(inode)
+
+    def _mkdir(self, req: m.MkDir) -> m.Attr:
+        directory = self._new_entry(req.parent, req.name)
+        now = self.clock.wall_ns()
+        inode = self.ns.new_inode(stat.S_IFDIR | stat.S_IMODE(req.mode), req.uid, req.gid, now, directory=True)
+        self._link(directory, req.name, inode, now)
+        return self._referenced(inode)
+
+    def _create(self, req: m.Create) -> m.Opened:
+        check_name(req.name)
+        existing = self.ns.lookup(req.parent, req.name)
+        if existing is not None:
+            if req.exclusive:
+                raise MetadataError(errno.EEXIST, f"{req.name!r} exists in directory {req.parent}")
+            self._referenced(existing)
+            return self._open_write(m.OpenWrite(existing.ino, req.node, truncate=False))
+        directory = self._new_entry(req.parent, req.name)
+        now = self.clock.wall_ns()
+        inode = self.ns.new_inode(stat.S_IFREG | stat.S_IMODE(req.mode), req.uid, req.gid, now, directory=False)
+        version = self.objects.create(inode.ino, req.node)
+        version.writers = 1
+        inode.version = version.version
+        self._link(directory, req.name, inode, now)
+        return m.Opened(self._referenced(inode), version.version)
+
+    def _unlink(self, req: m.Unlink) -> m.Done:
+        inode = self.ns.existing(req.parent, req.name)
+        if inode.is_dir:
+            raise MetadataError(errno.EISDIR, f"{req.name!r} in directory {req.parent} is a directory")
+        dropped: list[int] = []
+        self._remove_file(inode, self.clock.wall_ns(), dropped)
+        return m.Done(dropped)
+
+    def _rmdir(self, req: m.RmDir) -> m.Done:
+        if req.name == b".":
+            raise MetadataError(errno.EINVAL, "cannot remove '.'")
+        inode = self.ns.existing(req.parent, req.name)
+        if not inode.is_dir:
+            raise MetadataError(errno.ENOTDIR, f"{req.name!r} in directory {req.parent} is not a directory")
+        if inode.children:
+            raise MetadataError(errno.ENOTEMPTY, f"directory {req.name!r} is not empty")
+        self.ns.unlink(inode, self.clock.wall_ns())
+        return m.Done()
+
+    def _rename(self, req: m.Rename) -> m.Done:
+        check_name(req.name_new)
+        source = self.ns.existing(req.parent_old, req.name_old)
+        new_parent = self.ns.directory(req.parent_new)
+        target = self.ns.lookup(req.parent_new, req.name_new)
+        if target is source:
+            return m.Done()
+        if source.is_dir and self.ns.is_ancestor(source.ino, new_parent.ino):
+            raise MetadataError(errno.EINVAL, f"cannot move directory {source.ino} into itself")
+        now = self.clock.wall_ns()
+        dropped: list[int] = []
+        if target is not None:
+            if req.noreplace:
+                raise MetadataError(errno.EEXIST, f"{req.name_new!r} exists in directory {req.parent_new}")
+            if source.is_dir and not target.is_dir:
+                raise MetadataError(errno.ENOTDIR, f"{req.name_new!r} is not a directory")
+            if target.is_dir and not source.is_dir:
+                raise MetadataError(errno.EISDIR, f"{req.name_new!r} is a directory")
+            if target.is_dir:
+                if target.children:
+                    raise MetadataError(errno.ENOTEMPTY, f"directory {req.name_new!r} is not empty")
+                self.ns.unlink(target, now)
+            else:
+                self._remove_file(target, now, dropped)
+        self.ns.detach(source, now)
+        self._link(new_parent, req.name_new, source, now)
+        return m.Done(dropped)
+
+    def _readdir(self, req: m.ReadDir) -> m.Listing:
+        directory = self.ns.directory(req.ino)
+        entries = [m.DirEntry(name, self.attr(inode), entry_id)
+                   for name, inode, entry_id in self.ns.listing(directory, req.start_id, req.limit)]
+        return m.Listing(entries)
+
+    def _forget(self, req: m.Forget) -> m.Done:
+        for ino in req.inos:
+            inode = self.ns.inodes.get(ino)
+            if inode is not None and ino != ROOT_INO:
+                inode.referenced = False
+                self.ns.collect(inode)
+        return m.Done()
+
+    # Files and versions ----------------------------------------------------------------
+
+    def _open_read(self, req: m.OpenRead) -> m.Opened:
+        inode = self._file(req.ino)
+        if not inode.linked:
+            raise MetadataError(errno.ENOENT, f"inode {req.ino} was removed")
+        version = self.objects.get(inode.version)
+        version.readers += 1
+        version.hits += 1
+        now = self.clock.wall_ns()
+        version.last_access_ns = inode.atime_ns = now
+        self.policy.touch(inode.ino, self.clock.monotonic())
+        return m.Opened(self.attr(inode), version.version)
+
+    def _open_write(self, req: m.OpenWrite) -> m.Opened:
+        inode = self._file(req.ino)
+        if not inode.linked:
+            raise MetadataError(errno.ENOENT, f"inode {req.ino} was removed")
+        current = self.objects.get(inode.version)
+        if not current.sealed:  # another writer is still at it: share its version
+            current.writers += 1
+            return m.Opened(self.attr(inode), current.version)
+        version = self.objects.create(inode.ino, req.node)
+        version.writers = 1
+        inode.version = version.version
+        self.policy.remove(inode.ino)
+        copy_from, copy_size = (0, 0) if req.truncate or current.size == 0 else (current.version, current.size)
+        if copy_from:  # the node reads the old bytes, then releases them like a reader
+            current.readers += 1
+            version.size = copy_size
+        dropped: list[int] = []
+        self.objects.retire(current, dropped)
+        return m.Opened(self.attr(inode), version.version, copy_from, copy_size, dropped)
+
+    def _release(self, req: m.Release) -> m.Done:
+        version = self.objects.versions.get(req.version)
+        dropped: list[int] = []
+        if version is not None:
+            self.objects.release(version, req.writer, dropped)
+        return m.Done(dropped)
+
+    def _seal(self, req: m.Seal) -> m.Attr:
+        version = self.objects.get(req.version)
+        if version.sealed:
+            raise MetadataError(errno.EINVAL, f"version {req.version} is already sealed")
+        self.objects.seal(version, req.size, req.checksums)
+        inode = self.ns.inodes.get(version.ino)
+        if inode is None:
+            return m.Attr(version.ino, stat.S_IFREG, 0, 0, 0, req.size, 0, 0, 0, version.version, True)
+        inode.mtime_ns = inode.ctime_ns = req.mtime_ns
+        if version.current and inode.linked:
+            self.policy.insert(inode.ino, req.size, self.clock.monotonic())
+        return self.attr(inode)
+
+    def _get_version(self, req: m.GetVersion) -> m.VersionInfo:
+        v = self.objects.get(req.version)
+        return m.VersionInfo(v.version, v.ino, v.size, v.sealed, v.node, v.tier, v.checksums, v.hits,
+                             v.last_access_ns, v.readers, v.writers)
+
+    # Extended attributes ---------------------------------------------------------------
+
+    def _check_xattr_name(self, name: bytes) -> None:
+        if len(name) > XATTR_NAME_MAX:
+            raise MetadataError(errno.ERANGE, f"xattr name of {len(name)} bytes")
+        if not name.startswith(USER_XATTR_PREFIX) or len(name) == len(USER_XATTR_PREFIX):
+            raise MetadataError(errno.ENOTSUP, f"xattr {name!r}: only user.* attributes are supported")
+
+    def _getxattr(self, req: m.GetXattr) -> m.XattrValue:
+        value = self.ns.get(req.ino).xattrs.get(req.name)
+        if value is None:
+            raise MetadataError(errno.ENODATA, f"no xattr {req.name!r} on inode {req.ino}")
+        return m.XattrValue(value)
+
+    def _setxattr(self, req: m.SetXattr) -> m.Done:
+        self._check_xattr_name(req.name)
+        if len(req.value) > XATTR_SIZE_MAX:
+            raise MetadataError(errno.E2BIG, f"xattr value of {len(req.value)} bytes")
+        inode = self.ns.get(req.ino)
+        inode.xattrs[req.name] = req.value
+        inode.ctime_ns = self.clock.wall_ns()
+        return m.Done()
+
+    def _listxattr(self, req: m.ListXattr) -> m.XattrNames:
+        return m.XattrNames(list(self.ns.get(req.ino).xattrs))
+
+    def _removexattr(self, req: m.RemoveXattr) -> m.Done:
+        inode = self.ns.get(req.ino)
+        if inode.xattrs.pop(req.name, None) is None:
+            raise MetadataError(errno.ENODATA, f"no xattr {req.name!r} on inode {req.ino}")
+        inode.ctime_ns = self.clock.wall_ns()
+        return m.Done()
+
+    # Capacity --------------------------------------------------------------------------
+
+    def _evictable(self, inode: Inode | None, node: int) -> FileVersion | None:
+        if inode is None or not inode.linked:
+            return None
+        version = self.objects.versions.get(inode.version)
+        if version is None or not version.sealed or version.in_use or version.node != node:
+            return None
+        return version
+
+    def _reclaim(self, req: m.Reclaim) -> m.Removed:
+        victims: list[Inode] = []
+        freed = 0
+        for ino in self.policy.candidates():
+            if freed >= req.nbytes:
+                break
+            inode = self.ns.inodes.get(ino)
+            version = self._evictable(inode, req.node)
+            if version is not None:
+                victims.append(inode)  # type: ignore[arg-type]
+                freed += max(version.size, 1)
+        return self._remove_files(victims, freed)
+
+    def _collect_orphans(self, req: m.CollectOrphans) -> m.Removed:
+        deadline = self.clock.wall_ns() - int(self.settings.temp_grace_s * 1e9)
+        orphans = []
+        for ino in self._temp_files:
+            inode = self.ns.inodes[ino]
+            version = self.objects.versions.get(inode.version)
+            if version is not None and version.sealed and not version.in_use and inode.mtime_ns < deadline:
+                orphans.append(inode)
+        return self._remove_files(orphans, sum(self.objects.versions[i.version].size for i in orphans))
+
+    def _remove_files(self, inodes: list[Inode], freed: int) -> m.Removed:
+        now = self.clock.wall_ns()
+        dropped: list[int] = []
+        entries = []
+        for inode in inodes:
+            entries.append((inode.parent, inode.name))
+            self._remove_file(inode, now, dropped)
+        return m.Removed(dropped, entries, freed)
+
+    def _stats(self, req: m.Stats) -> m.MasterStats:
+        return m.MasterStats(len(self.ns.inodes), self.ns.files, self.objects.sealed_bytes)

@@ -1,0 +1,235 @@
+"""Request and response messages of the metadata service.
+
+Every call into the master is one of these structs, answered by one response
+struct (or a `MetadataError`). msgspec structs are cheap to build in-process and
+encode to msgpack unchanged when the master moves behind RPC.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Attr(msgspec.Struct):
+    """Attributes of one inode, with the file's current version."""
+
+    ino: int
+    mode: int
+    nlink: int
+    uid: int
+    gid: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    version: int = 0  # current file version (0 for directories)
+    sealed: bool = True
+
+
+class DirEntry(msgspec.Struct):
+    name: bytes
+    attr: Attr
+    next_id: int  # position to resume a listing after this entry
+
+
+class VersionInfo(msgspec.Struct):
+    """What the object directory knows of one file version."""
+
+    version: int
+    ino: int
+    size: int
+    sealed: bool
+    node: int
+    tier: str
+    checksums: list[int]
+    hits: int
+    last_access_ns: int
+    readers: int
+    writers: int
+
+
+# Requests ---------------------------------------------------------------------------
+
+
+class Request(msgspec.Struct, tag=True):
+    pass
+
+
+class Lookup(Request):
+    parent: int
+    name: bytes
+
+
+class GetAttr(Request):
+    ino: int
+
+
+class SetAttr(Request):
+    ino: int
+    mode: int | None = None
+    uid: int | None = None
+    gid: int | None = None
+    atime_ns: int | None = None
+    mtime_ns: int | None = None
+
+
+class MkDir(Request):
+    parent: int
+    name: bytes
+    mode: int
+    uid: int
+    gid: int
+
+
+class Create(Request):
+    parent: int
+    name: bytes
+    mode: int
+    uid: int
+    gid: int
+    node: int
+    exclusive: bool
+
+
+class Unlink(Request):
+    parent: int
+    name: bytes
+
+
+class RmDir(Request):
+    parent: int
+    name: bytes
+
+
+class Rename(Request):
+    parent_old: int
+    name_old: bytes
+    parent_new: int
+    name_new: bytes
+    noreplace: bool = False
+
+
+class ReadDir(Request):
+    ino: int
+    start_id: int
+    limit: int
+
+
+class Forget(Request):
+    """The node's kernel no longer references these inodes."""
+
+    inos: list[int]
+
+
+class OpenRead(Request):
+    ino: int
+
+
+class OpenWrite(Request):
+    """Opens a file for writing: joins its unsealed version or starts a new one (copy-on-write)."""
+
+    ino: int
+    node: int
+    truncate: bool
+
+
+class Release(Request):
+    version: int
+    writer: bool
+
+
+class Seal(Request):
+    """The last writer closed the version: its bytes are final."""
+
+    version: int
+    size: int
+    mtime_ns: int
+    checksums: list[int]
+
+
+class GetXattr(Request):
+    ino: int
+    name: bytes
+
+
+class SetXattr(Request):
+    ino: int
+    name: bytes
+    value: bytes
+
+
+class ListXattr(Request):
+    ino: int
+
+
+class RemoveXattr(Request):
+    ino: int
+    name: bytes
+
+
+class GetVersion(Request):
+    version: int
+
+
+class Reclaim(Request):
+    """Evicts whole files stored on `node` until `nbytes` are freed (or nothing is evictable)."""
+
+    node: int
+    nbytes: int
+
+
+class CollectOrphans(Request):
+    """Removes temp files that no writer has touched for the grace period."""
+
+
+class Stats(Request):
+    pass
+
+
+# Responses --------------------------------------------------------------------------
+
+
+class Done(msgspec.Struct):
+    """A mutation's result: versions whose data the owning node must now free."""
+
+    dropped: list[int] = []
+
+
+class Entry(msgspec.Struct):
+    attr: Attr | None  # None: no such name (a negative entry)
+
+
+class Opened(msgspec.Struct):
+    attr: Attr
+    version: int
+    # For a new copy-on-write version: the version and size whose bytes to copy first;
+    # the caller holds a read reference on `copy_from` and releases it after copying.
+    copy_from: int = 0
+    copy_size: int = 0
+    dropped: list[int] = []
+
+
+class Removed(msgspec.Struct):
+    """Files taken out of the namespace by eviction or collection, for the kernel to forget."""
+
+    dropped: list[int]
+    entries: list[tuple[int, bytes]]
+    freed_bytes: int
+
+
+class Listing(msgspec.Struct):
+    entries: list[DirEntry]
+
+
+class XattrValue(msgspec.Struct):
+    value: bytes
+
+
+class XattrNames(msgspec.Struct):
+    names: list[bytes]
+
+
+class MasterStats(msgspec.Struct):
+    inodes: int
+    files: int
+    sealed_bytes: int

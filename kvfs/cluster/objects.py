@@ -1,0 +1,75 @@
+"""The object directory: file versions, their chunks, where they live (pure).
+
+A file's bytes are an immutable version once sealed. Writing a sealed file
+starts a new version (copy-on-write) and retires the old one, which lives on
+until its last open handle is released: readers keep the bytes they opened.
+"""
+
+from __future__ import annotations
+
+import errno
+from dataclasses import dataclass, field
+
+from kvfs.errors import MetadataError
+
+
+@dataclass(slots=True, eq=False)
+class FileVersion:
+    version: int
+    ino: int
+    node: int  # the node that stores the bytes
+    size: int = 0
+    sealed: bool = False
+    current: bool = True  # still the version its file's name refers to
+    readers: int = 0
+    writers: int = 0
+    checksums: list[int] = field(default_factory=list)
+    tier: str = "dram"
+    hits: int = 0
+    last_access_ns: int = 0
+
+    @property
+    def in_use(self) -> bool:
+        return self.readers > 0 or self.writers > 0
+
+
+class ObjectDirectory:
+    def __init__(self) -> None:
+        self.versions: dict[int, FileVersion] = {}
+        self._next_version = 1
+        self.sealed_bytes = 0
+
+    def get(self, version: int) -> FileVersion:
+        found = self.versions.get(version)
+        if found is None:
+            raise MetadataError(errno.ESTALE, f"file version {version} is gone")
+        return found
+
+    def create(self, ino: int, node: int) -> FileVersion:
+        version = FileVersion(self._next_version, ino, node)
+        self._next_version += 1
+        self.versions[version.version] = version
+        return version
+
+    def seal(self, version: FileVersion, size: int, checksums: list[int]) -> None:
+        version.sealed, version.size, version.checksums = True, size, checksums
+        self.sealed_bytes += size
+
+    def retire(self, version: FileVersion, dropped: list[int]) -> None:
+        """The version is no longer its file's content; drop it once nobody has it open."""
+        version.current = False
+        self._drop_if_unused(version, dropped)
+
+    def release(self, version: FileVersion, writer: bool, dropped: list[int]) -> None:
+        if writer:
+            version.writers = max(0, version.writers - 1)
+        else:
+            version.readers = max(0, version.readers - 1)
+        self._drop_if_unused(version, dropped)
+
+    def _drop_if_unused(self, version: FileVersion, dropped: list[int]) -> None:
+        if not version.current and not version.in_use and version.version in self.versions:
+            del self.versions[version.version]
+            if version.sealed:
+                self.sealed_bytes -= version.size
+            dropped.append(version.version)

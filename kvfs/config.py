@@ -1,0 +1,64 @@
+"""Configuration of a kvfs mount, with size parsing and machine-derived defaults."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from kvfs.errors import ConfigError
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str, field: str = "size") -> int:
+    """Parses '512M', '4G', '1.5GiB' or a plain byte count (binary units)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ConfigError(f"{field}: cannot parse size {text!r} (examples: 512M, 4G, 1073741824)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def format_size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_dram_bytes() -> int:
+    """A quarter of physical memory: enough to matter, leaving the rest to the inference server."""
+    return max(256 << 20, physical_memory() // 4)
+
+
+@dataclass(frozen=True)
+class MountConfig:
+    """Everything a single-node mount needs; fields are documented in docs/configuration.md."""
+
+    mountpoint: str
+    dram_bytes: int
+    eviction_policy: str = "lru"
+    entry_timeout_s: float = 60.0  # positive dentries and attributes cached by the kernel
+    negative_timeout_s: float = 1.0  # absent names cached by the kernel
+    temp_suffix: str = ".tmp"
+    temp_grace_s: float = 300.0  # sealed temp files untouched this long are orphans
+    gc_interval_s: float = 30.0
+    read_ahead_kb: int = 8192  # set on the mount's bdi after mounting
+    max_background: int = 64  # set on the FUSE connection after mounting
+    allow_other: bool = True  # let inference servers running as other users in
+    max_tasks: int = 64  # concurrent request handlers in the daemon
+
+    def __post_init__(self) -> None:
+        if self.dram_bytes < (16 << 20):
+            raise ConfigError(f"dram: {self.dram_bytes} bytes is below the 16 MiB minimum")
+        for name in ("entry_timeout_s", "negative_timeout_s", "temp_grace_s", "gc_interval_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must not be negative")
+        if not self.temp_suffix:
+            raise ConfigError("temp_suffix: must not be empty")

@@ -1,0 +1,41 @@
+"""Error types of kvfs.
+
+Every layer raises its own subclass of `KvfsError`, which carries the errno that
+POSIX callers should see and a message that names the object and the cause. Only
+`kvfs.fuse.errors` turns them into `pyfuse3.FUSEError`.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+
+
+class KvfsError(Exception):
+    """A failure with a POSIX meaning: `errno` is what the caller sees."""
+
+    def __init__(self, errno: int, message: str) -> None:
+        super().__init__(f"{message}: {os.strerror(errno)}")
+        self.errno = errno
+
+
+class MetadataError(KvfsError):
+    """Raised by the metadata layer (namespace and object directory)."""
+
+
+class StorageError(KvfsError):
+    """Raised by a node's storage tiers."""
+
+
+class NoSpace(StorageError):
+    """A tier cannot allocate the bytes asked for, even after eviction."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(_errno.ENOSPC, message)
+
+
+class ConfigError(KvfsError):
+    """A configuration value is invalid; the message names the field."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(_errno.EINVAL, message)

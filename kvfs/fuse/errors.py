@@ -1,0 +1,63 @@
+"""The one place where failures become errno replies to the kernel.
+
+Only `pyfuse3.FUSEError` may leave a request handler: anything else kills the
+daemon and leaves a dead mount behind. Expected outcomes (a missing name, an
+existing one) are logged at debug level; real failures at warning or error.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+from typing import Any, Awaitable, Callable, TypeVar
+
+import pyfuse3
+
+from kvfs.errors import KvfsError
+
+log = logging.getLogger("kvfs.fuse")
+
+# Outcomes that ordinary callers provoke all the time (lookups of absent keys,
+# mkdir of an existing directory): not worth more than a debug line.
+ROUTINE_ERRNOS = frozenset({errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno.ENODATA, errno.ENOTDIR,
+                            errno.EISDIR, errno.ENAMETOOLONG, errno.EPERM, errno.ENOTSUP, errno.ERANGE})
+
+Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
+
+
+def errno_of(error: BaseException) -> int:
+    """The errno a failure means for a POSIX caller."""
+    if isinstance(error, KvfsError):
+        return error.errno
+    if isinstance(error, OSError) and error.errno:
+        return error.errno
+    return errno.EIO
+
+
+def fuse_handler(method: Handler) -> Handler:
+    """Wraps a request handler so that every failure becomes a FUSEError with a log line."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, *args: Any) -> Any:
+        try:
+            return await method(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except (KvfsError, OSError) as error:
+            code = errno_of(error)
+            level = logging.DEBUG if code in ROUTINE_ERRNOS else logging.WARNING
+            log.log(level, "%s%s failed: %s", name, _describe(args), error)
+            raise pyfuse3.FUSEError(code) from None
+        except Exception:
+            log.exception("%s%s failed with an unexpected error; replying EIO", name, _describe(args))
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _describe(args: tuple[Any, ...]) -> str:
+    shown = [a for a in args if isinstance(a, (int, bytes)) and not isinstance(a, bool)]
+    return "(" + ", ".join(repr(a) if isinstance(a, bytes) and len(a) <= 300 else str(a) if isinstance(a, int)
+                           else f"<{len(a)} bytes>" for a in shown[:4]) + ")"

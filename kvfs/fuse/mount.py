@@ -1,0 +1,225 @@
+"""Mount lifecycle: stale-mount cleanup, start-up, readiness, kernel tuning, shutdown."""
+
+from __future__ import annotations
+
+import errno
+import faulthandler
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import pyfuse3
+import trio
+
+from kvfs.clock import SystemClock
+from kvfs.cluster.embedded import EmbeddedMaster
+from kvfs.cluster.master import MasterSettings, MetadataService
+from kvfs.config import MountConfig, format_size
+from kvfs.errors import ConfigError, KvfsError
+from kvfs.fuse.operations import KvfsOperations
+from kvfs.node import Node
+from kvfs.policy import make_policy
+from kvfs.store.dram import DramTier
+
+log = logging.getLogger("kvfs.mount")
+
+FUSECTL = "/sys/fs/fuse/connections"
+
+
+@dataclass(frozen=True)
+class MountInfo:
+    mountpoint: str
+    major: int
+    minor: int
+    fstype: str
+
+
+def find_mount(mountpoint: str) -> MountInfo | None:
+    """The mount at `mountpoint`, read from /proc/self/mountinfo (never touches the mount itself)."""
+    target = os.path.realpath(mountpoint)
+    found = None
+    with open("/proc/self/mountinfo") as mountinfo:
+        for line in mountinfo:
+            fields = line.split()
+            path = fields[4].replace("\\040", " ")
+            if path == target:
+                major, minor = fields[2].split(":")
+                fstype = fields[fields.index("-") + 1]
+                found = MountInfo(path, int(major), int(minor), fstype)  # the last one is on top
+    return found
+
+
+def unmount(mountpoint: str, lazy: bool = False) -> None:
+    command = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [mountpoint]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise KvfsError(errno.EBUSY, f"cannot unmount {mountpoint}: {result.stderr.strip() or 'fusermount3 failed'}")
+
+
+def prepare_mountpoint(mountpoint: str) -> None:
+    """Creates the mount point if needed and clears a stale mount left by a killed daemon."""
+    try:
+        os.stat(mountpoint)
+    except FileNotFoundError:
+        os.makedirs(mountpoint, exist_ok=True)
+        log.info("created mount point %s", mountpoint)
+    except OSError as error:
+        if error.errno != errno.ENOTCONN:
+            raise KvfsError(error.errno or errno.EIO, f"mount point {mountpoint}: {error.strerror}") from None
+        log.warning("%s: stale mount of a daemon that died (%s); unmounting it", mountpoint, error.strerror)
+        unmount(mountpoint, lazy=True)
+    existing = find_mount(mountpoint)
+    if existing is not None and existing.fstype.startswith("fuse"):
+        raise KvfsError(errno.EBUSY, f"{mountpoint} is already mounted ({existing.fstype}); run 'kvfs umount {mountpoint}' first")
+    if not os.path.isdir(mountpoint):
+        raise KvfsError(errno.ENOTDIR, f"mount point {mountpoint} is not a directory")
+
+
+def tune_connection(mountpoint: str, config: MountConfig) -> None:
+    """Raises readahead and background-request limits: both are set per mount, after mounting."""
+    info = find_mount(mountpoint)
+    if info is None:
+        return
+    if os.path.isdir(FUSECTL) and not os.listdir(FUSECTL):  # fusectl not mounted yet (no systemd)
+        subprocess.run(["mount", "-t", "fusectl", "fusectl", FUSECTL], capture_output=True)
+    settings = {
+        f"/sys/class/bdi/{info.major}:{info.minor}/read_ahead_kb": config.read_ahead_kb,
+        f"{FUSECTL}/{info.minor}/max_background": config.max_background,
+        f"{FUSECTL}/{info.minor}/congestion_threshold": config.max_background * 3 // 4,
+    }
+    for path, value in settings.items():
+        try:
+            with open(path, "w") as knob:
+                knob.write(str(value))
+        except OSError as error:
+            log.warning("cannot tune %s to %s: %s (performance may be lower)", path, value, error.strerror)
+
+
+class Daemon:
+    """One mounted kvfs file system and its background tasks."""
+
+    def __init__(self, config: MountConfig) -> None:
+        self.config = config
+        clock = SystemClock()
+        settings = MasterSettings(temp_suffix=config.temp_suffix.encode(), temp_grace_s=config.temp_grace_s,
+                                  root_uid=os.getuid(), root_gid=os.getgid())
+        self.service = MetadataService(clock, make_policy(config.eviction_policy), settings)
+        self.dram = DramTier(config.dram_bytes)
+        self.node = Node(EmbeddedMaster(self.service), self.dram, clock, forget_entries=self._forget_entries)
+        self.operations = KvfsOperations(self.node, config)
+
+    @staticmethod
+    def _forget_entries(entries: list[tuple[int, bytes]]) -> None:
+        # Names removed by eviction or collection, not by the kernel: drop its cached
+        # dentries, from pyfuse3's invalidation thread (never inside a handler).
+        for parent, name in entries:
+            pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+
+    def run(self, on_ready: Callable[[], None] = lambda: None) -> None:
+        mountpoint = self.config.mountpoint
+        prepare_mountpoint(mountpoint)
+        options = set(pyfuse3.default_options) | {"fsname=kvfs", "subtype=kvfs", "noatime"}
+        if self.config.allow_other and os.getuid() == 0:
+            options.add("allow_other")
+        pyfuse3.init(self.operations, mountpoint, options)
+        log.info("mounted kvfs on %s: DRAM tier %s, eviction %s", mountpoint,
+                 format_size(self.dram.capacity), self.config.eviction_policy)
+        try:
+            trio.run(self._serve, on_ready)
+        finally:
+            pyfuse3.close(unmount=True)
+            log.info("unmounted %s", mountpoint)
+
+    async def _serve(self, on_ready: Callable[[], None]) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._stop_on_signal)
+            nursery.start_soon(self.operations.run_forgetter)
+            nursery.start_soon(self._collect_orphans)
+            nursery.start_soon(trio.to_thread.run_sync, self._confirm_mounted, on_ready, trio.lowlevel.current_trio_token())
+            await pyfuse3.main(max_tasks=self.config.max_tasks)
+            nursery.cancel_scope.cancel()
+
+    async def _stop_on_signal(self) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                log.info("received %s, unmounting", signal.Signals(signum).name)
+                pyfuse3.terminate()
+                return
+
+    async def _collect_orphans(self) -> None:
+        while True:
+            await trio.sleep(self.config.gc_interval_s)
+            try:
+                await self.node.collect_orphans()
+            except Exception:
+                log.exception("collecting orphaned temp files failed")
+
+    def _confirm_mounted(self, on_ready: Callable[[], None], token: trio.lowlevel.TrioToken) -> None:
+        """Checks from another thread that the mount answers, then tunes it and reports ready."""
+        mountpoint = self.config.mountpoint
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if os.stat(mountpoint).st_ino == pyfuse3.ROOT_INODE and find_mount(mountpoint):
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                log.error("%s did not come up within 30 s; stopping", mountpoint)
+                trio.from_thread.run_sync(pyfuse3.terminate, trio_token=token)
+                return
+            time.sleep(0.01)
+        tune_connection(mountpoint, self.config)
+        log.info("%s is ready", mountpoint)
+        on_ready()
+
+
+def mount(config: MountConfig, foreground: bool, log_file: str | None = None) -> int:
+    """Mounts kvfs; in the background unless `foreground`, returning once the mount is up.
+
+    In the background the daemon's stderr (its log) goes to `log_file`.
+    """
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` dumps the stacks of a hung daemon
+    if foreground:
+        Daemon(config).run()
+        return 0
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as status:
+            message = status.read().decode()
+        if message == "ready":
+            return 0
+        log.error("mount failed: %s", message or "the daemon exited before the mount came up")
+        return 1
+    os.close(read_end)
+    os.setsid()
+    with open(os.devnull, "rb") as devnull:
+        os.dup2(devnull.fileno(), 0)
+    if log_file:
+        os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
+        with open(log_file, "ab") as log_output:
+            os.dup2(log_output.fileno(), 1)
+            os.dup2(log_output.fileno(), 2)
+    notified = threading.Event()
+
+    def ready() -> None:
+        os.write(write_end, b"ready")
+        os.close(write_end)
+        notified.set()
+
+    try:
+        Daemon(config).run(ready)
+        code = 0
+    except (KvfsError, ConfigError, OSError, RuntimeError) as error:
+        log.error("%s", error)
+        if not notified.is_set():
+            os.write(write_end, str(error).encode())
+        code = 1
+    os._exit(code)

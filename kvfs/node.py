@@ -1,0 +1,295 @@
+"""A node's file service: the POSIX operations, on top of the master and the local tiers.
+
+The FUSE adapter calls these methods; they ask the master for every metadata
+decision, keep the bytes of file versions in the DRAM tier, reclaim space by
+asking the master to evict when the tier is full, and keep the per-node state
+the master does not need: sizes of versions being written, open handles and what
+the kernel page cache holds.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from kvfs.checksum import format_checksum
+from kvfs.clock import Clock
+from kvfs.cluster import messages as m
+from kvfs.cluster.embedded import MasterClient
+from kvfs.errors import NoSpace, StorageError
+from kvfs.store.dram import DramTier
+
+log = logging.getLogger(__name__)
+
+VIRTUAL_XATTRS = (b"user.kvfs.tier", b"user.kvfs.size", b"user.kvfs.version", b"user.kvfs.sealed",
+                  b"user.kvfs.chunks", b"user.kvfs.checksum", b"user.kvfs.hits", b"user.kvfs.last_access_ns",
+                  b"user.kvfs.node")
+VIRTUAL_PREFIX = b"user.kvfs."
+
+
+@dataclass(slots=True, eq=False)
+class OpenFile:
+    ino: int
+    version: int
+    writable: bool
+    size: int  # the size of a sealed version (versions being written track theirs in WriteState)
+
+
+@dataclass(slots=True)
+class WriteState:
+    """A version being written on this node, shared by all its writers."""
+
+    size: int
+    writers: int
+    mtime_ns: int
+
+
+@dataclass(frozen=True)
+class NodeStats:
+    capacity: int
+    used: int
+    inodes: int
+    files: int
+
+
+class Node:
+    """The POSIX file service of one node."""
+
+    def __init__(self, master: MasterClient, dram: DramTier, clock: Clock, node_id: int = 1,
+                 forget_entries: Callable[[list[tuple[int, bytes]]], None] = lambda entries: None) -> None:
+        self.master = master
+        self.dram = dram
+        self.clock = clock
+        self.node_id = node_id
+        self.forget_entries = forget_entries  # tells the kernel that names were removed behind its back
+        self._writing: dict[int, WriteState] = {}
+        self._cached_version: dict[int, int] = {}  # ino -> version the kernel page cache holds
+        self.evicted_files = 0
+
+    # Attributes --------------------------------------------------------------------------
+
+    def _current(self, attr: m.Attr) -> m.Attr:
+        """Overlays what only this node knows: the size of a version it is writing."""
+        state = self._writing.get(attr.version)
+        if state is not None:
+            attr.size, attr.mtime_ns = state.size, state.mtime_ns
+        return attr
+
+    async def lookup(self, parent: int, name: bytes) -> m.Attr | None:
+        attr = (await self.master.call(m.Lookup(parent, name))).attr
+        return None if attr is None else self._current(attr)
+
+    async def getattr(self, ino: int) -> m.Attr:
+        return self._current(await self.master.call(m.GetAttr(ino)))
+
+    async def setattr(self, ino: int, size: int | None, mode: int | None, uid: int | None, gid: int | None,
+                      atime_ns: int | None, mtime_ns: int | None, handle: OpenFile | None) -> m.Attr:
+        if size is not None:
+            await self._truncate(ino, size, handle)
+        if (mode, uid, gid, atime_ns, mtime_ns) != (None,) * 5:
+            await self.master.call(m.SetAttr(ino, mode, uid, gid, atime_ns, mtime_ns))
+        return await self.getattr(ino)
+
+    async def _truncate(self, ino: int, size: int, handle: OpenFile | None) -> None:
+        self._check_file_size(size)
+        if handle is not None and handle.writable:
+            self._resize(handle.version, size)
+            return
+        # A path truncate is a short write session: copy-on-write, resize, seal.
+        opened = await self._open_version(ino, truncate=size == 0)
+        try:
+            self._resize(opened.version, size)
+        finally:
+            await self.release(opened)
+
+    def _resize(self, version: int, size: int) -> None:
+        state = self._writing[version]
+        if size < state.size:
+            self.dram.truncate(version, size)
+        state.size, state.mtime_ns = size, self.clock.wall_ns()
+
+    def _check_file_size(self, size: int) -> None:
+        if size > self.dram.capacity:
+            raise StorageError(errno.EFBIG, f"a file of {size} bytes cannot fit in the {self.dram.capacity}-byte DRAM tier")
+
+    # Namespace -----------------------------------------------------------------------------
+
+    async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> m.Attr:
+        return await self.master.call(m.MkDir(parent, name, mode, uid, gid))
+
+    async def unlink(self, parent: int, name: bytes) -> None:
+        self._drop((await self.master.call(m.Unlink(parent, name))).dropped)
+
+    async def rmdir(self, parent: int, name: bytes) -> None:
+        await self.master.call(m.RmDir(parent, name))
+
+    async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes, noreplace: bool) -> None:
+        done = await self.master.call(m.Rename(parent_old, name_old, parent_new, name_new, noreplace))
+        self._drop(done.dropped)
+
+    async def readdir(self, ino: int, start_id: int, limit: int) -> list[m.DirEntry]:
+        entries = (await self.master.call(m.ReadDir(ino, start_id, limit))).entries
+        for entry in entries:
+            self._current(entry.attr)
+        return entries
+
+    async def forget(self, inos: list[int]) -> None:
+        for ino in inos:
+            self._cached_version.pop(ino, None)
+        await self.master.call(m.Forget(inos))
+
+    # Files ---------------------------------------------------------------------------------
+
+    async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int, exclusive: bool) -> tuple[OpenFile, m.Attr]:
+        opened = await self.master.call(m.Create(parent, name, mode, uid, gid, self.node_id, exclusive))
+        handle = await self._start_writing(opened, truncate=False)
+        return handle, self._current(opened.attr)
+
+    async def open(self, ino: int, flags: int) -> tuple[OpenFile, bool]:
+        """Opens a file; returns the handle and whether the kernel may keep its cached pages."""
+        if flags & os.O_ACCMODE == os.O_RDONLY:
+            opened = await self.master.call(m.OpenRead(ino))
+            if opened.version not in self.dram:
+                await self.master.call(m.Release(opened.version, writer=False))
+                raise StorageError(errno.ENOENT, f"inode {ino}: version {opened.version} is not stored on this node")
+            handle = OpenFile(ino, opened.version, False, opened.attr.size)
+            keep_cache = opened.attr.sealed and self._cached_version.get(ino) == opened.version
+            if opened.attr.sealed:
+                self._cached_version[ino] = opened.version
+            else:
+                self._cached_version.pop(ino, None)
+            return handle, keep_cache
+        self._cached_version.pop(ino, None)
+        return await self._open_version(ino, truncate=bool(flags & os.O_TRUNC)), False
+
+    async def _open_version(self, ino: int, truncate: bool) -> OpenFile:
+        return await self._start_writing(await self.master.call(m.OpenWrite(ino, self.node_id, truncate)), truncate)
+
+    async def _start_writing(self, opened: m.Opened, truncate: bool) -> OpenFile:
+        self._drop(opened.dropped)
+        version = opened.version
+        state = self._writing.get(version)
+        if state is not None:  # joining a version this node is already writing
+            state.writers += 1
+            if truncate:
+                self._resize(version, 0)
+        else:
+            self.dram.create(version)
+            state = self._writing[version] = WriteState(0, 1, self.clock.wall_ns())
+            if opened.copy_from:
+                try:
+                    await self._with_space(lambda: self.dram.copy(opened.copy_from, version, opened.copy_size))
+                    state.size = opened.copy_size
+                finally:
+                    self._drop((await self.master.call(m.Release(opened.copy_from, writer=False))).dropped)
+        return OpenFile(opened.attr.ino, version, True, 0)
+
+    def size_of(self, handle: OpenFile) -> int:
+        state = self._writing.get(handle.version)
+        return handle.size if state is None else state.size
+
+    def read(self, handle: OpenFile, offset: int, length: int) -> memoryview | bytes:
+        """Exactly `length` bytes, or up to end of file: never short before it."""
+        size = self.size_of(handle)
+        if offset >= size or length <= 0:
+            return b""
+        return self.dram.read(handle.version, offset, min(length, size - offset))
+
+    async def write(self, handle: OpenFile, offset: int, data: bytes) -> int:
+        if not handle.writable:
+            raise StorageError(errno.EBADF, f"inode {handle.ino} is not open for writing")
+        end = offset + len(data)
+        self._check_file_size(end)
+        await self._with_space(lambda: self.dram.write(handle.version, offset, data))
+        state = self._writing[handle.version]
+        state.size = max(state.size, end)
+        state.mtime_ns = self.clock.wall_ns()
+        return len(data)
+
+    async def release(self, handle: OpenFile) -> None:
+        if handle.writable:
+            state = self._writing[handle.version]
+            state.writers -= 1
+            if state.writers == 0:  # the last writer closed: the bytes are final
+                checksums = self.dram.seal(handle.version, state.size)
+                await self.master.call(m.Seal(handle.version, state.size, state.mtime_ns, checksums))
+                del self._writing[handle.version]
+        self._drop((await self.master.call(m.Release(handle.version, handle.writable))).dropped)
+
+    # Capacity ------------------------------------------------------------------------------
+
+    async def _with_space(self, operation: Callable[[], None]) -> None:
+        """Runs a storing operation, evicting whole files until it fits (or nothing is left to evict)."""
+        while True:
+            try:
+                return operation()
+            except NoSpace as error:
+                removed = await self.master.call(m.Reclaim(self.node_id, self.dram.chunk_size))
+                if not removed.dropped:
+                    raise StorageError(errno.ENOSPC, f"{error}; no file can be evicted") from error
+                self._apply_removed(removed)
+                self.evicted_files += len(removed.dropped)
+                log.debug("evicted %d files (%d bytes) to make room", len(removed.dropped), removed.freed_bytes)
+
+    async def collect_orphans(self) -> int:
+        removed = await self.master.call(m.CollectOrphans())
+        if removed.dropped:
+            log.info("collected %d orphaned temp files (%d bytes)", len(removed.dropped), removed.freed_bytes)
+        self._apply_removed(removed)
+        return len(removed.entries)
+
+    def _apply_removed(self, removed: m.Removed) -> None:
+        self._drop(removed.dropped)
+        if removed.entries:
+            self.forget_entries(removed.entries)
+
+    def _drop(self, versions: Iterable[int]) -> None:
+        for version in versions:
+            self.dram.drop(version)
+
+    async def stats(self) -> NodeStats:
+        master = await self.master.call(m.Stats())
+        return NodeStats(self.dram.capacity, self.dram.used, master.inodes, master.files)
+
+    # Extended attributes ---------------------------------------------------------------
+
+    async def getxattr(self, ino: int, name: bytes) -> bytes:
+        if name.startswith(VIRTUAL_PREFIX):
+            return await self._virtual_xattr(ino, name)
+        return (await self.master.call(m.GetXattr(ino, name))).value
+
+    async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+        if name.startswith(VIRTUAL_PREFIX):
+            raise StorageError(errno.EPERM, f"xattr {name!r} is read-only (maintained by kvfs)")
+        await self.master.call(m.SetXattr(ino, name, value))
+
+    async def removexattr(self, ino: int, name: bytes) -> None:
+        if name.startswith(VIRTUAL_PREFIX):
+            raise StorageError(errno.EPERM, f"xattr {name!r} is read-only (maintained by kvfs)")
+        await self.master.call(m.RemoveXattr(ino, name))
+
+    async def listxattr(self, ino: int) -> list[bytes]:
+        names = (await self.master.call(m.ListXattr(ino))).names
+        attr = await self.getattr(ino)
+        return names + list(VIRTUAL_XATTRS) if attr.version else names
+
+    async def _virtual_xattr(self, ino: int, name: bytes) -> bytes:
+        attr = await self.getattr(ino)
+        if not attr.version or name not in VIRTUAL_XATTRS:
+            raise StorageError(errno.ENODATA, f"no xattr {name!r} on inode {ino}")
+        info: m.VersionInfo = await self.master.call(m.GetVersion(attr.version))
+        values = {
+            b"user.kvfs.tier": info.tier if info.version in self.dram else "none",
+            b"user.kvfs.size": str(attr.size),
+            b"user.kvfs.version": str(info.version),
+            b"user.kvfs.sealed": "yes" if info.sealed else "no",
+            b"user.kvfs.chunks": str(len(info.checksums) if info.sealed else -(-attr.size // self.dram.chunk_size)),
+            b"user.kvfs.checksum": ",".join(format_checksum(c) for c in info.checksums),
+            b"user.kvfs.hits": str(info.hits),
+            b"user.kvfs.last_access_ns": str(info.last_access_ns),
+            b"user.kvfs.node": str(info.node),
+        }
+        return values[name].encode()

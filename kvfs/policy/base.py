@@ -1,0 +1,25 @@
+"""The interface every eviction policy implements."""
+
+from __future__ import annotations
+
+from typing import Iterator, Protocol
+
+
+class EvictionPolicy(Protocol):
+    """Tracks evictable files (by key) and ranks them, least valuable first."""
+
+    name: str
+
+    def insert(self, key: int, size: int, now: float) -> None:
+        """A file became evictable (sealed and published)."""
+
+    def touch(self, key: int, now: float) -> None:
+        """A file was used (opened for reading)."""
+
+    def remove(self, key: int) -> None:
+        """A file left the cache for any reason; unknown keys are ignored."""
+
+    def candidates(self) -> Iterator[int]:
+        """Keys in eviction order. The caller must not change the policy while iterating."""
+
+    def __len__(self) -> int: ...

@@ -1,0 +1,164 @@
+"""The DRAM tier: file versions stored as fixed-size chunks in the arena.
+
+A version is a list of chunk extents. While a version is written, each chunk
+owns a full chunk-sized block and remembers how far it has been written
+(`filled`); bytes past `filled` read as zeros, so holes and truncate-then-extend
+never expose bytes of an older file. Sealing fills those gaps, trims the last
+block to its length and computes the per-chunk checksums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvfs.checksum import chunk_checksum
+from kvfs.errors import NoSpace
+from kvfs.store.arena import Arena
+
+CHUNK_SIZE = 4 << 20
+
+
+@dataclass
+class Extent:
+    offset: int  # where the chunk's block starts in the arena
+    filled: int  # bytes [0, filled) of the chunk hold written data
+
+
+def chunk_count(size: int, chunk_size: int = CHUNK_SIZE) -> int:
+    return -(-size // chunk_size)
+
+
+class DramTier:
+    """Chunk storage for file versions in one arena."""
+
+    def __init__(self, capacity: int, chunk_size: int = CHUNK_SIZE) -> None:
+        self.chunk_size = chunk_size
+        self.arena = Arena(capacity, chunk_size)
+        self._versions: dict[int, list[Extent | None]] = {}
+
+    @property
+    def capacity(self) -> int:
+        return self.arena.capacity
+
+    @property
+    def used(self) -> int:
+        return self.arena.used
+
+    def __contains__(self, version: int) -> bool:
+        return version in self._versions
+
+    def versions(self) -> list[int]:
+        return list(self._versions)
+
+    def create(self, version: int) -> None:
+        self._versions.setdefault(version, [])
+
+    def write(self, version: int, offset: int, data: bytes | memoryview) -> None:
+        """Stores `data` at `offset`; raises NoSpace if a chunk cannot be allocated.
+
+        Chunks are allocated before any byte is copied, so a failed write leaves
+        the version's content unchanged (a retry after eviction redoes it all).
+        """
+        if not data:
+            return
+        extents = self._versions[version]
+        end = offset + len(data)
+        first, last = offset // self.chunk_size, (end - 1) // self.chunk_size
+        if len(extents) <= last:
+            extents.extend([None] * (last + 1 - len(extents)))
+        for index in range(first, last + 1):
+            if extents[index] is None:
+                block = self.arena.allocate(self.chunk_size)
+                if block is None:
+                    raise NoSpace(f"DRAM tier full ({self.used} of {self.capacity} bytes used)")
+                extents[index] = Extent(block, 0)
+        view, source = self.arena.view, memoryview(data)
+        position = offset
+        while position < end:
+            index, within = divmod(position, self.chunk_size)
+            length = min(self.chunk_size - within, end - position)
+            extent = extents[index]
+            assert extent is not None
+            if within > extent.filled:
+                self.arena.zero(extent.offset + extent.filled, within - extent.filled)
+            start = extent.offset + within
+            view[start : start + length] = source[position - offset : position - offset + length]
+            extent.filled = max(extent.filled, within + length)
+            position += length
+
+    def read(self, version: int, offset: int, length: int) -> memoryview | bytes:
+        """Returns `length` bytes at `offset` (the caller clips to the file size).
+
+        A read inside one written chunk is a zero-copy view of the arena.
+        """
+        extents = self._versions[version]
+        index, within = divmod(offset, self.chunk_size)
+        if within + length <= self.chunk_size:
+            return self._read_chunk(extents, index, within, length)
+        parts = []
+        position, end = offset, offset + length
+        while position < end:
+            index, within = divmod(position, self.chunk_size)
+            part = min(self.chunk_size - within, end - position)
+            parts.append(self._read_chunk(extents, index, within, part))
+            position += part
+        return b"".join(parts)
+
+    def _read_chunk(self, extents: list[Extent | None], index: int, within: int, length: int) -> memoryview | bytes:
+        extent = extents[index] if index < len(extents) else None
+        if extent is None:
+            return bytes(length)
+        start = extent.offset + within
+        if within + length <= extent.filled:
+            return self.arena.view[start : start + length]
+        valid = max(0, extent.filled - within)
+        return bytes(self.arena.view[start : start + valid]) + bytes(length - valid)
+
+    def truncate(self, version: int, size: int) -> None:
+        """Shrinks the stored bytes to `size` (growing needs no storage: holes read as zeros)."""
+        extents = self._versions[version]
+        keep = chunk_count(size, self.chunk_size)
+        for extent in extents[keep:]:
+            if extent is not None:
+                self.arena.free(extent.offset)
+        del extents[keep:]
+        if keep and extents[keep - 1] is not None:
+            tail = size - (keep - 1) * self.chunk_size
+            extent = extents[keep - 1]
+            assert extent is not None
+            extent.filled = min(extent.filled, tail)
+
+    def copy(self, source: int, target: int, size: int) -> None:
+        """Copies the first `size` bytes of `source` into the new version `target`."""
+        self.create(target)
+        for index in range(chunk_count(size, self.chunk_size)):
+            start = index * self.chunk_size
+            length = min(self.chunk_size, size - start)
+            self.write(target, start, self.read(source, start, length))
+
+    def seal(self, version: int, size: int) -> list[int]:
+        """Makes the version dense and compact, and returns its chunk checksums."""
+        self.truncate(version, size)
+        extents = self._versions[version]
+        checksums = []
+        for index in range(chunk_count(size, self.chunk_size)):
+            length = min(self.chunk_size, size - index * self.chunk_size)
+            extent = extents[index] if index < len(extents) else None
+            if extent is None:  # a hole: checksum of zeros, no storage
+                checksums.append(chunk_checksum(bytes(length)))
+                continue
+            if extent.filled < length:
+                self.arena.zero(extent.offset + extent.filled, length - extent.filled)
+                extent.filled = length
+            self.arena.shrink(extent.offset, length)
+            checksums.append(chunk_checksum(self.arena.view[extent.offset : extent.offset + length]))
+        return checksums
+
+    def stored_bytes(self, version: int) -> int:
+        return sum(self.arena.allocator.size_of(e.offset) for e in self._versions.get(version, ()) if e is not None)
+
+    def drop(self, version: int) -> None:
+        """Frees every chunk of a version (unknown versions are ignored)."""
+        for extent in self._versions.pop(version, ()):
+            if extent is not None:
+                self.arena.free(extent.offset)

@@ -1,0 +1,131 @@
+"""Fixtures that mount a real kvfs in a child process.
+
+A mount fixture fails the test that made the daemon log an error or a traceback
+it did not expect, and fails teardown if the daemon does not unmount cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from kvfs.fuse.mount import find_mount
+
+UNEXPECTED = re.compile(r" (ERROR|CRITICAL) |Traceback")
+
+
+class KvfsMount:
+    """A kvfs daemon running in the foreground in a child process."""
+
+    def __init__(self, root: Path, dram: str, *extra: str) -> None:
+        self.path = root / "mnt"
+        self.path.mkdir()
+        self.log_path = root / "kvfs.log"
+        self.args = [sys.executable, "-m", "kvfs", "mount", str(self.path), "--foreground",
+                     "--dram", dram, "--log-level", "debug", *extra]
+        self.allowed_errors: list[str] = []
+        self._log_offset = 0
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while "is ready" not in self.log_text():
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"kvfs exited with {self.process.returncode}:\n{self.log_text()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kvfs did not become ready:\n{self.log_text()}")
+            time.sleep(0.02)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def new_errors(self) -> list[str]:
+        """Unexpected error lines logged since the last call."""
+        text = self.log_text()
+        fresh, self._log_offset = text[self._log_offset:], len(text)
+        lines = [line for line in fresh.splitlines() if UNEXPECTED.search(line)]
+        return [line for line in lines if not any(allowed in line for allowed in self.allowed_errors)]
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+                raise AssertionError(f"kvfs did not stop on SIGTERM:\n{self.log_text()[-4000:]}")
+        if find_mount(str(self.path)) is not None:
+            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+            raise AssertionError(f"{self.path} still mounted after the daemon exited")
+
+    def kill(self) -> None:
+        """kill -9: leaves a stale mount behind, as a crashed daemon does."""
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait()
+
+
+def drop_page_cache() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+
+
+def _mount(tmp_root: Path, dram: str, *extra: str) -> Iterator[KvfsMount]:
+    mount = KvfsMount(tmp_root, dram, *extra)
+    mount.start()
+    try:
+        yield mount
+    finally:
+        errors = mount.new_errors()
+        mount.stop()
+        assert not errors, "kvfs logged unexpected errors:\n" + "\n".join(errors)
+
+
+@pytest.fixture(scope="module")
+def shared_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvfsMount]:
+    """One mount for a module's tests; each test works in its own directory."""
+    yield from _mount(tmp_path_factory.mktemp("kvfs"), "1G")
+
+
+@pytest.fixture
+def kvfs_dir(shared_mount: KvfsMount) -> Iterator[Path]:
+    directory = shared_mount.path / f"t-{uuid.uuid4().hex[:8]}"
+    directory.mkdir()
+    yield directory
+    errors = shared_mount.new_errors()
+    assert not errors, "kvfs logged unexpected errors:\n" + "\n".join(errors)
+
+
+@pytest.fixture
+def make_mount(tmp_path: Path) -> Iterator:
+    """Mounts kvfs with given options for one test: make_mount('64M', '--temp-grace', '1')."""
+    mounts: list[Iterator[KvfsMount]] = []
+
+    def make(dram: str = "64M", *extra: str) -> KvfsMount:
+        root = Path(tempfile.mkdtemp(dir=tmp_path))
+        generator = _mount(root, dram, *extra)
+        mounts.append(generator)
+        return next(generator)
+
+    yield make
+    for generator in reversed(mounts):
+        next(generator, None)

@@ -1,0 +1,103 @@
+"""The DRAM tier: chunked writes, holes, truncation, sealing, checksums, exhaustion."""
+
+import os
+
+import pytest
+import xxhash
+
+from kvfs.errors import NoSpace
+from kvfs.store.dram import DramTier
+
+MiB = 1 << 20
+CHUNK = 1 * MiB
+
+
+def tier(capacity: int = 8 * MiB) -> DramTier:
+    return DramTier(capacity, chunk_size=CHUNK)
+
+
+def test_write_read_across_chunks_is_exact() -> None:
+    dram = tier()
+    dram.create(1)
+    data = os.urandom(3 * CHUNK + 123)
+    dram.write(1, 0, data[: CHUNK + 7])
+    dram.write(1, CHUNK + 7, data[CHUNK + 7 :])
+    assert bytes(dram.read(1, 0, len(data))) == data
+    assert bytes(dram.read(1, CHUNK - 10, 20)) == data[CHUNK - 10 : CHUNK + 10]
+
+
+def test_read_within_a_chunk_is_zero_copy() -> None:
+    dram = tier()
+    dram.create(1)
+    dram.write(1, 0, b"x" * CHUNK)
+    assert isinstance(dram.read(1, 4096, 65536), memoryview)
+
+
+def test_holes_read_as_zeros_even_over_reused_memory() -> None:
+    dram = tier(CHUNK)
+    dram.create(1)
+    dram.write(1, 0, b"\xff" * CHUNK)
+    dram.drop(1)
+    dram.create(2)
+    dram.write(2, 100, b"ab")  # reuses the block that held 0xff
+    assert bytes(dram.read(2, 0, 102)) == bytes(100) + b"ab"
+    dram.write(2, 500, b"cd")
+    assert bytes(dram.read(2, 0, 502)) == bytes(100) + b"ab" + bytes(398) + b"cd"
+
+
+def test_truncate_then_extend_exposes_zeros() -> None:
+    dram = tier()
+    dram.create(1)
+    dram.write(1, 0, b"y" * 5000)
+    dram.truncate(1, 1000)
+    assert bytes(dram.read(1, 0, 5000)) == b"y" * 1000 + bytes(4000)
+
+
+def test_seal_trims_tail_and_checksums_each_chunk() -> None:
+    dram = tier()
+    dram.create(1)
+    data = os.urandom(CHUNK + 5000)
+    dram.write(1, 0, data)
+    used_before = dram.used
+    checksums = dram.seal(1, len(data))
+    assert checksums == [xxhash.xxh3_64_intdigest(data[:CHUNK]), xxhash.xxh3_64_intdigest(data[CHUNK:])]
+    assert dram.used == used_before - CHUNK + 8192
+    assert bytes(dram.read(1, 0, len(data))) == data
+    dram.arena.allocator.check()
+
+
+def test_seal_of_sparse_file_fills_zeros() -> None:
+    dram = tier()
+    dram.create(1)
+    dram.write(1, CHUNK + 10, b"z")
+    checksums = dram.seal(1, CHUNK + 11)
+    assert checksums[0] == xxhash.xxh3_64_intdigest(bytes(CHUNK))
+    assert bytes(dram.read(1, 0, CHUNK + 11)) == bytes(CHUNK + 10) + b"z"
+
+
+def test_full_tier_raises_no_space_and_keeps_content() -> None:
+    dram = tier(2 * CHUNK)
+    dram.create(1)
+    dram.write(1, 0, b"a" * CHUNK)
+    dram.create(2)
+    dram.write(2, 0, b"b" * CHUNK)
+    with pytest.raises(NoSpace):
+        dram.write(2, CHUNK, b"c")
+    assert bytes(dram.read(2, 0, CHUNK)) == b"b" * CHUNK
+    dram.drop(1)
+    dram.write(2, CHUNK, b"c")
+    assert bytes(dram.read(2, CHUNK - 1, 2)) == b"bc"
+
+
+def test_copy_makes_an_independent_version() -> None:
+    dram = tier()
+    dram.create(1)
+    dram.write(1, 0, b"old bytes")
+    dram.seal(1, 9)
+    dram.copy(1, 2, 9)
+    dram.write(2, 0, b"new")
+    assert bytes(dram.read(1, 0, 9)) == b"old bytes"
+    assert bytes(dram.read(2, 0, 9)) == b"new bytes"
+    dram.drop(1)
+    dram.drop(2)
+    assert dram.used == 0

@@ -1,0 +1,197 @@
+"""The metadata service, driven with plain requests and a manual clock (no mount)."""
+
+import errno
+
+import pytest
+
+from kvfs.clock import ManualClock
+from kvfs.cluster import messages as m
+from kvfs.cluster.master import MasterSettings, MetadataService
+from kvfs.cluster.namespace import ROOT_INO
+from kvfs.errors import MetadataError
+from kvfs.policy import LruPolicy
+
+NODE = 1
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def master(clock: ManualClock) -> MetadataService:
+    return MetadataService(clock, LruPolicy(), MasterSettings(temp_grace_s=60))
+
+
+def fails(master: MetadataService, request: m.Request, code: int) -> None:
+    with pytest.raises(MetadataError) as raised:
+        master.handle(request)
+    assert raised.value.errno == code
+
+
+def store(master: MetadataService, parent: int, name: bytes, size: int = 10) -> m.Attr:
+    """Creates, "writes" and seals a file the way a node does."""
+    opened = master.handle(m.Create(parent, name, 0o644, 0, 0, NODE, exclusive=True))
+    master.handle(m.Seal(opened.version, size, master.clock.wall_ns(), [123]))
+    master.handle(m.Release(opened.version, writer=True))
+    return master.handle(m.GetAttr(opened.attr.ino))
+
+
+def test_create_lookup_and_exclusive(master: MetadataService) -> None:
+    attr = store(master, ROOT_INO, b"a.bin", 4096)
+    assert master.handle(m.Lookup(ROOT_INO, b"a.bin")).attr.size == 4096
+    assert master.handle(m.Lookup(ROOT_INO, b"missing")).attr is None
+    fails(master, m.Create(ROOT_INO, b"a.bin", 0o644, 0, 0, NODE, exclusive=True), errno.EEXIST)
+    assert attr.nlink == 1 and attr.sealed
+
+
+def test_names_are_validated(master: MetadataService) -> None:
+    fails(master, m.Lookup(ROOT_INO, b"x" * 256), errno.ENAMETOOLONG)
+    fails(master, m.MkDir(ROOT_INO, b"x" * 256, 0o755, 0, 0), errno.ENAMETOOLONG)
+    fails(master, m.Lookup(ROOT_INO + 99, b"a"), errno.ENOENT)
+    store(master, ROOT_INO, b"file")
+    file_ino = master.handle(m.Lookup(ROOT_INO, b"file")).attr.ino
+    fails(master, m.Lookup(file_ino, b"a"), errno.ENOTDIR)
+
+
+def test_directories(master: MetadataService) -> None:
+    d = master.handle(m.MkDir(ROOT_INO, b"d", 0o755, 0, 0))
+    fails(master, m.MkDir(ROOT_INO, b"d", 0o755, 0, 0), errno.EEXIST)
+    store(master, d.ino, b"f")
+    fails(master, m.RmDir(ROOT_INO, b"d"), errno.ENOTEMPTY)
+    fails(master, m.Unlink(ROOT_INO, b"d"), errno.EISDIR)
+    fails(master, m.RmDir(d.ino, b"f"), errno.ENOTDIR)
+    master.handle(m.Unlink(d.ino, b"f"))
+    master.handle(m.RmDir(ROOT_INO, b"d"))
+    assert master.handle(m.Lookup(ROOT_INO, b"d")).attr is None
+
+
+def test_rename_rules(master: MetadataService) -> None:
+    a = master.handle(m.MkDir(ROOT_INO, b"a", 0o755, 0, 0))
+    master.handle(m.MkDir(a.ino, b"sub", 0o755, 0, 0))
+    master.handle(m.MkDir(ROOT_INO, b"empty", 0o755, 0, 0))
+    store(master, ROOT_INO, b"f")
+    store(master, ROOT_INO, b"g")
+    fails(master, m.Rename(ROOT_INO, b"a", a.ino, b"x"), errno.EINVAL)  # into itself
+    fails(master, m.Rename(ROOT_INO, b"f", ROOT_INO, b"a"), errno.EISDIR)
+    fails(master, m.Rename(ROOT_INO, b"a", ROOT_INO, b"f"), errno.ENOTDIR)
+    fails(master, m.Rename(ROOT_INO, b"empty", ROOT_INO, b"a"), errno.ENOTEMPTY)
+    fails(master, m.Rename(ROOT_INO, b"f", ROOT_INO, b"g", noreplace=True), errno.EEXIST)
+    fails(master, m.Rename(ROOT_INO, b"nope", ROOT_INO, b"g"), errno.ENOENT)
+    g_version = master.handle(m.Lookup(ROOT_INO, b"g")).attr.version
+    done = master.handle(m.Rename(ROOT_INO, b"f", ROOT_INO, b"g"))
+    assert done.dropped == [g_version]  # the replaced file's bytes are freed
+    assert master.handle(m.Lookup(ROOT_INO, b"f")).attr is None
+    master.handle(m.Rename(ROOT_INO, b"a", ROOT_INO, b"empty"))  # replaces an empty directory
+    assert master.handle(m.Lookup(ROOT_INO, b"empty")).attr.ino == a.ino
+
+
+def test_copy_on_write_keeps_readers_on_old_bytes(master: MetadataService) -> None:
+    attr = store(master, ROOT_INO, b"f", 100)
+    reader = master.handle(m.OpenRead(attr.ino))
+    writer = master.handle(m.OpenWrite(attr.ino, NODE, truncate=False))
+    assert writer.version != reader.version
+    assert (writer.copy_from, writer.copy_size) == (reader.version, 100)
+    assert writer.dropped == []
+    assert master.handle(m.Release(writer.copy_from, writer=False)).dropped == []  # the reader still has it
+    master.handle(m.Seal(writer.version, 50, 2, [1]))
+    master.handle(m.Release(writer.version, writer=True))
+    assert master.handle(m.GetAttr(attr.ino)).size == 50
+    assert master.handle(m.Release(reader.version, writer=False)).dropped == [reader.version]
+
+
+def test_second_writer_joins_unsealed_version(master: MetadataService) -> None:
+    opened = master.handle(m.Create(ROOT_INO, b"f", 0o644, 0, 0, NODE, exclusive=True))
+    again = master.handle(m.OpenWrite(opened.attr.ino, NODE, truncate=False))
+    assert again.version == opened.version and again.copy_from == 0
+
+
+def test_unlinked_open_file_lives_until_release(master: MetadataService) -> None:
+    attr = store(master, ROOT_INO, b"f")
+    reader = master.handle(m.OpenRead(attr.ino))
+    assert master.handle(m.Unlink(ROOT_INO, b"f")).dropped == []
+    fails(master, m.OpenRead(attr.ino), errno.ENOENT)
+    assert master.handle(m.GetAttr(attr.ino)).nlink == 0  # the kernel still references it
+    assert master.handle(m.Release(reader.version, writer=False)).dropped == [reader.version]
+    master.handle(m.Forget([attr.ino]))
+    fails(master, m.GetAttr(attr.ino), errno.ENOENT)
+
+
+def test_reclaim_evicts_least_recently_used_and_skips_open_files(master: MetadataService, clock: ManualClock) -> None:
+    attrs = [store(master, ROOT_INO, f"f{i}".encode(), 100) for i in range(4)]
+    clock.advance(1)
+    master.handle(m.Release(master.handle(m.OpenRead(attrs[0].ino)).version, writer=False))  # f0 is now recent
+    held = master.handle(m.OpenRead(attrs[1].ino))  # f1 is open: not evictable
+    removed = master.handle(m.Reclaim(NODE, 150))
+    assert [name for _, name in removed.entries] == [b"f2", b"f3"]
+    assert removed.dropped == [attrs[2].version, attrs[3].version]
+    assert master.handle(m.Lookup(ROOT_INO, b"f2")).attr is None
+    removed = master.handle(m.Reclaim(NODE, 10_000))
+    assert [name for _, name in removed.entries] == [b"f0"]
+    master.handle(m.Release(held.version, writer=False))
+    assert [name for _, name in master.handle(m.Reclaim(NODE, 1)).entries] == [b"f1"]
+    assert master.handle(m.Reclaim(NODE, 1)).dropped == []
+
+
+def test_unsealed_files_are_never_evicted(master: MetadataService) -> None:
+    master.handle(m.Create(ROOT_INO, b"writing", 0o644, 0, 0, NODE, exclusive=True))
+    assert master.handle(m.Reclaim(NODE, 1)).dropped == []
+
+
+def test_orphaned_temp_files_are_collected_after_grace(master: MetadataService, clock: ManualClock) -> None:
+    store(master, ROOT_INO, b"x.bin_123.tmp")
+    store(master, ROOT_INO, b"keep.bin")
+    writing = master.handle(m.Create(ROOT_INO, b"y.tmp", 0o644, 0, 0, NODE, exclusive=True))
+    assert master.handle(m.CollectOrphans()).entries == []
+    clock.advance(61)
+    removed = master.handle(m.CollectOrphans())
+    assert removed.entries == [(ROOT_INO, b"x.bin_123.tmp")]
+    assert master.handle(m.Lookup(ROOT_INO, b"y.tmp")).attr.ino == writing.attr.ino
+    # A temp file renamed to its final name is no longer a temp file.
+    store(master, ROOT_INO, b"z.tmp")
+    master.handle(m.Rename(ROOT_INO, b"z.tmp", ROOT_INO, b"z.bin"))
+    clock.advance(61)
+    assert master.handle(m.CollectOrphans()).entries == []
+
+
+def test_readdir_resumes_without_skips_or_repeats(master: MetadataService) -> None:
+    for i in range(10):
+        store(master, ROOT_INO, f"f{i}".encode())
+    first = master.handle(m.ReadDir(ROOT_INO, 0, 4)).entries
+    assert [e.name for e in first] == [b"f0", b"f1", b"f2", b"f3"]
+    master.handle(m.Unlink(ROOT_INO, b"f1"))
+    master.handle(m.Unlink(ROOT_INO, b"f5"))
+    store(master, ROOT_INO, b"new")
+    rest = master.handle(m.ReadDir(ROOT_INO, first[-1].next_id, 100)).entries
+    assert [e.name for e in rest] == [b"f4", b"f6", b"f7", b"f8", b"f9", b"new"]
+
+
+def test_xattrs(master: MetadataService) -> None:
+    attr = store(master, ROOT_INO, b"f")
+    master.handle(m.SetXattr(attr.ino, b"user.vllm_kv_crc32", b"1234"))
+    assert master.handle(m.GetXattr(attr.ino, b"user.vllm_kv_crc32")).value == b"1234"
+    assert master.handle(m.ListXattr(attr.ino)).names == [b"user.vllm_kv_crc32"]
+    fails(master, m.SetXattr(attr.ino, b"trusted.x", b"1"), errno.ENOTSUP)
+    fails(master, m.SetXattr(attr.ino, b"user.big", b"x" * 70000), errno.E2BIG)
+    fails(master, m.GetXattr(attr.ino, b"user.none"), errno.ENODATA)
+    master.handle(m.RemoveXattr(attr.ino, b"user.vllm_kv_crc32"))
+    fails(master, m.RemoveXattr(attr.ino, b"user.vllm_kv_crc32"), errno.ENODATA)
+
+
+def test_setattr_and_timestamps(master: MetadataService, clock: ManualClock) -> None:
+    attr = store(master, ROOT_INO, b"f")
+    clock.advance(5)
+    changed = master.handle(m.SetAttr(attr.ino, mode=0o600, atime_ns=42))
+    assert changed.mode & 0o777 == 0o600 and changed.atime_ns == 42
+    assert changed.ctime_ns == clock.wall_ns()
+
+
+def test_messages_encode_for_the_wire(master: MetadataService) -> None:
+    import typing
+
+    import msgspec
+
+    any_request = typing.Union[tuple(m.Request.__subclasses__())]  # type: ignore[misc]
+    for request in (m.Rename(1, b"a", 2, b"b", True), m.Seal(3, 10, 5, [1, 2]), m.CollectOrphans()):
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=any_request) == request
