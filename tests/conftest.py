@@ -38,13 +38,14 @@ class KvfsMount:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        start_offset = len(self.log_text())
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
-        self.wait_ready()
+        self.wait_ready(start_offset)
 
-    def wait_ready(self, timeout: float = 30) -> None:
+    def wait_ready(self, start_offset: int, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
-        while "is ready" not in self.log_text():
+        while "is ready" not in self.log_text()[start_offset:]:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"kvfs exited with {self.process.returncode}:\n{self.log_text()}")
             if time.monotonic() > deadline:

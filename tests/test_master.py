@@ -111,7 +111,7 @@ def test_unlinked_open_file_lives_until_release(master: MetadataService) -> None
     attr = store(master, ROOT_INO, b"f")
     reader = master.handle(m.OpenRead(attr.ino))
     assert master.handle(m.Unlink(ROOT_INO, b"f")).dropped == []
-    fails(master, m.OpenRead(attr.ino), errno.ENOENT)
+    fails(master, m.OpenRead(attr.ino), errno.ESTALE)
     assert master.handle(m.GetAttr(attr.ino)).nlink == 0  # the kernel still references it
     assert master.handle(m.Release(reader.version, writer=False)).dropped == [reader.version]
     master.handle(m.Forget([attr.ino]))

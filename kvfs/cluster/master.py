@@ -95,6 +95,14 @@ class MetadataService:
             raise MetadataError(errno.EISDIR, f"inode {ino} is a directory")
         return inode
 
+    @staticmethod
+    def _check_linked(inode: Inode) -> None:
+        # ESTALE, not ENOENT: the kernel resolved the name before it was removed or
+        # replaced, and on ESTALE it looks the name up again and retries the open,
+        # so a rename over a file is atomic for a concurrent open.
+        if not inode.linked:
+            raise MetadataError(errno.ESTALE, f"inode {inode.ino} was removed")
+
     def _is_temp(self, name: bytes) -> bool:
         return name.endswith(self.settings.temp_suffix)
 
@@ -237,8 +245,7 @@ class MetadataService:
 
     def _open_read(self, req: m.OpenRead) -> m.Opened:
         inode = self._file(req.ino)
-        if not inode.linked:
-            raise MetadataError(errno.ENOENT, f"inode {req.ino} was removed")
+        self._check_linked(inode)
         version = self.objects.get(inode.version)
         version.readers += 1
         version.hits += 1
@@ -249,8 +256,7 @@ class MetadataService:
 
     def _open_write(self, req: m.OpenWrite) -> m.Opened:
         inode = self._file(req.ino)
-        if not inode.linked:
-            raise MetadataError(errno.ENOENT, f"inode {req.ino} was removed")
+        self._check_linked(inode)
         current = self.objects.get(inode.version)
         if not current.sealed:  # another writer is still at it: share its version
             current.writers += 1

@@ -21,7 +21,7 @@ log = logging.getLogger("kvfs.fuse")
 # Outcomes that ordinary callers provoke all the time (lookups of absent keys,
 # mkdir of an existing directory): not worth more than a debug line.
 ROUTINE_ERRNOS = frozenset({errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno.ENODATA, errno.ENOTDIR,
-                            errno.EISDIR, errno.ENAMETOOLONG, errno.EPERM, errno.ENOTSUP, errno.ERANGE})
+                            errno.EISDIR, errno.ENAMETOOLONG, errno.ESTALE, errno.EPERM, errno.ENOTSUP, errno.ERANGE})
 
 Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
 

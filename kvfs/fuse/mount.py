@@ -64,7 +64,7 @@ def unmount(mountpoint: str, lazy: bool = False) -> None:
 def prepare_mountpoint(mountpoint: str) -> None:
     """Creates the mount point if needed and clears a stale mount left by a killed daemon."""
     try:
-        os.stat(mountpoint)
+        os.statvfs(mountpoint)  # never answered from the kernel's caches, unlike stat
     except FileNotFoundError:
         os.makedirs(mountpoint, exist_ok=True)
         log.info("created mount point %s", mountpoint)
@@ -109,7 +109,7 @@ class Daemon:
         settings = MasterSettings(temp_suffix=config.temp_suffix.encode(), temp_grace_s=config.temp_grace_s,
                                   root_uid=os.getuid(), root_gid=os.getgid())
         self.service = MetadataService(clock, make_policy(config.eviction_policy), settings)
-        self.dram = DramTier(config.dram_bytes)
+        self.dram = DramTier(config.dram_bytes, populate=True)
         self.node = Node(EmbeddedMaster(self.service), self.dram, clock, forget_entries=self._forget_entries)
         self.operations = KvfsOperations(self.node, config)
 

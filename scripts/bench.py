@@ -1,0 +1,173 @@
+"""Benchmark kvfs against tmpfs and a trivial pyfuse3 filesystem, side by side in one run.
+
+Measures, for each file size, store and load throughput with the vLLM fs-tier
+pattern (one write per file then rename; one read per file), cold (page cache
+dropped, the daemon serves), with O_DIRECT, and warm (kernel page cache), plus
+access() lookups per second for hits, repeated misses and distinct misses. Rounds
+are interleaved across the filesystems so that machine noise hits all of them;
+the table shows medians and the ratios the targets are stated in.
+
+Usage (as root): python scripts/bench.py [--sizes 2,32] [--total 512M] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kvfs.config import parse_size  # noqa: E402
+from kvfs.fuse.mount import find_mount  # noqa: E402
+
+MiB = 1 << 20
+REPO = Path(__file__).resolve().parent.parent
+
+
+def drop_page_cache() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+
+
+@dataclass
+class Target:
+    name: str
+    path: Path
+    process: subprocess.Popen | None = None
+    results: dict[str, list[float]] = field(default_factory=dict)
+
+    def record(self, metric: str, value: float) -> None:
+        self.results.setdefault(metric, []).append(value)
+
+    def median(self, metric: str) -> float:
+        return statistics.median(self.results[metric])
+
+
+def start_daemon(name: str, command: list[str], mountpoint: Path) -> Target:
+    mountpoint.mkdir(parents=True)
+    log = open(mountpoint.parent / f"{name}.log", "wb")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    deadline = time.monotonic() + 30
+    while find_mount(str(mountpoint)) is None or os.stat(mountpoint).st_ino != 1:
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"{name} did not mount; see {log.name}")
+        time.sleep(0.05)
+    time.sleep(0.2)  # let post-mount tuning (readahead) land before measuring
+    return Target(name, mountpoint, process)
+
+
+def store_files(root: Path, prefix: str, count: int, buffer: mmap.mmap) -> float:
+    """vLLM's store: create exclusive, one write, close, rename. Returns GB/s."""
+    start = time.perf_counter()
+    for i in range(count):
+        final = root / f"{prefix}{i}.bin"
+        tmp = root / f"{prefix}{i}.bin_1.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_TRUNC, 0o644)
+        os.write(fd, buffer)
+        os.close(fd)
+        os.rename(tmp, final)
+    return count * len(buffer) / (time.perf_counter() - start) / 1e9
+
+
+def load_files(root: Path, prefix: str, count: int, buffer: mmap.mmap, direct: bool = False) -> float:
+    """vLLM's load: open, one read of the whole file, close. Returns GB/s."""
+    start = time.perf_counter()
+    for i in range(count):
+        fd = os.open(root / f"{prefix}{i}.bin", os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        got = os.readv(fd, [buffer])
+        os.close(fd)
+        assert got == len(buffer), f"short read: {got}"
+    return count * len(buffer) / (time.perf_counter() - start) / 1e9
+
+
+def lookups_per_second(paths: list[Path], repeat: int) -> float:
+    start = time.perf_counter()
+    for _ in range(repeat):
+        for path in paths:
+            os.access(path, os.F_OK)
+    return repeat * len(paths) / (time.perf_counter() - start)
+
+
+def measure_round(target: Target, sizes: list[int], total: int, round_: int, lookups: int) -> None:
+    for size in sizes:
+        count = max(4, total // size)
+        buffer = mmap.mmap(-1, size)
+        buffer.write(os.urandom(size))
+        label = f"{size // MiB}MiB"
+        prefix = f"r{round_}-{label}-"
+        target.record(f"store {label}", store_files(target.path, prefix, count, buffer))
+        drop_page_cache()
+        target.record(f"load cold {label}", load_files(target.path, prefix, count, buffer))
+        target.record(f"load warm {label}", load_files(target.path, prefix, count, buffer))
+        drop_page_cache()
+        target.record(f"load O_DIRECT {label}", load_files(target.path, prefix, count, buffer, direct=True))
+        for i in range(count):
+            os.unlink(target.path / f"{prefix}{i}.bin")
+    keys = target.path  # flat, like an LMCache directory (the trivial fs has no subdirectories)
+    hits = [keys / f"{round_}-{i:062x}.bin" for i in range(1000)]
+    for path in hits:
+        path.write_bytes(b"")
+    target.record("lookup hit/s", lookups_per_second(hits, max(1, lookups // 1000)))
+    misses = [keys / f"{round_}-{i:062x}.miss" for i in range(2000)]
+    target.record("lookup miss distinct/s", lookups_per_second(misses, 1))
+    target.record("lookup miss repeated/s", lookups_per_second(misses, max(1, lookups // 2000)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="2,32", help="file sizes in MiB, comma-separated")
+    parser.add_argument("--total", default="512M", help="bytes stored per size and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dram", default="2G", help="kvfs DRAM tier")
+    parser.add_argument("--lookups", type=int, default=20000)
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("run as root: the benchmark mounts file systems and drops the page cache")
+    sizes = [int(s) * MiB for s in args.sizes.split(",")]
+    total = parse_size(args.total)
+
+    with tempfile.TemporaryDirectory(prefix="kvfs-bench-") as scratch:
+        base = Path(scratch)
+        tmpfs = base / "tmpfs"
+        tmpfs.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4G", "kvfs-bench", str(tmpfs)], check=True)
+        targets = [Target("tmpfs", tmpfs)]
+        try:
+            targets.append(start_daemon("trivial", [sys.executable, "scripts/trivialfs.py", str(base / "trivial")],
+                                        base / "trivial"))
+            targets.append(start_daemon("kvfs", [sys.executable, "-m", "kvfs", "mount", str(base / "kvfs"), "-f",
+                                                 "--dram", args.dram, "--log-level", "warning"], base / "kvfs"))
+            for round_ in range(args.rounds):
+                for target in targets:
+                    print(f"round {round_ + 1}/{args.rounds}: {target.name}", file=sys.stderr, flush=True)
+                    measure_round(target, sizes, total, round_, args.lookups)
+        finally:
+            for target in targets:
+                if target.process is not None:
+                    target.process.terminate()
+                    target.process.wait(timeout=30)
+            subprocess.run(["umount", str(tmpfs)], check=False)
+    report(targets)
+
+
+def report(targets: list[Target]) -> None:
+    tmpfs, trivial, kvfs = targets
+    print(f"{'metric':<26}{'tmpfs':>12}{'trivial':>12}{'kvfs':>12}{'kvfs/trivial':>14}{'kvfs/tmpfs':>12}")
+    for metric in kvfs.results:
+        values = [t.median(metric) for t in targets]
+        unit = "" if metric.startswith("lookup") else " GB/s"
+        cells = "".join(f"{v:>12.0f}" if unit == "" else f"{v:>12.2f}" for v in values)
+        print(f"{metric + unit:<26}{cells}{values[2] / values[1]:>14.2f}{values[2] / values[0]:>12.2f}")
+    print()
+    print("targets: load cold >= 0.80 x trivial, load warm >= 0.80 x tmpfs, lookup miss >= 20000/s")
+
+
+if __name__ == "__main__":
+    main()

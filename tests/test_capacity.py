@@ -1,0 +1,102 @@
+"""Capacity management through a mount: eviction of whole files, ENOSPC only when nothing can go."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+MiB = 1 << 20
+
+
+def content(index: int, size: int) -> bytes:
+    stamp = index.to_bytes(4, "little")
+    return (stamp * (size // 4 + 1))[:size]
+
+
+def test_writing_three_times_dram_never_fails_or_corrupts(make_mount) -> None:
+    mount = make_mount("64M")
+    root = mount.path
+    sizes = [2 * MiB, 4 * MiB + 4096, 8 * MiB, 3 * MiB + 123]
+    written: list[tuple[Path, int, int]] = []
+    total = 0
+    index = 0
+    while total < 3 * 64 * MiB:
+        size = sizes[index % len(sizes)]
+        path = root / f"d{index % 5}" / f"block{index}.bin"
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(content(index, size))
+        os.rename(tmp, path)
+        written.append((path, index, size))
+        total += size
+        index += 1
+        st = os.statvfs(root)
+        assert st.f_bfree <= st.f_blocks
+    present = 0
+    for path, i, size in written:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            continue
+        assert data == content(i, size), f"{path} has wrong bytes"
+        present += 1
+    assert 0 < present < len(written)
+    newest = written[-4:]
+    assert all(path.read_bytes() == content(i, size) for path, i, size in newest)
+    listed = {p.name for d in root.iterdir() for p in d.iterdir()}
+    assert {p.name for p, _, _ in written if p.exists()} == listed
+    assert not any(name.endswith(".tmp") for name in listed)
+    st = os.statvfs(root)
+    used = (st.f_blocks - st.f_bfree) * st.f_frsize
+    stored = sum(size for path, _, size in written if path.exists())
+    assert stored <= used <= 64 * MiB
+
+
+def test_enospc_only_when_nothing_is_evictable(make_mount) -> None:
+    mount = make_mount("32M")
+    mount.allowed_errors.append("no file can be evicted")
+    root = mount.path
+    held = []
+    for i in range(4):  # fill the tier with files that stay open for reading
+        path = root / f"pinned{i}"
+        path.write_bytes(content(i, 8 * MiB))
+        held.append(open(path, "rb"))
+    with pytest.raises(OSError) as raised:
+        (root / "one-too-many").write_bytes(content(9, 4 * MiB))
+    assert raised.value.errno == errno.ENOSPC
+    for i, handle in enumerate(held):  # what was stored is undamaged
+        assert handle.read() == content(i, 8 * MiB)
+        handle.close()
+    (root / "after").write_bytes(content(10, 4 * MiB))  # now an old file can be evicted
+    assert (root / "after").read_bytes() == content(10, 4 * MiB)
+
+
+def test_file_larger_than_the_tier_is_refused(make_mount) -> None:
+    mount = make_mount("32M")
+    path = mount.path / "huge"
+    with pytest.raises(OSError) as raised:
+        path.write_bytes(bytes(40 * MiB))
+    assert raised.value.errno == errno.EFBIG
+    with pytest.raises(OSError) as raised:
+        os.truncate(mount.path / "huge", 64 * MiB)
+    assert raised.value.errno == errno.EFBIG
+
+
+def test_orphaned_temp_files_are_collected(make_mount) -> None:
+    import time
+
+    mount = make_mount("64M", "--temp-grace", "0.5", "--gc-interval", "0.2")
+    orphan = mount.path / "x.bin_1234.tmp"
+    orphan.write_bytes(b"abandoned by a writer that died")
+    kept = mount.path / "x.bin"
+    kept.write_bytes(b"published")
+    deadline = time.monotonic() + 20
+    while orphan.name in os.listdir(mount.path):
+        assert time.monotonic() < deadline, "the orphaned temp file was never collected"
+        time.sleep(0.1)
+    assert not orphan.exists()
+    assert kept.read_bytes() == b"published"
+    assert "collected 1 orphaned temp files" in mount.log_text()
