@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs kvfs on Debian 12 (as root): system packages, a virtual environment in
+# $KVFS_PREFIX (default /opt/kvfs) and the `kvfs` command in /usr/local/bin.
+#   scripts/install.sh          kvfs only
+#   scripts/install.sh --test   kvfs and what its test suite needs
+set -euo pipefail
+
+repo=$(cd "$(dirname "$0")/.." && pwd)
+prefix=${KVFS_PREFIX:-/opt/kvfs}
+extras=""
+[[ ${1:-} == "--test" ]] && extras="[test]"
+
+if [[ $(id -u) -ne 0 ]]; then
+    echo "install.sh: run as root (it installs packages and mounts file systems)" >&2
+    exit 1
+fi
+
+echo "kvfs: installing system packages (fuse3, libfuse3 headers, compiler, python3-venv)" >&2
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends \
+    fuse3 libfuse3-dev pkg-config gcc libc6-dev python3 python3-dev python3-venv attr util-linux >/dev/null
+
+if [[ ! -x $prefix/bin/python ]]; then
+    echo "kvfs: creating virtual environment in $prefix" >&2
+    /usr/bin/python3 -m venv "$prefix"
+fi
+echo "kvfs: installing kvfs$extras into $prefix (pyfuse3 compiles against libfuse3)" >&2
+"$prefix/bin/pip" install -q --disable-pip-version-check --upgrade pip setuptools wheel
+"$prefix/bin/pip" install -q --disable-pip-version-check "$repo$extras"
+ln -sf "$prefix/bin/kvfs" /usr/local/bin/kvfs
+echo "kvfs: installed $("$prefix/bin/kvfs" --version) as /usr/local/bin/kvfs" >&2
