@@ -1,0 +1,51 @@
+"""The errno mapping of request handlers: only FUSEError may leave a handler."""
+
+import errno
+
+import pyfuse3
+import pytest
+import trio
+
+from kvfs.errors import MetadataError, NoSpace
+from kvfs.fuse.errors import errno_of, fuse_handler
+
+
+class Handlers:
+    @fuse_handler
+    async def metadata_failure(self, ino: int) -> None:
+        raise MetadataError(errno.ENOENT, f"inode {ino} does not exist")
+
+    @fuse_handler
+    async def full(self, ino: int) -> None:
+        raise NoSpace("DRAM tier full")
+
+    @fuse_handler
+    async def os_failure(self, ino: int) -> None:
+        raise OSError(errno.EACCES, "denied")
+
+    @fuse_handler
+    async def bug(self, ino: int) -> None:
+        raise ValueError("a programming error")
+
+    @fuse_handler
+    async def fine(self, ino: int) -> int:
+        return ino * 2
+
+
+@pytest.mark.parametrize("name, code", [("metadata_failure", errno.ENOENT), ("full", errno.ENOSPC),
+                                        ("os_failure", errno.EACCES), ("bug", errno.EIO)])
+def test_failures_become_fuse_errors(name: str, code: int, caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(pyfuse3.FUSEError) as raised:
+        trio.run(getattr(Handlers(), name), 7)
+    assert raised.value.errno == code
+    if name == "bug":
+        assert "bug(7) failed with an unexpected error" in caplog.text and "ValueError" in caplog.text
+
+
+def test_results_pass_through() -> None:
+    assert trio.run(Handlers().fine, 21) == 42
+
+
+def test_errno_of_unknown_errors_is_eio() -> None:
+    assert errno_of(RuntimeError("x")) == errno.EIO
+    assert errno_of(OSError("no errno")) == errno.EIO
