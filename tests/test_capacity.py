@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import drop_page_cache
 
 MiB = 1 << 20
 
@@ -35,6 +36,7 @@ def test_writing_three_times_dram_never_fails_or_corrupts(make_mount) -> None:
         index += 1
         st = os.statvfs(root)
         assert st.f_bfree <= st.f_blocks
+    drop_page_cache()  # read back from the daemon, not from the kernel's copy
     present = 0
     for path, i, size in written:
         try:
