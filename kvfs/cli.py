@@ -100,3 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     except KvfsError as error:
         log.error("%s", error)
         return 1
+    except OSError as error:
+        log.error("%s: %s", error.filename or args.command, error.strerror or error)
+        return 1

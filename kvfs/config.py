@@ -57,6 +57,9 @@ class MountConfig:
     def __post_init__(self) -> None:
         if self.dram_bytes < (16 << 20):
             raise ConfigError(f"dram: {self.dram_bytes} bytes is below the 16 MiB minimum")
+        if self.dram_bytes > physical_memory() * 9 // 10:
+            raise ConfigError(f"dram: {format_size(self.dram_bytes)} is more than 90% of this machine's "
+                              f"{format_size(physical_memory())} of memory")
         for name in ("entry_timeout_s", "negative_timeout_s", "temp_grace_s", "gc_interval_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must not be negative")

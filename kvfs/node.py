@@ -210,14 +210,16 @@ class Node:
         return len(data)
 
     async def release(self, handle: OpenFile) -> None:
-        if handle.writable:
-            state = self._writing[handle.version]
-            state.writers -= 1
-            if state.writers == 0:  # the last writer closed: the bytes are final
-                checksums = self.dram.seal(handle.version, state.size)
-                await self.master.call(m.Seal(handle.version, state.size, state.mtime_ns, checksums))
-                del self._writing[handle.version]
-        self._drop((await self.master.call(m.Release(handle.version, handle.writable))).dropped)
+        try:
+            if handle.writable:
+                state = self._writing[handle.version]
+                state.writers -= 1
+                if state.writers == 0:  # the last writer closed: the bytes are final
+                    del self._writing[handle.version]
+                    checksums = self.dram.seal(handle.version, state.size)
+                    await self.master.call(m.Seal(handle.version, state.size, state.mtime_ns, checksums))
+        finally:  # the reference goes even if sealing failed, or the version would leak
+            self._drop((await self.master.call(m.Release(handle.version, handle.writable))).dropped)
 
     # Capacity ------------------------------------------------------------------------------
 

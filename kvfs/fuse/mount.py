@@ -20,7 +20,7 @@ from kvfs.clock import SystemClock
 from kvfs.cluster.embedded import EmbeddedMaster
 from kvfs.cluster.master import MasterSettings, MetadataService
 from kvfs.config import MountConfig, format_size
-from kvfs.errors import ConfigError, KvfsError
+from kvfs.errors import KvfsError
 from kvfs.fuse.operations import KvfsOperations
 from kvfs.node import Node
 from kvfs.policy import make_policy
@@ -126,7 +126,10 @@ class Daemon:
         options = set(pyfuse3.default_options) | {"fsname=kvfs", "subtype=kvfs", "noatime"}
         if self.config.allow_other and os.getuid() == 0:
             options.add("allow_other")
-        pyfuse3.init(self.operations, mountpoint, options)
+        try:
+            pyfuse3.init(self.operations, mountpoint, options)
+        except RuntimeError as error:  # libfuse refused the mount; its reason is on stderr
+            raise KvfsError(errno.EIO, f"cannot mount {mountpoint}: {error}") from None
         log.info("mounted kvfs on %s: DRAM tier %s, eviction %s", mountpoint,
                  format_size(self.dram.capacity), self.config.eviction_policy)
         try:
@@ -217,7 +220,7 @@ def mount(config: MountConfig, foreground: bool, log_file: str | None = None) ->
     try:
         Daemon(config).run(ready)
         code = 0
-    except (KvfsError, ConfigError, OSError, RuntimeError) as error:
+    except (KvfsError, OSError) as error:
         log.error("%s", error)
         if not notified.is_set():
             os.write(write_end, str(error).encode())

@@ -7,11 +7,13 @@ once as io_uring fixed buffers or an RDMA memory region.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import time
 
 from kvfs.config import format_size
+from kvfs.errors import StorageError
 from kvfs.store.buddy import BuddyAllocator
 
 log = logging.getLogger(__name__)
@@ -40,8 +42,11 @@ class Arena:
             length = min(POPULATE_STEP, self.capacity - offset)
             try:
                 self._map.madvise(MADV_POPULATE_WRITE, offset, length)
-            except OSError:  # older kernels: touch one byte per page
-                for page in range(offset, offset + length, PAGE_SIZE):
+            except OSError as error:
+                if error.errno != errno.EINVAL:  # ENOMEM: the memory is not there
+                    raise StorageError(error.errno or errno.ENOMEM,
+                                       f"cannot preallocate the {format_size(self.capacity)} DRAM tier") from None
+                for page in range(offset, offset + length, PAGE_SIZE):  # kernels before 5.14
                     self._map[page] = 0
             if self.capacity > 4 * POPULATE_STEP and (offset // POPULATE_STEP) % 8 == 7:
                 log.info("preallocating DRAM tier: %s of %s", format_size(offset + length), format_size(self.capacity))
