@@ -9,7 +9,7 @@ import sys
 import time
 
 from kvfs import __version__
-from kvfs.config import MountConfig, default_dram_bytes, format_size, parse_size
+from kvfs.config import MountConfig, default_disk_bytes, default_dram_bytes, format_size, parse_size
 from kvfs.errors import KvfsError
 from kvfs.policy import POLICIES
 
@@ -51,6 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument("--gc-interval", type=float, default=30.0, help="seconds between orphan collections")
     mount.add_argument("--no-allow-other", dest="allow_other", action="store_false",
                        help="only the mounting user may access the mount")
+    ssd = mount.add_argument_group("SSD tier (off unless --disk is given)")
+    ssd.add_argument("--disk", default=None, help="directory on the NVMe for the SSD tier (segment files, index)")
+    ssd.add_argument("--disk-size", default=None,
+                     help="SSD tier size, preallocated (default: half the free space of --disk's file system)")
+    ssd.add_argument("--offload", default="eager", choices=["eager", "watermark"],
+                     help="eager: copy every sealed file to SSD; watermark: only when DRAM use passes the high mark")
+    ssd.add_argument("--high-watermark", type=float, default=0.9, help="fraction of DRAM that starts offloading")
+    ssd.add_argument("--low-watermark", type=float, default=0.7, help="fraction of DRAM offloading brings DRAM-only data to")
+    ssd.add_argument("--direct-io", action=argparse.BooleanOptionalAction, default=True,
+                     help="O_DIRECT on the segment files (default on)")
+    ssd.add_argument("--backpressure-timeout", type=float, default=30.0,
+                     help="seconds a writer may wait for the offloader before ENOSPC")
 
     umount = commands.add_parser("umount", help="unmount a kvfs mount")
     umount.add_argument("mountpoint")
@@ -70,6 +82,14 @@ def run_mount(args: argparse.Namespace) -> int:
         temp_grace_s=args.temp_grace,
         gc_interval_s=args.gc_interval,
         allow_other=args.allow_other,
+        disk_path=os.path.abspath(args.disk) if args.disk else None,
+        disk_bytes=(parse_size(args.disk_size, "--disk-size") if args.disk_size
+                    else default_disk_bytes(args.disk) if args.disk else 0),
+        offload=args.offload,
+        high_watermark=args.high_watermark,
+        low_watermark=args.low_watermark,
+        direct_io=args.direct_io,
+        backpressure_timeout_s=args.backpressure_timeout,
     )
     log_file = None if args.foreground else (args.log_file or default_log_file(config.mountpoint))
     code = mount(config, args.foreground, log_file)

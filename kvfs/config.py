@@ -53,6 +53,13 @@ class MountConfig:
     max_background: int = 64  # set on the FUSE connection after mounting
     allow_other: bool = True  # let inference servers running as other users in
     max_tasks: int = 64  # concurrent request handlers in the daemon
+    disk_path: str | None = None  # the SSD tier's directory; None: DRAM only
+    disk_bytes: int = 0
+    offload: str = "eager"  # or "watermark"
+    high_watermark: float = 0.9
+    low_watermark: float = 0.7
+    direct_io: bool = True
+    backpressure_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.dram_bytes < (16 << 20):
@@ -65,3 +72,18 @@ class MountConfig:
                 raise ConfigError(f"{name}: must not be negative")
         if not self.temp_suffix:
             raise ConfigError("temp_suffix: must not be empty")
+        if self.offload not in ("eager", "watermark"):
+            raise ConfigError(f"offload: {self.offload!r} is not eager or watermark")
+        if not 0 < self.low_watermark < self.high_watermark <= 1:
+            raise ConfigError("watermarks: need 0 < low < high <= 1")
+        if self.disk_path is not None and self.disk_bytes < (64 << 20):
+            raise ConfigError(f"disk_size: {self.disk_bytes} bytes is below the 64 MiB minimum")
+
+
+def default_disk_bytes(path: str) -> int:
+    """Half of the free space of the file system that holds `path` (it is preallocated)."""
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe) or "/"
+    st = os.statvfs(probe)
+    return st.f_bavail * st.f_frsize // 2

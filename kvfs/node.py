@@ -1,33 +1,41 @@
 """A node's file service: the POSIX operations, on top of the master and the local tiers.
 
 The FUSE adapter calls these methods; they ask the master for every metadata
-decision, keep the bytes of file versions in the DRAM tier, reclaim space by
-asking the master to evict when the tier is full, and keep the per-node state
-the master does not need: sizes of versions being written, open handles and what
-the kernel page cache holds.
+decision, keep the bytes of file versions in the node's tiered store, and keep
+the per-node state the master does not need: sizes of versions being written,
+open handles and what the kernel page cache holds. The node is also the store's
+owner: it carries the store's requests (evict, describe, offloaded, lost) to the
+master.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 
 from kvfs.checksum import format_checksum
 from kvfs.clock import Clock
 from kvfs.cluster import messages as m
 from kvfs.cluster.embedded import MasterClient
-from kvfs.errors import NoSpace, StorageError
-from kvfs.store.dram import DramTier
+from kvfs.cluster.namespace import ROOT_INO
+from kvfs.config import format_size
+from kvfs.disk.index import DiskRecord
+from kvfs.errors import KvfsError, StorageError
+from kvfs.store.tiered import ReadSource, TieredStore
 
 log = logging.getLogger(__name__)
 
 VIRTUAL_XATTRS = (b"user.kvfs.tier", b"user.kvfs.size", b"user.kvfs.version", b"user.kvfs.sealed",
                   b"user.kvfs.chunks", b"user.kvfs.checksum", b"user.kvfs.hits", b"user.kvfs.last_access_ns",
-                  b"user.kvfs.node")
+                  b"user.kvfs.node", b"user.kvfs.ssd_extents")
 VIRTUAL_PREFIX = b"user.kvfs."
+ROOT_STATS = b"user.kvfs.stats"  # JSON counters of the node's store, on the root directory
+ROOT_CONTROL = b"user.kvfs.control"  # write "sync" (wait for offload) or "drop-dram" (demote all)
 
 
 @dataclass(slots=True, eq=False)
@@ -36,6 +44,7 @@ class OpenFile:
     version: int
     writable: bool
     size: int  # the size of a sealed version (versions being written track theirs in WriteState)
+    source: ReadSource | None = None  # where a reader's bytes come from
 
 
 @dataclass(slots=True)
@@ -58,16 +67,21 @@ class NodeStats:
 class Node:
     """The POSIX file service of one node."""
 
-    def __init__(self, master: MasterClient, dram: DramTier, clock: Clock, node_id: int = 1,
+    def __init__(self, master: MasterClient, store: TieredStore, clock: Clock, node_id: int = 1,
                  forget_entries: Callable[[list[tuple[int, bytes]]], None] = lambda entries: None) -> None:
         self.master = master
-        self.dram = dram
+        self.store = store
+        store.owner = self
         self.clock = clock
         self.node_id = node_id
         self.forget_entries = forget_entries  # tells the kernel that names were removed behind its back
         self._writing: dict[int, WriteState] = {}
         self._cached_version: dict[int, int] = {}  # ino -> version the kernel page cache holds
         self.evicted_files = 0
+
+    @property
+    def chunk_size(self) -> int:
+        return self.store.chunk_size
 
     # Attributes --------------------------------------------------------------------------
 
@@ -90,7 +104,9 @@ class Node:
         if size is not None:
             await self._truncate(ino, size, handle)
         if (mode, uid, gid, atime_ns, mtime_ns) != (None,) * 5:
-            await self.master.call(m.SetAttr(ino, mode, uid, gid, atime_ns, mtime_ns))
+            attr = await self.master.call(m.SetAttr(ino, mode, uid, gid, atime_ns, mtime_ns))
+            if mode is not None or uid is not None or gid is not None:
+                await self.store.refresh_record(attr.version)
         return await self.getattr(ino)
 
     async def _truncate(self, ino: int, size: int, handle: OpenFile | None) -> None:
@@ -108,12 +124,13 @@ class Node:
     def _resize(self, version: int, size: int) -> None:
         state = self._writing[version]
         if size < state.size:
-            self.dram.truncate(version, size)
+            self.store.truncate(version, size)
         state.size, state.mtime_ns = size, self.clock.wall_ns()
 
     def _check_file_size(self, size: int) -> None:
-        if size > self.dram.capacity:
-            raise StorageError(errno.EFBIG, f"a file of {size} bytes cannot fit in the {self.dram.capacity}-byte DRAM tier")
+        capacity = self.store.dram.capacity
+        if size > capacity:
+            raise StorageError(errno.EFBIG, f"a file of {size} bytes cannot fit in the {capacity}-byte DRAM tier")
 
     # Namespace -----------------------------------------------------------------------------
 
@@ -129,6 +146,8 @@ class Node:
     async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes, noreplace: bool) -> None:
         done = await self.master.call(m.Rename(parent_old, name_old, parent_new, name_new, noreplace))
         self._drop(done.dropped)
+        for version in done.relocated:  # before replying: a crash must not resurrect the old name
+            await self.store.refresh_record(version)
 
     async def readdir(self, ino: int, start_id: int, limit: int) -> list[m.DirEntry]:
         entries = (await self.master.call(m.ReadDir(ino, start_id, limit))).entries
@@ -152,10 +171,12 @@ class Node:
         """Opens a file; returns the handle and whether the kernel may keep its cached pages."""
         if flags & os.O_ACCMODE == os.O_RDONLY:
             opened = await self.master.call(m.OpenRead(ino))
-            if opened.version not in self.dram:
+            try:
+                source = await self.store.open_read(opened.version)
+            except BaseException:
                 await self.master.call(m.Release(opened.version, writer=False))
-                raise StorageError(errno.ENOENT, f"inode {ino}: version {opened.version} is not stored on this node")
-            handle = OpenFile(ino, opened.version, False, opened.attr.size)
+                raise
+            handle = OpenFile(ino, opened.version, False, opened.attr.size, source)
             keep_cache = opened.attr.sealed and self._cached_version.get(ino) == opened.version
             if opened.attr.sealed:
                 self._cached_version[ino] = opened.version
@@ -177,11 +198,11 @@ class Node:
             if truncate:
                 self._resize(version, 0)
         else:
-            self.dram.create(version)
+            self.store.create(version)
             state = self._writing[version] = WriteState(0, 1, self.clock.wall_ns())
             if opened.copy_from:
                 try:
-                    await self._with_space(lambda: self.dram.copy(opened.copy_from, version, opened.copy_size))
+                    await self.store.copy(opened.copy_from, version, opened.copy_size)
                     state.size = opened.copy_size
                 finally:
                     self._drop((await self.master.call(m.Release(opened.copy_from, writer=False))).dropped)
@@ -196,14 +217,17 @@ class Node:
         size = self.size_of(handle)
         if offset >= size or length <= 0:
             return b""
-        return self.dram.read(handle.version, offset, min(length, size - offset))
+        length = min(length, size - offset)
+        if handle.source is None:  # a writer reading its own version
+            return self.store.dram.read(handle.version, offset, length)
+        return self.store.read(handle.source, offset, length)
 
     async def write(self, handle: OpenFile, offset: int, data: bytes) -> int:
         if not handle.writable:
             raise StorageError(errno.EBADF, f"inode {handle.ino} is not open for writing")
         end = offset + len(data)
         self._check_file_size(end)
-        await self._with_space(lambda: self.dram.write(handle.version, offset, data))
+        await self.store.write(handle.version, offset, data)
         state = self._writing[handle.version]
         state.size = max(state.size, end)
         state.mtime_ns = self.clock.wall_ns()
@@ -211,30 +235,79 @@ class Node:
 
     async def release(self, handle: OpenFile) -> None:
         try:
+            if handle.source is not None:
+                self.store.close_read(handle.source)
             if handle.writable:
                 state = self._writing[handle.version]
                 state.writers -= 1
                 if state.writers == 0:  # the last writer closed: the bytes are final
                     del self._writing[handle.version]
-                    checksums = self.dram.seal(handle.version, state.size)
+                    checksums = self.store.seal(handle.version, state.size)
                     await self.master.call(m.Seal(handle.version, state.size, state.mtime_ns, checksums))
         finally:  # the reference goes even if sealing failed, or the version would leak
             self._drop((await self.master.call(m.Release(handle.version, handle.writable))).dropped)
 
-    # Capacity ------------------------------------------------------------------------------
+    async def fsync(self, handle: OpenFile) -> None:
+        """A sealed file is durable once it is on SSD: fsync waits for its offload."""
+        if not handle.writable and self.store.ssd is not None:
+            await self.store.wait_offloaded()
 
-    async def _with_space(self, operation: Callable[[], None]) -> None:
-        """Runs a storing operation, evicting whole files until it fits (or nothing is left to evict)."""
-        while True:
-            try:
-                return operation()
-            except NoSpace as error:
-                removed = await self.master.call(m.Reclaim(self.node_id, self.dram.chunk_size))
-                if not removed.dropped:
-                    raise StorageError(errno.ENOSPC, f"{error}; no file can be evicted") from error
-                self._apply_removed(removed)
-                self.evicted_files += len(removed.dropped)
-                log.debug("evicted %d files (%d bytes) to make room", len(removed.dropped), removed.freed_bytes)
+    # The store's owner: its requests to the master ------------------------------------
+
+    async def reclaim(self, tier: str, nbytes: int) -> bool:
+        removed = await self.master.call(m.Reclaim(self.node_id, nbytes, tier))
+        self._apply_removed(removed)
+        self.evicted_files += len(removed.dropped)
+        if removed.dropped:
+            log.debug("evicted %d files (%s) from %s", len(removed.dropped), format_size(removed.freed_bytes), tier)
+        return bool(removed.dropped)
+
+    async def describe(self, version: int) -> DiskRecord | None:
+        try:
+            info = await self.master.call(m.GetRecord(version))
+        except KvfsError:
+            return None
+        return DiskRecord(version, info.path, info.size, info.mode, info.uid, info.gid, info.mtime_ns, info.xattrs, [])
+
+    async def offloaded(self, versions: list[int]) -> None:
+        await self.master.call(m.Offloaded(versions))
+
+    async def lost(self, version: int) -> None:
+        self._apply_removed(await self.master.call(m.Lost(version)))
+
+    async def recover(self, temp_suffix: bytes) -> None:
+        """Rebuilds the namespace from the SSD index after a restart (before mounting)."""
+        ssd = self.store.ssd
+        if ssd is None:
+            return
+        started = time.monotonic()
+        total = ssd.index.count()
+        restored = restored_bytes = 0
+        discard: list[int] = []
+        last_report = started
+        for count, record in enumerate(ssd.recovered_records(), 1):
+            if not record.path or record.path[-1].endswith(temp_suffix):
+                discard.append(record.version)  # its writer died before publishing it
+                continue
+            checksums = [chunk[2] for chunk in record.chunks]
+            info = m.FileRecord(record.path, record.size, record.mode, record.uid, record.gid, record.mtime_ns,
+                                record.xattrs)
+            result = await self.master.call(m.Restore(record.version, self.node_id, info, checksums))
+            discard.extend(result.dropped)
+            if result.kept:
+                self.store.adopt_recovered(record.version, record.size, checksums)
+                restored += 1
+                restored_bytes += record.size
+            if time.monotonic() - last_report > 1:
+                last_report = time.monotonic()
+                log.info("recovering from %s: %d of %d files", ssd.directory, count, total)
+        for version in discard:
+            self.store.drop_recovered(version)
+        ssd.forget_recovered(discard)
+        log.info("recovered %d files (%s) from %s in %.2f s; discarded %d", restored, format_size(restored_bytes),
+                 ssd.directory, time.monotonic() - started, len(discard))
+
+    # Capacity ------------------------------------------------------------------------------
 
     async def collect_orphans(self) -> int:
         removed = await self.master.call(m.CollectOrphans())
@@ -250,31 +323,64 @@ class Node:
 
     def _drop(self, versions: Iterable[int]) -> None:
         for version in versions:
-            self.dram.drop(version)
+            self.store.drop(version)
 
     async def stats(self) -> NodeStats:
+        """Capacity as statfs reports it: the largest tier that holds every file (SSD when present)."""
         master = await self.master.call(m.Stats())
-        return NodeStats(self.dram.capacity, self.dram.used, master.inodes, master.files)
+        tier = self.store.ssd if self.store.ssd is not None else self.store.dram
+        return NodeStats(tier.capacity, tier.used, master.inodes, master.files)
 
     # Extended attributes ---------------------------------------------------------------
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:
+        if ino == ROOT_INO and name == ROOT_STATS:
+            return json.dumps(self.store_stats(), sort_keys=True).encode()
         if name.startswith(VIRTUAL_PREFIX):
             return await self._virtual_xattr(ino, name)
         return (await self.master.call(m.GetXattr(ino, name))).value
 
     async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+        if ino == ROOT_INO and name == ROOT_CONTROL:
+            return await self._control(value.decode(errors="replace").strip())
         if name.startswith(VIRTUAL_PREFIX):
             raise StorageError(errno.EPERM, f"xattr {name!r} is read-only (maintained by kvfs)")
         await self.master.call(m.SetXattr(ino, name, value))
+        await self._refresh_file_record(ino)
 
     async def removexattr(self, ino: int, name: bytes) -> None:
         if name.startswith(VIRTUAL_PREFIX):
             raise StorageError(errno.EPERM, f"xattr {name!r} is read-only (maintained by kvfs)")
         await self.master.call(m.RemoveXattr(ino, name))
+        await self._refresh_file_record(ino)
+
+    async def _refresh_file_record(self, ino: int) -> None:
+        attr = await self.master.call(m.GetAttr(ino))
+        if attr.version:
+            await self.store.refresh_record(attr.version)
+
+    async def _control(self, command: str) -> None:
+        if command == "sync":
+            await self.store.wait_offloaded()
+        elif command == "drop-dram":
+            demoted = self.store.demote_all()
+            log.info("control: dropped the DRAM copies of %d files already on SSD", demoted)
+        else:
+            raise StorageError(errno.EINVAL, f"unknown control command {command!r} (sync, drop-dram)")
+
+    def store_stats(self) -> dict[str, float]:
+        stats = asdict(self.store.stats)
+        stats.update(dram_capacity=self.store.dram.capacity, dram_used=self.store.dram.used,
+                     evicted_files=self.evicted_files)
+        if self.store.ssd is not None:
+            stats.update(ssd_capacity=self.store.ssd.capacity, ssd_used=self.store.ssd.used)
+        return stats
+
 
     async def listxattr(self, ino: int) -> list[bytes]:
         names = (await self.master.call(m.ListXattr(ino))).names
+        if ino == ROOT_INO:
+            return names + [ROOT_STATS]
         attr = await self.getattr(ino)
         return names + list(VIRTUAL_XATTRS) if attr.version else names
 
@@ -284,14 +390,15 @@ class Node:
             raise StorageError(errno.ENODATA, f"no xattr {name!r} on inode {ino}")
         info: m.VersionInfo = await self.master.call(m.GetVersion(attr.version))
         values = {
-            b"user.kvfs.tier": info.tier if info.version in self.dram else "none",
+            b"user.kvfs.tier": self.store.tier_of(info.version),
             b"user.kvfs.size": str(attr.size),
             b"user.kvfs.version": str(info.version),
             b"user.kvfs.sealed": "yes" if info.sealed else "no",
-            b"user.kvfs.chunks": str(len(info.checksums) if info.sealed else -(-attr.size // self.dram.chunk_size)),
+            b"user.kvfs.chunks": str(len(info.checksums) if info.sealed else -(-attr.size // self.chunk_size)),
             b"user.kvfs.checksum": ",".join(format_checksum(c) for c in info.checksums),
             b"user.kvfs.hits": str(info.hits),
             b"user.kvfs.last_access_ns": str(info.last_access_ns),
             b"user.kvfs.node": str(info.node),
+            b"user.kvfs.ssd_extents": self.store.describe_extents(info.version),
         }
         return values[name].encode()

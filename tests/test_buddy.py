@@ -87,3 +87,20 @@ def test_rejects_bad_sizes() -> None:
         allocator.allocate(0)
     with pytest.raises(ValueError):
         allocator.allocate(4 * MiB + 1)
+
+
+def test_reserve_rebuilds_allocations_after_restart() -> None:
+    before = BuddyAllocator(16 * MiB, 4096, 4 * MiB)
+    blocks = [(before.allocate(size), size) for size in (4 * MiB, 8192, 1 * MiB, 4096, 3 * MiB)]
+    after = BuddyAllocator(16 * MiB, 4096, 4 * MiB)
+    for offset, size in reversed(blocks):
+        assert after.reserve(offset, size)
+    after.check()
+    assert after.used == before.used
+    assert not after.reserve(blocks[0][0], 4096)  # already taken
+    assert not after.reserve(4096 + 1, 4096)  # misaligned
+    assert not after.reserve(16 * MiB, 4096)  # out of range
+    for offset, _ in blocks:
+        after.free(offset)
+    after.check()
+    assert after.used == 0

@@ -65,6 +65,10 @@ class MetadataService:
             m.RemoveXattr: self._removexattr,
             m.GetVersion: self._get_version,
             m.Reclaim: self._reclaim,
+            m.Offloaded: self._offloaded,
+            m.GetRecord: self._get_record,
+            m.Lost: self._lost,
+            m.Restore: self._restore,
             m.CollectOrphans: self._collect_orphans,
             m.Stats: self._stats,
         }
@@ -225,7 +229,21 @@ class MetadataService:
                 self._remove_file(target, now, dropped)
         self.ns.detach(source, now)
         self._link(new_parent, req.name_new, source, now)
-        return m.Done(dropped)
+        return m.Done(dropped, self._files_on_disk(source))
+
+    def _files_on_disk(self, inode: Inode) -> list[int]:
+        """Current versions on SSD at or below an inode (their recorded paths change with it)."""
+        found: list[int] = []
+        stack = [inode]
+        while stack:
+            node = stack.pop()
+            if node.children is not None:
+                stack.extend(self.ns.inodes[ino] for ino, _ in node.children.values())
+                continue
+            version = self.objects.versions.get(node.version)
+            if version is not None and version.on_disk:
+                found.append(version.version)
+        return found
 
     def _readdir(self, req: m.ReadDir) -> m.Listing:
         directory = self.ns.directory(req.ino)
@@ -295,8 +313,8 @@ class MetadataService:
 
     def _get_version(self, req: m.GetVersion) -> m.VersionInfo:
         v = self.objects.get(req.version)
-        return m.VersionInfo(v.version, v.ino, v.size, v.sealed, v.node, v.tier, v.checksums, v.hits,
-                             v.last_access_ns, v.readers, v.writers)
+        return m.VersionInfo(v.version, v.ino, v.size, v.sealed, v.node, v.checksums, v.hits,
+                             v.last_access_ns, v.readers, v.writers, v.on_disk)
 
     # Extended attributes ---------------------------------------------------------------
 
@@ -333,11 +351,13 @@ class MetadataService:
 
     # Capacity --------------------------------------------------------------------------
 
-    def _evictable(self, inode: Inode | None, node: int) -> FileVersion | None:
+    def _evictable(self, inode: Inode | None, node: int, tier: str) -> FileVersion | None:
         if inode is None or not inode.linked:
             return None
         version = self.objects.versions.get(inode.version)
         if version is None or not version.sealed or version.in_use or version.node != node:
+            return None
+        if version.on_disk != (tier == "disk"):
             return None
         return version
 
@@ -348,7 +368,7 @@ class MetadataService:
             if freed >= req.nbytes:
                 break
             inode = self.ns.inodes.get(ino)
-            version = self._evictable(inode, req.node)
+            version = self._evictable(inode, req.node, req.tier)
             if version is not None:
                 victims.append(inode)  # type: ignore[arg-type]
                 freed += max(version.size, 1)
@@ -372,6 +392,65 @@ class MetadataService:
             entries.append((inode.parent, inode.name))
             self._remove_file(inode, now, dropped)
         return m.Removed(dropped, entries, freed)
+
+    def _offloaded(self, req: m.Offloaded) -> m.Done:
+        for version_id in req.versions:
+            version = self.objects.versions.get(version_id)
+            if version is not None:
+                version.on_disk = True
+        return m.Done()
+
+    def _get_record(self, req: m.GetRecord) -> m.FileRecord:
+        version = self.objects.get(req.version)
+        inode = self.ns.inodes.get(version.ino)
+        if inode is None or not inode.linked or not version.current:
+            raise MetadataError(errno.ENOENT, f"version {req.version} is no longer a file's content")
+        path: list[bytes] = []
+        node = inode
+        while node.ino != ROOT_INO:
+            path.append(node.name)
+            node = self.ns.inodes[node.parent]
+        path.reverse()
+        return m.FileRecord(path, version.size, inode.mode, inode.uid, inode.gid, inode.mtime_ns, dict(inode.xattrs))
+
+    def _lost(self, req: m.Lost) -> m.Removed:
+        version = self.objects.versions.get(req.version)
+        inode = self.ns.inodes.get(version.ino) if version is not None else None
+        if version is None or inode is None or not inode.linked or inode.version != version.version:
+            dropped: list[int] = []
+            if version is not None:
+                self.objects.retire(version, dropped)
+            return m.Removed(dropped, [], 0)
+        return self._remove_files([inode], version.size)
+
+    def _restore(self, req: m.Restore) -> m.Restored:
+        record = req.record
+        now = self.clock.wall_ns()
+        directory = self.ns.inodes[ROOT_INO]
+        for name in record.path[:-1]:
+            child = self.ns.lookup(directory.ino, name)
+            if child is None:
+                child = self.ns.new_inode(stat.S_IFDIR | 0o755, self.settings.root_uid, self.settings.root_gid, now,
+                                          directory=True)
+                self._link(directory, name, child, now)
+            elif not child.is_dir:
+                return m.Restored(False, [req.version])
+            directory = child
+        name = record.path[-1]
+        dropped: list[int] = []
+        existing = self.ns.lookup(directory.ino, name)
+        if existing is not None:
+            if existing.is_dir or existing.version > req.version:
+                return m.Restored(False, [req.version])
+            self._remove_file(existing, now, dropped)  # an older version of the same name
+        inode = self.ns.new_inode(record.mode, record.uid, record.gid, record.mtime_ns, directory=False)
+        inode.xattrs = dict(record.xattrs)
+        version = self.objects.restore(req.version, inode.ino, req.node, record.size, req.checksums)
+        inode.version = version.version
+        self._link(directory, name, inode, now)
+        inode.mtime_ns = inode.ctime_ns = record.mtime_ns
+        self.policy.insert(inode.ino, record.size, self.clock.monotonic())
+        return m.Restored(True, dropped)
 
     def _stats(self, req: m.Stats) -> m.MasterStats:
         return m.MasterStats(len(self.ns.inodes), self.ns.files, self.objects.sealed_bytes)

@@ -40,12 +40,24 @@ class VersionInfo(msgspec.Struct):
     size: int
     sealed: bool
     node: int
-    tier: str
     checksums: list[int]
     hits: int
     last_access_ns: int
     readers: int
     writers: int
+    on_disk: bool = False
+
+
+class FileRecord(msgspec.Struct):
+    """What a node's SSD index keeps of a file, to rebuild the namespace after a restart."""
+
+    path: list[bytes]
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    xattrs: dict[bytes, bytes]
 
 
 # Requests ---------------------------------------------------------------------------
@@ -172,10 +184,38 @@ class GetVersion(Request):
 
 
 class Reclaim(Request):
-    """Evicts whole files stored on `node` until `nbytes` are freed (or nothing is evictable)."""
+    """Evicts whole files stored on `node` until `nbytes` are freed (or nothing is evictable).
+
+    tier "dram": files whose only copy is in DRAM; tier "disk": files on the node's SSD."""
 
     node: int
     nbytes: int
+    tier: str = "dram"
+
+
+class Offloaded(Request):
+    """These versions are now safe on the node's SSD."""
+
+    versions: list[int]
+
+
+class GetRecord(Request):
+    version: int
+
+
+class Lost(Request):
+    """The node found the only copy of a version corrupt: the file must go."""
+
+    version: int
+
+
+class Restore(Request):
+    """Recovery: a sealed file found in a node's SSD index re-enters the namespace."""
+
+    version: int
+    node: int
+    record: FileRecord
+    checksums: list[int]
 
 
 class CollectOrphans(Request):
@@ -190,9 +230,11 @@ class Stats(Request):
 
 
 class Done(msgspec.Struct):
-    """A mutation's result: versions whose data the owning node must now free."""
+    """A mutation's result: versions whose data the owning node must now free, and
+    versions on SSD whose index records must be rewritten (their path changed)."""
 
     dropped: list[int] = []
+    relocated: list[int] = []
 
 
 class Entry(msgspec.Struct):
@@ -227,6 +269,11 @@ class XattrValue(msgspec.Struct):
 
 class XattrNames(msgspec.Struct):
     names: list[bytes]
+
+
+class Restored(msgspec.Struct):
+    kept: bool  # False: a newer version of the same path won
+    dropped: list[int]
 
 
 class MasterStats(msgspec.Struct):

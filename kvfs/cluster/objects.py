@@ -24,7 +24,7 @@ class FileVersion:
     readers: int = 0
     writers: int = 0
     checksums: list[int] = field(default_factory=list)
-    tier: str = "dram"
+    on_disk: bool = False  # a copy is safe on the node's SSD
     hits: int = 0
     last_access_ns: int = 0
 
@@ -49,6 +49,14 @@ class ObjectDirectory:
         version = FileVersion(self._next_version, ino, node)
         self._next_version += 1
         self.versions[version.version] = version
+        return version
+
+    def restore(self, version_id: int, ino: int, node: int, size: int, checksums: list[int]) -> FileVersion:
+        """A sealed version found on a node's SSD after a restart keeps its id."""
+        version = FileVersion(version_id, ino, node, on_disk=True)
+        self.versions[version_id] = version
+        self._next_version = max(self._next_version, version_id + 1)
+        self.seal(version, size, checksums)
         return version
 
     def seal(self, version: FileVersion, size: int, checksums: list[int]) -> None:

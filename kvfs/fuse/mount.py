@@ -11,6 +11,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import pyfuse3
@@ -24,11 +25,15 @@ from kvfs.errors import KvfsError
 from kvfs.fuse.operations import KvfsOperations
 from kvfs.node import Node
 from kvfs.policy import make_policy
+from kvfs.disk.engine import AlignedIo, open_engine
+from kvfs.disk.tier import SsdTier
 from kvfs.store.dram import DramTier
+from kvfs.store.tiered import TieredStore, TierSettings
 
 log = logging.getLogger("kvfs.mount")
 
 FUSECTL = "/sys/fs/fuse/connections"
+SHUTDOWN_FLUSH_S = 120
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,17 @@ class Daemon:
                                   root_uid=os.getuid(), root_gid=os.getgid())
         self.service = MetadataService(clock, make_policy(config.eviction_policy), settings)
         self.dram = DramTier(config.dram_bytes, populate=True)
-        self.node = Node(EmbeddedMaster(self.service), self.dram, clock, forget_entries=self._forget_entries)
+        self.engine: AlignedIo | None = None
+        ssd = None
+        if config.disk_path is not None:
+            self.engine = open_engine(regions=[self.dram.arena.view])
+            ssd = SsdTier(Path(config.disk_path), config.disk_bytes, self.engine, self.dram.chunk_size, config.direct_io)
+            log.info("SSD tier: %s in %s (%s I/O, %s offload)", format_size(ssd.capacity), config.disk_path,
+                     self.engine.kind, config.offload)
+        tier_settings = TierSettings(config.offload, config.high_watermark, config.low_watermark,
+                                     config.backpressure_timeout_s, config.eviction_policy)
+        self.store = TieredStore(self.dram, ssd, tier_settings)
+        self.node = Node(EmbeddedMaster(self.service), self.store, clock, forget_entries=self._forget_entries)
         self.operations = KvfsOperations(self.node, config)
 
     @staticmethod
@@ -123,6 +138,8 @@ class Daemon:
     def run(self, on_ready: Callable[[], None] = lambda: None) -> None:
         mountpoint = self.config.mountpoint
         prepare_mountpoint(mountpoint)
+        if self.store.ssd is not None:
+            trio.run(self.node.recover, self.config.temp_suffix.encode())
         options = set(pyfuse3.default_options) | {"fsname=kvfs", "subtype=kvfs", "noatime"}
         if self.config.allow_other and os.getuid() == 0:
             options.add("allow_other")
@@ -137,15 +154,35 @@ class Daemon:
         finally:
             pyfuse3.close(unmount=True)
             log.info("unmounted %s", mountpoint)
+            if self.store.ssd is not None:
+                self.store.ssd.close()
+            if self.engine is not None:
+                self.engine.close()
 
     async def _serve(self, on_ready: Callable[[], None]) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_on_signal)
             nursery.start_soon(self.operations.run_forgetter)
             nursery.start_soon(self._collect_orphans)
+            if self.engine is not None:
+                await nursery.start(self.engine.run)
+                nursery.start_soon(self.store.run)
             nursery.start_soon(trio.to_thread.run_sync, self._confirm_mounted, on_ready, trio.lowlevel.current_trio_token())
             await pyfuse3.main(max_tasks=self.config.max_tasks)
+            await self._flush_to_disk()
             nursery.cancel_scope.cancel()
+
+    async def _flush_to_disk(self) -> None:
+        """On a clean stop, copies what is only in DRAM to SSD so that a restart finds it."""
+        if self.store.ssd is None:
+            return
+        pending = self.store.queue_all_dram_only()
+        if pending:
+            log.info("stopping: copying %d files still only in DRAM to %s", pending, self.store.ssd.directory)
+        with trio.move_on_after(SHUTDOWN_FLUSH_S) as scope:
+            await self.store.wait_offloaded()
+        if scope.cancelled_caught:
+            log.warning("stopping: offload did not finish within %d s; files only in DRAM are lost", SHUTDOWN_FLUSH_S)
 
     async def _stop_on_signal(self) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -216,7 +216,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     @fuse_handler
     async def fsync(self, fh: int, datasync: bool) -> None:
-        self.files.get(fh)
+        await self.node.fsync(self.files.get(fh))
 
     @fuse_handler
     async def release(self, fh: int) -> None:

@@ -63,6 +63,34 @@ class BuddyAllocator:
         self.used += self.block_size(order)
         return offset
 
+    def reserve(self, offset: int, size: int) -> bool:
+        """Marks the block of `size` bytes at `offset` allocated (rebuilding state on
+        restart). False if it is misaligned, out of range or overlaps an allocation."""
+        order = _order_for(size, self.min_block)
+        block = self.block_size(order)
+        if size <= 0 or size > self.max_block or offset % block or offset + block > self.capacity:
+            return False
+        containing = order
+        while containing <= self.max_order:
+            start = offset - offset % self.block_size(containing)
+            if start in self._free[containing]:
+                break
+            containing += 1
+        else:
+            return False
+        self._free[containing].remove(start)
+        while containing > order:  # split, keeping the half that holds offset
+            containing -= 1
+            half = self.block_size(containing)
+            if offset >= start + half:
+                self._free[containing].add(start)
+                start += half
+            else:
+                self._free[containing].add(start + half)
+        self._allocated[offset] = order
+        self.used += block
+        return True
+
     def free(self, offset: int) -> None:
         order = self._allocated.pop(offset)
         self.used -= self.block_size(order)

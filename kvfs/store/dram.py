@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from kvfs.checksum import chunk_checksum
 from kvfs.errors import NoSpace
-from kvfs.store.arena import Arena
+from kvfs.store.arena import PAGE_SIZE, Arena
 
 CHUNK_SIZE = 4 << 20
 
@@ -155,6 +155,44 @@ class DramTier:
             self.arena.shrink(extent.offset, length)
             checksums.append(chunk_checksum(self.arena.view[extent.offset : extent.offset + length]))
         return checksums
+
+    def adopt(self, version: int, lengths: list[int]) -> list[memoryview]:
+        """Allocates a sealed version's chunks for bytes that will be read into them
+        (promotion from SSD); returns a writable view per chunk, rounded up to whole
+        pages. Raises NoSpace with nothing allocated."""
+        extents: list[Extent | None] = []
+        for length in lengths:
+            block = self.arena.allocate(length)
+            if block is None:
+                for extent in extents:
+                    assert extent is not None
+                    self.arena.free(extent.offset)
+                raise NoSpace(f"DRAM tier full ({self.used} of {self.capacity} bytes used)")
+            extents.append(Extent(block, length))
+        self._versions[version] = extents
+        return [self.block_view(version, index) for index in range(len(lengths))]
+
+    def block_view(self, version: int, index: int) -> memoryview:
+        """The whole page-rounded block of one chunk (for I/O straight from or into the arena)."""
+        extent = self._versions[version][index]
+        assert extent is not None
+        length = -(-extent.filled // PAGE_SIZE) * PAGE_SIZE
+        return self.arena.view[extent.offset : extent.offset + length]
+
+    def materialize(self, version: int, size: int) -> None:
+        """Gives every chunk of a sealed version a block (holes become zeroed blocks), so
+        that it can be written out chunk by chunk. Raises NoSpace."""
+        extents = self._versions[version]
+        for index in range(chunk_count(size, self.chunk_size)):
+            if index >= len(extents):
+                extents.append(None)
+            if extents[index] is None:
+                length = min(self.chunk_size, size - index * self.chunk_size)
+                block = self.arena.allocate(length)
+                if block is None:
+                    raise NoSpace(f"DRAM tier full ({self.used} of {self.capacity} bytes used)")
+                self.arena.zero(block, length)
+                extents[index] = Extent(block, length)
 
     def stored_bytes(self, version: int) -> int:
         return sum(self.arena.allocator.size_of(e.offset) for e in self._versions.get(version, ()) if e is not None)

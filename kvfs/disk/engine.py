@@ -1,0 +1,354 @@
+"""Asynchronous file I/O for trio: io_uring, with a thread-pool fallback.
+
+Callers read into and write from any buffer at any offset; the engine handles
+O_DIRECT's 4 KiB alignment itself. Aligned requests on aligned memory go
+straight to the kernel (as fixed-buffer operations when the memory was
+registered, e.g. the DRAM arena); others are bounced through registered staging
+buffers, with read-modify-write for partial pages.
+
+The io_uring engine needs no thread per request: requests queue SQEs, one
+`io_uring_submit` covers every request made in the same scheduler tick, and a
+single task waits on an eventfd registered with the ring for completions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import mmap
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import trio
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096
+STAGING_SIZE = 4 << 20
+STAGING_COUNT = 8
+MAX_REGISTERED_PIECE = 1 << 30  # the kernel's limit for one fixed buffer
+
+
+def _address(buffer: memoryview) -> int | None:
+    """The address of a writable buffer (None for read-only memory)."""
+    if buffer.readonly:
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+def _is_direct(fd: int) -> bool:
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+@dataclass
+class _Region:
+    start: int
+    length: int
+    index: int  # fixed-buffer index
+
+
+class AlignedIo:
+    """Alignment handling shared by both engines; subclasses move aligned bytes."""
+
+    kind = "abstract"
+
+    def __init__(self) -> None:
+        self._staging_map = mmap.mmap(-1, STAGING_SIZE * STAGING_COUNT)
+        staging = memoryview(self._staging_map)
+        self._staging_free = [staging[i * STAGING_SIZE : (i + 1) * STAGING_SIZE] for i in range(STAGING_COUNT)]
+        self._staging_limit = trio.Semaphore(STAGING_COUNT)
+        self._direct_cache: dict[int, bool] = {}
+
+    # Subclasses implement these on aligned (or non-O_DIRECT) requests.
+    async def _readv(self, fd: int, offset: int, buffer: memoryview) -> int:
+        raise NotImplementedError
+
+    async def _writev(self, fd: int, offset: int, buffer: memoryview) -> int:
+        raise NotImplementedError
+
+    async def fsync(self, fd: int) -> None:
+        raise NotImplementedError
+
+    def forget_fd(self, fd: int) -> None:
+        self._direct_cache.pop(fd, None)
+
+    def _needs_alignment(self, fd: int) -> bool:
+        direct = self._direct_cache.get(fd)
+        if direct is None:
+            direct = self._direct_cache[fd] = _is_direct(fd)
+        return direct
+
+    @staticmethod
+    def _aligned(offset: int, buffer: memoryview) -> bool:
+        address = _address(buffer)
+        return address is not None and (offset | len(buffer) | address) % ALIGN == 0
+
+    async def read_into(self, fd: int, offset: int, buffer: memoryview) -> int:
+        """Reads up to len(buffer) bytes at offset; fewer only at end of file."""
+        buffer = memoryview(buffer).cast("B")
+        if not self._needs_alignment(fd) or self._aligned(offset, buffer):
+            return await self._full(self._readv, fd, offset, buffer)
+        done = 0
+        async with self._staging() as staging:
+            while done < len(buffer):
+                start = offset + done
+                aligned_start = start - start % ALIGN
+                want = min(len(buffer) - done, len(staging) - (start - aligned_start))
+                aligned_end = -(-(start + want) // ALIGN) * ALIGN
+                got = await self._full(self._readv, fd, aligned_start, staging[: aligned_end - aligned_start])
+                usable = max(0, min(want, got - (start - aligned_start)))
+                buffer[done : done + usable] = staging[start - aligned_start : start - aligned_start + usable]
+                done += usable
+                if usable < want:
+                    break
+        return done
+
+    async def write_from(self, fd: int, offset: int, data: memoryview | bytes) -> int:
+        """Writes all of data at offset."""
+        data = memoryview(data).cast("B")
+        if not self._needs_alignment(fd) or self._aligned(offset, data):
+            return await self._full(self._writev, fd, offset, data)
+        size_before = os.fstat(fd).st_size
+        done = 0
+        async with self._staging() as staging:
+            while done < len(data):
+                start = offset + done
+                aligned_start = start - start % ALIGN
+                length = min(len(data) - done, len(staging) - (start - aligned_start))
+                aligned_end = -(-(start + length) // ALIGN) * ALIGN
+                window = staging[: aligned_end - aligned_start]
+                # Read-modify-write of the partial pages at either end.
+                if start != aligned_start or (start + length) % ALIGN:
+                    got = await self._full(self._readv, fd, aligned_start, window)
+                    window[got:] = bytes(len(window) - got)
+                window[start - aligned_start : start - aligned_start + length] = data[done : done + length]
+                await self._full(self._writev, fd, aligned_start, window)
+                done += length
+        end = offset + len(data)
+        if end > size_before and end % ALIGN:
+            os.ftruncate(fd, end)  # the last page was written whole: trim back to the logical end
+        return done
+
+    async def _full(self, operation: Callable, fd: int, offset: int, buffer: memoryview) -> int:
+        """Repeats an operation until the buffer is done or it hits end of file."""
+        done = 0
+        while done < len(buffer):
+            count = await operation(fd, offset + done, buffer[done:])
+            if count == 0:
+                break
+            done += count
+        return done
+
+    def _staging(self) -> "_StagingLease":
+        return _StagingLease(self)
+
+
+class _StagingLease:
+    def __init__(self, engine: AlignedIo) -> None:
+        self.engine = engine
+
+    async def __aenter__(self) -> memoryview:
+        await self.engine._staging_limit.acquire()
+        self.buffer = self.engine._staging_free.pop()
+        return self.buffer
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.engine._staging_free.append(self.buffer)
+        self.engine._staging_limit.release()
+
+
+@dataclass
+class _Pending:
+    done: trio.Event = field(default_factory=trio.Event)
+    result: int = 0
+    keep: object = None  # the Iovec must live until the kernel is done with it
+
+
+class UringEngine(AlignedIo):
+    """io_uring driven from trio: batched submissions, eventfd completions, fixed buffers."""
+
+    kind = "io_uring"
+
+    def __init__(self, entries: int = 256, regions: list[memoryview] = ()) -> None:  # type: ignore[assignment]
+        import liburing as u
+
+        super().__init__()
+        self._u = u
+        self._ring = u.Ring()
+        self._cqe = u.Cqe()
+        u.io_uring_queue_init(entries, self._ring)
+        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        u.io_uring_register_eventfd(self._ring, self._efd)
+        self._pending: dict[int, _Pending] = {}
+        self._next_token = 1
+        self._unsubmitted = 0
+        self._regions: list[_Region] = []
+        self._register([memoryview(self._staging_map)] + list(regions))
+        self._closed = False
+
+    def _register(self, regions: list[memoryview]) -> None:
+        pieces = []
+        for region in regions:
+            region = region.cast("B")
+            for start in range(0, len(region), MAX_REGISTERED_PIECE):
+                pieces.append(region[start : start + MAX_REGISTERED_PIECE])
+        try:
+            self._registered = self._u.Iovec(pieces)
+            result = self._u.io_uring_register_buffers(self._ring, self._registered)
+            if result is not None and result < 0:
+                raise OSError(-result, os.strerror(-result))
+        except OSError as error:
+            log.warning("cannot register fixed buffers (%s); using plain reads and writes", error.strerror)
+            return
+        for index, piece in enumerate(pieces):
+            self._regions.append(_Region(_address(piece) or 0, len(piece), index))
+
+    def _fixed_index(self, buffer: memoryview) -> int | None:
+        address = _address(buffer)
+        if address is None:
+            return None
+        for region in self._regions:
+            if region.start <= address and address + len(buffer) <= region.start + region.length:
+                return region.index
+        return None
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Delivers completions; runs in the node's nursery for the engine's lifetime."""
+        task_status.started()
+        u = self._u
+        while True:
+            await trio.lowlevel.wait_readable(self._efd)
+            try:
+                os.eventfd_read(self._efd)
+            except BlockingIOError:
+                pass
+            while True:
+                try:
+                    u.io_uring_peek_cqe(self._ring, self._cqe)
+                except BlockingIOError:
+                    break
+                entry = self._cqe[0]
+                try:
+                    result = entry.res
+                except OSError as error:  # the binding raises for a negative result
+                    result = -(error.errno or errno.EIO)
+                pending = self._pending.pop(entry.user_data, None)
+                if pending is not None:
+                    pending.result = result
+                    pending.done.set()
+                u.io_uring_cqe_seen(self._ring, entry)
+
+    async def _submit(self, prepare: Callable[[object], object]) -> int:
+        u = self._u
+        sqe = u.io_uring_get_sqe(self._ring)
+        if sqe is None:  # the submission queue is full: flush it
+            u.io_uring_submit(self._ring)
+            self._unsubmitted = 0
+            sqe = u.io_uring_get_sqe(self._ring)
+        token = self._next_token
+        self._next_token += 1
+        pending = self._pending[token] = _Pending()
+        pending.keep = prepare(sqe)
+        sqe.user_data = token
+        self._unsubmitted += 1
+        try:
+            await trio.lowlevel.checkpoint()  # other tasks of this tick add their requests
+            if self._unsubmitted:
+                u.io_uring_submit(self._ring)
+                self._unsubmitted = 0
+            await pending.done.wait()
+        except trio.Cancelled:
+            with trio.CancelScope(shield=True):  # the kernel may still touch the buffer
+                if not pending.done.is_set():
+                    await self._cancel(token)
+                    await pending.done.wait()
+            raise
+        if pending.result < 0:
+            raise OSError(-pending.result, os.strerror(-pending.result))
+        return pending.result
+
+    async def _cancel(self, token: int) -> None:
+        u = self._u
+        sqe = u.io_uring_get_sqe(self._ring)
+        if sqe is None:
+            u.io_uring_submit(self._ring)
+            sqe = u.io_uring_get_sqe(self._ring)
+        u.io_uring_prep_cancel64(sqe, token)
+        sqe.user_data = 0
+        u.io_uring_submit(self._ring)
+        self._unsubmitted = 0
+
+    async def _readv(self, fd: int, offset: int, buffer: memoryview) -> int:
+        u, index = self._u, self._fixed_index(buffer)
+
+        def prepare(sqe: object) -> object:
+            iovec = u.Iovec([buffer])
+            if index is None:
+                u.io_uring_prep_readv(sqe, fd, iovec, offset)
+            else:
+                u.io_uring_prep_readv_fixed(sqe, fd, iovec, index, offset)
+            return iovec
+
+        return await self._submit(prepare)
+
+    async def _writev(self, fd: int, offset: int, buffer: memoryview) -> int:
+        u, index = self._u, self._fixed_index(buffer)
+
+        def prepare(sqe: object) -> object:
+            iovec = u.Iovec([buffer])
+            if index is None:
+                u.io_uring_prep_writev(sqe, fd, iovec, offset)
+            else:
+                u.io_uring_prep_writev_fixed(sqe, fd, iovec, index, offset)
+            return iovec
+
+        return await self._submit(prepare)
+
+    async def fsync(self, fd: int) -> None:
+        u = self._u
+        await self._submit(lambda sqe: u.io_uring_prep_fsync(sqe, fd, u.IORING_FSYNC_DATASYNC))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._u.io_uring_queue_exit(self._ring)
+            os.close(self._efd)
+
+
+class ThreadEngine(AlignedIo):
+    """pread/pwrite in worker threads: only where io_uring is unavailable."""
+
+    kind = "threads"
+
+    def __init__(self, regions: list[memoryview] = ()) -> None:  # type: ignore[assignment]
+        super().__init__()
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.sleep_forever()
+
+    async def _readv(self, fd: int, offset: int, buffer: memoryview) -> int:
+        return await trio.to_thread.run_sync(os.preadv, fd, [buffer], offset)
+
+    async def _writev(self, fd: int, offset: int, buffer: memoryview) -> int:
+        return await trio.to_thread.run_sync(os.pwritev, fd, [buffer], offset)
+
+    async def fsync(self, fd: int) -> None:
+        await trio.to_thread.run_sync(os.fdatasync, fd)
+
+    def close(self) -> None:
+        pass
+
+
+def open_engine(regions: list[memoryview] = (), prefer_uring: bool = True) -> AlignedIo:  # type: ignore[assignment]
+    """io_uring where the kernel allows it; otherwise threads, with one log line saying why."""
+    if prefer_uring:
+        try:
+            return UringEngine(regions=regions)
+        except (ImportError, OSError) as error:
+            reason = getattr(error, "strerror", None) or str(error)
+            log.warning("io_uring unavailable (%s); using a thread pool for SSD I/O", reason)
+    return ThreadEngine(regions)

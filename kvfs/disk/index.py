@@ -1,0 +1,89 @@
+"""The lmdb index of the SSD tier: which file versions are on disk, and where.
+
+A record is written only after its chunks are on disk and synced, and deleted
+before its extents are freed, so after a crash at any point the index points
+only at complete, checksummed data. Each record carries the file's path and
+attributes, so that a restart can rebuild the namespace from the index alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import lmdb
+import msgspec
+
+LAYOUT_VERSION = 1
+
+
+class DiskRecord(msgspec.Struct):
+    version: int
+    path: list[bytes]  # names from the root
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    xattrs: dict[bytes, bytes]
+    chunks: list[tuple[int, int, int]]  # (tier offset, length, xxh3-64)
+
+
+class LayoutMeta(msgspec.Struct):
+    layout: int
+    chunk_size: int
+    segment_size: int
+
+
+def _key(version: int) -> bytes:
+    return version.to_bytes(8, "big")
+
+
+class DiskIndex:
+    def __init__(self, path: Path, map_size: int = 1 << 30) -> None:
+        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=2, sync=True, metasync=True)
+        self._files = self.env.open_db(b"files")
+        self._meta = self.env.open_db(b"meta")
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode_record = msgspec.msgpack.Decoder(DiskRecord).decode
+
+    def layout(self) -> LayoutMeta | None:
+        with self.env.begin(db=self._meta) as txn:
+            raw = txn.get(b"layout")
+        return None if raw is None else msgspec.msgpack.decode(raw, type=LayoutMeta)
+
+    def set_layout(self, meta: LayoutMeta) -> None:
+        with self.env.begin(db=self._meta, write=True) as txn:
+            txn.put(b"layout", self._encode(meta))
+
+    def put(self, records: list[DiskRecord]) -> None:
+        """Stores records durably (one transaction, synced on commit)."""
+        with self.env.begin(db=self._files, write=True) as txn:
+            for record in records:
+                txn.put(_key(record.version), self._encode(record))
+
+    def delete(self, versions: list[int]) -> None:
+        with self.env.begin(db=self._files, write=True) as txn:
+            for version in versions:
+                txn.delete(_key(version))
+
+    def count(self) -> int:
+        with self.env.begin(db=self._files) as txn:
+            return txn.stat(self._files)["entries"]
+
+    def records(self) -> Iterator[DiskRecord | bytes]:
+        """Every record; a record that does not decode is yielded as its raw key."""
+        with self.env.begin(db=self._files) as txn:
+            for key, value in txn.cursor():
+                try:
+                    yield self._decode_record(value)
+                except msgspec.DecodeError:
+                    yield bytes(key)
+
+    def delete_keys(self, keys: list[bytes]) -> None:
+        with self.env.begin(db=self._files, write=True) as txn:
+            for key in keys:
+                txn.delete(key)
+
+    def close(self) -> None:
+        self.env.close()

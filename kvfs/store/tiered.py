@@ -1,0 +1,475 @@
+"""A node's storage: the DRAM tier, the optional SSD tier, and the movement between them.
+
+New versions land in DRAM and are served from there at once. A background
+offloader copies sealed versions to SSD (eagerly, or when DRAM use passes a high
+watermark); when DRAM needs room it drops the DRAM copies of versions already
+safe on SSD (demotion), least valuable first. Writers wait, bounded, for the
+offloader rather than fail; only when nothing can be demoted, offloaded or
+evicted does a write get ENOSPC. A version read from SSD is verified chunk by
+chunk and served from a read buffer; on its second touch it is promoted back
+into DRAM. Whole-file eviction (the file leaves the namespace) is decided by the
+master and requested through the owner's `reclaim`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import trio
+
+from kvfs.disk.index import DiskRecord
+from kvfs.disk.tier import CorruptChunk, SsdTier, rounded
+from kvfs.errors import NoSpace, StorageError
+from kvfs.policy import make_policy
+from kvfs.store.dram import DramTier, chunk_count
+
+log = logging.getLogger(__name__)
+
+OFFLOAD_BATCH_FILES = 16
+OFFLOAD_BATCH_BYTES = 128 << 20
+
+
+class StoreOwner(Protocol):
+    """What the store needs from its node: the master's decisions."""
+
+    async def reclaim(self, tier: str, nbytes: int) -> bool:
+        """Evicts whole files from `tier` ('dram' or 'disk'); True if any went."""
+
+    async def describe(self, version: int) -> DiskRecord | None:
+        """The index record (path, attributes) of a version, None if it is no longer a file."""
+
+    async def offloaded(self, versions: list[int]) -> None:
+        """These versions are now safe on SSD."""
+
+    async def lost(self, version: int) -> None:
+        """This version's only copy is corrupt: the file must disappear."""
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    offload: str = "eager"  # or "watermark"
+    high_watermark: float = 0.9
+    low_watermark: float = 0.7
+    backpressure_timeout_s: float = 30.0
+    eviction_policy: str = "lru"
+
+
+@dataclass
+class StoreStats:
+    offloaded_files: int = 0
+    offloaded_bytes: int = 0
+    demoted_files: int = 0
+    promoted_files: int = 0
+    ssd_reads: int = 0
+    ssd_read_bytes: int = 0
+    backpressure_waits: int = 0
+    backpressure_seconds: float = 0.0
+    checksum_failures: int = 0
+
+
+@dataclass
+class Sealed:
+    size: int
+    checksums: list[int]
+
+    def lengths(self, chunk_size: int) -> list[int]:
+        return [min(chunk_size, self.size - i * chunk_size) for i in range(chunk_count(self.size, chunk_size))]
+
+
+@dataclass
+class ReadSource:
+    """Where an open reader's bytes are: the DRAM tier (buffer None) or an SSD read buffer."""
+
+    version: int
+    buffer: memoryview | None = None
+    _map: mmap.mmap | None = field(default=None, repr=False)
+
+
+class TieredStore:
+    def __init__(self, dram: DramTier, ssd: SsdTier | None, settings: TierSettings = TierSettings()) -> None:
+        self.dram = dram
+        self.ssd = ssd
+        self.settings = settings
+        self.chunk_size = dram.chunk_size
+        self.owner: StoreOwner | None = None
+        self.stats = StoreStats()
+        self._sealed: dict[int, Sealed] = {}
+        self._in_dram_order = make_policy(settings.eviction_policy)  # sealed versions resident in DRAM
+        self._pins: dict[int, int] = {}  # readers and offloads using a DRAM copy
+        self._offload_queue: OrderedDict[int, None] = OrderedDict()
+        self._offloading: set[int] = set()
+        self._dropped_while_busy: set[int] = set()
+        self._disk_removals: list[int] = []
+        self._touches: dict[int, int] = {}
+        self._offload_wanted = trio.Event()
+        self._space_freed = trio.Event()
+        self._idle = trio.Event()
+        self._idle.set()
+        self._offload_stuck = False
+        self._dram_only_bytes = 0  # sealed bytes whose only copy is in DRAM
+
+    # Queries --------------------------------------------------------------------------
+
+    def __contains__(self, version: int) -> bool:
+        return version in self.dram or (self.ssd is not None and version in self.ssd)
+
+    def on_disk(self, version: int) -> bool:
+        return self.ssd is not None and version in self.ssd
+
+    def tier_of(self, version: int) -> str:
+        tiers = [name for name, present in (("dram", version in self.dram), ("ssd", self.on_disk(version))) if present]
+        return "+".join(tiers) or "none"
+
+
+    # Writing --------------------------------------------------------------------------
+
+    def create(self, version: int) -> None:
+        self.dram.create(version)
+
+    async def write(self, version: int, offset: int, data: bytes | memoryview) -> None:
+        await self._with_room(lambda: self.dram.write(version, offset, data))
+
+    def truncate(self, version: int, size: int) -> None:
+        self.dram.truncate(version, size)
+
+    async def copy(self, source: int, target: int, size: int) -> None:
+        """Copies a version's bytes into a new one (copy-on-write), from whichever tier has them."""
+        self.dram.create(target)
+        reader = await self.open_read(source)
+        try:
+            for start in range(0, size, self.chunk_size):
+                length = min(self.chunk_size, size - start)
+                chunk = bytes(self.read(reader, start, length))  # a copy: a demotion may free the source
+                await self.write(target, start, chunk)
+        finally:
+            self.close_read(reader)
+
+    def seal(self, version: int, size: int) -> list[int]:
+        checksums = self.dram.seal(version, size)
+        self._sealed[version] = Sealed(size, checksums)
+        self._in_dram_order.insert(version, size, time.monotonic())
+        self._dram_only_bytes += size
+        if self.ssd is not None:
+            if self.settings.offload == "eager":
+                self._queue_offload(version)
+            else:
+                self._check_watermark()
+        return checksums
+
+    def _queue_offload(self, version: int) -> None:
+        self._offload_queue[version] = None
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        self._offload_wanted.set()
+
+    def _check_watermark(self) -> None:
+        if self.dram.used <= self.settings.high_watermark * self.dram.capacity:
+            return
+        excess = self._dram_only_bytes - self.settings.low_watermark * self.dram.capacity
+        for version in self._in_dram_order.candidates():
+            if excess <= 0:
+                break
+            if not self.on_disk(version) and version not in self._offload_queue and version not in self._offloading:
+                self._queue_offload(version)
+                excess -= self._sealed[version].size
+
+    # Room in DRAM ---------------------------------------------------------------------
+
+    async def _with_room(self, operation) -> None:
+        while True:
+            try:
+                return operation()
+            except NoSpace as error:
+                if not await self._make_room():
+                    raise StorageError(errno.ENOSPC, f"{error}; nothing can be demoted or evicted") from error
+
+    async def _make_room(self) -> bool:
+        if self._demote_one():
+            return True
+        if self.ssd is None:
+            return await self._owner().reclaim("dram", self.chunk_size)
+        if not self._offload_queue and not self._offloading:
+            self.queue_all_dram_only()
+        if (self._offload_queue or self._offloading) and not self._offload_stuck:
+            if await self._wait_for_offload():
+                return True
+        # SSD cannot take more: evict whole files still only in DRAM.
+        return await self._owner().reclaim("dram", self.chunk_size)
+
+    def _demote_one(self) -> bool:
+        """Drops the DRAM copy of the least valuable version that is safe on SSD."""
+        for version in self._in_dram_order.candidates():
+            if self.on_disk(version) and not self._pins.get(version):
+                break
+        else:
+            return False
+        self._in_dram_order.remove(version)
+        self.dram.drop(version)
+        self.stats.demoted_files += 1
+        return True
+
+    def queue_all_dram_only(self) -> int:
+        """Queues every sealed version whose only copy is in DRAM; returns how many."""
+        queued = 0
+        for version in list(self._in_dram_order.candidates()):
+            if not self.on_disk(version) and version not in self._offloading and version not in self._offload_queue:
+                self._queue_offload(version)
+                queued += 1
+        return queued
+
+    async def _wait_for_offload(self) -> bool:
+        """Backpressure: a writer waits (bounded) for the offloader to make DRAM copies demotable."""
+        self.stats.backpressure_waits += 1
+        started = time.monotonic()
+        event = self._space_freed
+        with trio.move_on_after(self.settings.backpressure_timeout_s):
+            await event.wait()
+        self.stats.backpressure_seconds += time.monotonic() - started
+        return event.is_set()
+
+    def describe_extents(self, version: int) -> str:
+        """'offset+length' of each chunk on SSD (tier offsets; segment = offset // 256 MiB)."""
+        if self.ssd is None or version not in self.ssd:
+            return ""
+        return ",".join(f"{e.offset}+{e.length}" for e in self.ssd.extents[version])
+
+    def _owner(self) -> StoreOwner:
+        assert self.owner is not None, "the store has no owner"
+        return self.owner
+
+    # Reading --------------------------------------------------------------------------
+
+    async def open_read(self, version: int) -> ReadSource:
+        """Makes a version readable: pinned in DRAM, promoted on a second touch, or read from SSD."""
+        if version in self.dram:
+            self._pin(version)
+            self._in_dram_order.touch(version, time.monotonic())
+            return ReadSource(version)
+        if not self.on_disk(version):
+            raise StorageError(errno.ENOENT, f"version {version} is stored on no tier of this node")
+        sealed = self._sealed[version]
+        self._touches[version] = touches = self._touches.get(version, 0) + 1
+        if touches >= 2 and await self._promote(version, sealed):
+            self._pin(version)
+            return ReadSource(version)
+        buffer_map = mmap.mmap(-1, max(rounded(sealed.size), 4096))
+        view = memoryview(buffer_map)
+        targets = [view[i * self.chunk_size : i * self.chunk_size + rounded(n)]
+                   for i, n in enumerate(sealed.lengths(self.chunk_size))]
+        await self._read_from_disk(version, targets)
+        return ReadSource(version, view, buffer_map)
+
+    async def _promote(self, version: int, sealed: Sealed) -> bool:
+        """Second-touch admission: reads the version into DRAM if room can be made without waiting."""
+        lengths = sealed.lengths(self.chunk_size)
+        while True:
+            try:
+                targets = self.dram.adopt(version, lengths)
+                break
+            except NoSpace:
+                if not self._demote_one():
+                    return False
+        try:
+            await self._read_from_disk(version, targets)
+        except BaseException:
+            self.dram.drop(version)
+            raise
+        self._in_dram_order.insert(version, sealed.size, time.monotonic())
+        self.stats.promoted_files += 1
+        return True
+
+    async def _read_from_disk(self, version: int, targets: list[memoryview]) -> None:
+        assert self.ssd is not None
+        try:
+            await self.ssd.read_version(version, targets)
+        except CorruptChunk as error:
+            self.stats.checksum_failures += 1
+            log.error("%s; dropping the corrupt copy", error)
+            await self._owner().lost(version)
+            raise StorageError(errno.ESTALE, str(error)) from None
+        self.stats.ssd_reads += 1
+        self.stats.ssd_read_bytes += self._sealed[version].size
+
+    def read(self, source: ReadSource, offset: int, length: int) -> memoryview | bytes:
+        if source.buffer is None:
+            return self.dram.read(source.version, offset, length)
+        return source.buffer[offset : offset + length]
+
+    def close_read(self, source: ReadSource) -> None:
+        if source.buffer is None:
+            self._unpin(source.version)
+
+    def _pin(self, version: int) -> None:
+        self._pins[version] = self._pins.get(version, 0) + 1
+
+    def _unpin(self, version: int) -> None:
+        left = self._pins.get(version, 0) - 1
+        if left > 0:
+            self._pins[version] = left
+            return
+        self._pins.pop(version, None)
+        if version in self._dropped_while_busy and version not in self._offloading:
+            self._dropped_while_busy.discard(version)
+            self.dram.drop(version)
+
+    # Dropping -------------------------------------------------------------------------
+
+    def drop(self, version: int) -> None:
+        """Frees a version everywhere (its file is gone); SSD space is freed by the reaper."""
+        sealed = self._sealed.pop(version, None)
+        if sealed is not None and version in self.dram and not self.on_disk(version):
+            self._dram_only_bytes -= sealed.size
+        self._in_dram_order.remove(version)
+        self._offload_queue.pop(version, None)
+        self._touches.pop(version, None)
+        if self._pins.get(version) or version in self._offloading:
+            self._dropped_while_busy.add(version)  # freed once the I/O using it is done
+        else:
+            self.dram.drop(version)
+        if self.on_disk(version):
+            self._disk_removals.append(version)
+            self._offload_wanted.set()
+
+    async def flush_removals(self) -> None:
+        if self.ssd is not None and self._disk_removals:
+            versions, self._disk_removals = self._disk_removals, []
+            await self.ssd.remove(versions)
+
+    # The offloader --------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """The offloader and disk reaper (a background task while mounted)."""
+        if self.ssd is None:
+            return
+        while True:
+            await self._offload_wanted.wait()
+            self._offload_wanted = trio.Event()
+            await self.flush_removals()
+            while self._offload_queue:
+                await self._offload_batch(self._take_batch())
+                await self.flush_removals()
+            self._idle.set()
+
+    async def wait_offloaded(self) -> None:
+        """Returns once every queued version is on SSD (or could not be)."""
+        if self.ssd is not None:
+            if self._offload_queue or self._offloading:
+                await self._idle.wait()
+
+    def _take_batch(self) -> list[int]:
+        batch: list[int] = []
+        nbytes = 0
+        while self._offload_queue and len(batch) < OFFLOAD_BATCH_FILES and nbytes < OFFLOAD_BATCH_BYTES:
+            version, _ = self._offload_queue.popitem(last=False)
+            sealed = self._sealed.get(version)
+            if sealed is None or version not in self.dram or self.on_disk(version):
+                continue
+            batch.append(version)
+            nbytes += sealed.size
+        return batch
+
+    async def _offload_batch(self, batch: list[int]) -> None:
+        assert self.ssd is not None
+        planned: list[tuple[int, list[int], DiskRecord]] = []
+        for version in batch:
+            sealed = self._sealed[version]
+            lengths = sealed.lengths(self.chunk_size)
+            try:
+                self.dram.materialize(version, sealed.size)
+            except NoSpace:
+                continue
+            offsets = await self._allocate_disk(lengths)
+            if offsets is None:
+                continue
+            record = await self._owner().describe(version)
+            if record is None or version not in self._sealed:
+                self.ssd.release(offsets)
+                continue
+            record.chunks = [(o, n, c) for o, n, c in zip(offsets, lengths, sealed.checksums)]
+            planned.append((version, offsets, record))
+            self._offloading.add(version)
+        if not planned:
+            return
+        try:
+            async with trio.open_nursery() as nursery:
+                for version, offsets, _ in planned:
+                    sources = [self.dram.block_view(version, i) for i in range(len(offsets))]
+                    nursery.start_soon(self.ssd.write_chunks, offsets, sources)
+            await self.ssd.sync([o for _, offsets, _ in planned for o in offsets])
+            await self.ssd.commit([record for _, _, record in planned])
+        except OSError as error:
+            log.error("offload of %d files to %s failed: %s", len(planned), self.ssd.directory, error)
+            for version, offsets, _ in planned:
+                self.ssd.release(offsets)
+                self._offloading.discard(version)
+                self._release_if_dropped(version)
+            return
+        done = []
+        for version, _, record in planned:
+            self._offloading.discard(version)
+            if version in self._dropped_while_busy or version not in self._sealed:
+                self._disk_removals.append(version)
+                self._release_if_dropped(version)
+                continue
+            done.append(version)
+            self._dram_only_bytes -= record.size
+            self.stats.offloaded_files += 1
+            self.stats.offloaded_bytes += record.size
+        if done:
+            await self._owner().offloaded(done)
+            for version, _, record in planned:  # a rename while the chunks were in flight
+                if version in done:
+                    await self.refresh_record(version, stale=record)
+        self._space_freed.set()
+        self._space_freed = trio.Event()
+
+    def _release_if_dropped(self, version: int) -> None:
+        if version in self._dropped_while_busy and not self._pins.get(version):
+            self._dropped_while_busy.discard(version)
+            self.dram.drop(version)
+
+    async def _allocate_disk(self, lengths: list[int]) -> list[int] | None:
+        assert self.ssd is not None
+        while True:
+            offsets = self.ssd.allocate(lengths)
+            if offsets is not None:
+                self._offload_stuck = False
+                return offsets
+            if not await self._owner().reclaim("disk", sum(rounded(n) for n in lengths)):
+                if not self._offload_stuck:
+                    log.warning("SSD tier full and nothing on it can be evicted; files stay in DRAM only")
+                self._offload_stuck = True
+                return None
+            await self.flush_removals()
+
+    async def refresh_record(self, version: int, stale: DiskRecord | None = None) -> None:
+        """Rewrites a version's index record after its path or attributes changed."""
+        if self.ssd is None or version not in self.ssd:
+            return
+        record = await self._owner().describe(version)
+        if record is None:
+            return
+        record.chunks = [(e.offset, e.length, e.checksum) for e in self.ssd.extents[version]]
+        if stale is None or (record.path, record.mode, record.uid, record.gid, record.xattrs) != (
+                stale.path, stale.mode, stale.uid, stale.gid, stale.xattrs):
+            await self.ssd.update([record])
+
+    def demote_all(self) -> int:
+        """Drops every DRAM copy that is safe on SSD (an operator's or a benchmark's request)."""
+        demoted = 0
+        while self._demote_one():
+            demoted += 1
+        return demoted
+
+    # Recovery ---------------------------------------------------------------------------
+
+    def adopt_recovered(self, version: int, size: int, checksums: list[int]) -> None:
+        self._sealed[version] = Sealed(size, checksums)
+
+    def drop_recovered(self, version: int) -> None:
+        self._sealed.pop(version, None)
