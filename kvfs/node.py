@@ -212,7 +212,7 @@ class Node:
         state = self._writing.get(handle.version)
         return handle.size if state is None else state.size
 
-    def read(self, handle: OpenFile, offset: int, length: int) -> memoryview | bytes:
+    async def read(self, handle: OpenFile, offset: int, length: int) -> memoryview | bytes:
         """Exactly `length` bytes, or up to end of file: never short before it."""
         size = self.size_of(handle)
         if offset >= size or length <= 0:
@@ -220,7 +220,7 @@ class Node:
         length = min(length, size - offset)
         if handle.source is None:  # a writer reading its own version
             return self.store.dram.read(handle.version, offset, length)
-        return self.store.read(handle.source, offset, length)
+        return await self.store.read(handle.source, offset, length)
 
     async def write(self, handle: OpenFile, offset: int, data: bytes) -> int:
         if not handle.writable:

@@ -110,16 +110,19 @@ class SsdTier:
 
     # Reading ------------------------------------------------------------------------
 
+    async def read_chunk(self, version: int, index: int, target: memoryview) -> None:
+        """Reads one chunk into target (its page-rounded length) and verifies its checksum."""
+        extent = self.extents[version][index]
+        fd, within = self.segments.locate(extent.offset)
+        await self.engine.read_into(fd, within, target[: rounded(extent.length)])
+        if chunk_checksum(target[: extent.length]) != extent.checksum:
+            raise CorruptChunk(version, index)
+
     async def read_version(self, version: int, targets: list[memoryview]) -> None:
-        """Reads every chunk into its target (rounded lengths) and verifies its checksum."""
-        extents = self.extents[version]
+        """Reads and verifies every chunk, in parallel."""
         async with trio.open_nursery() as nursery:
-            for extent, target in zip(extents, targets):
-                fd, within = self.segments.locate(extent.offset)
-                nursery.start_soon(self.engine.read_into, fd, within, target[: rounded(extent.length)])
-        for index, (extent, target) in enumerate(zip(extents, targets)):
-            if chunk_checksum(target[: extent.length]) != extent.checksum:
-                raise CorruptChunk(version, index)
+            for index, target in enumerate(targets):
+                nursery.start_soon(self.read_chunk, version, index, target)
 
     # Removing -----------------------------------------------------------------------
 

@@ -202,7 +202,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     @fuse_handler
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        return self.node.read(self.files.get(fh), off, size)  # type: ignore[return-value]
+        return await self.node.read(self.files.get(fh), off, size)  # type: ignore[return-value]
 
     @fuse_handler
     async def write(self, fh: int, off: int, buf: bytes) -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -27,12 +26,18 @@ from kvfs.disk.index import DiskRecord
 from kvfs.disk.tier import CorruptChunk, SsdTier, rounded
 from kvfs.errors import NoSpace, StorageError
 from kvfs.policy import make_policy
+from kvfs.store.buffers import ReadBufferPool
 from kvfs.store.dram import DramTier, chunk_count
 
 log = logging.getLogger(__name__)
 
 OFFLOAD_BATCH_FILES = 16
 OFFLOAD_BATCH_BYTES = 128 << 20
+# Offload yields to a burst of writes (on two cores it would take CPU from the writers)
+# until writes pause for OFFLOAD_QUIET_S, but never for longer than OFFLOAD_MAX_DEFER_S
+# per batch, and not at all once DRAM passes the high watermark.
+OFFLOAD_QUIET_S = 0.02
+OFFLOAD_MAX_DEFER_S = 0.5
 
 
 class StoreOwner(Protocol):
@@ -84,17 +89,27 @@ class Sealed:
 
 @dataclass
 class ReadSource:
-    """Where an open reader's bytes are: the DRAM tier (buffer None) or an SSD read buffer."""
+    """Where an open reader's bytes are: the DRAM tier (no chunks) or SSD read buffers that
+    fill chunk by chunk while the reader is served (each chunk verified before use)."""
 
     version: int
-    buffer: memoryview | None = None
-    _map: mmap.mmap | None = field(default=None, repr=False)
+    chunks: list[memoryview] = field(default_factory=list)  # per chunk, for SSD reads
+    ready: list[trio.Event] = field(default_factory=list)
+    failure: StorageError | None = None
+    streaming: bool = False
+    closed: bool = False
+
+    @property
+    def from_dram(self) -> bool:
+        return not self.chunks
 
 
 class TieredStore:
-    def __init__(self, dram: DramTier, ssd: SsdTier | None, settings: TierSettings = TierSettings()) -> None:
+    def __init__(self, dram: DramTier, ssd: SsdTier | None, settings: TierSettings = TierSettings(),
+                 read_buffers: ReadBufferPool | None = None) -> None:
         self.dram = dram
         self.ssd = ssd
+        self.read_buffers = read_buffers or ReadBufferPool(0, dram.chunk_size)
         self.settings = settings
         self.chunk_size = dram.chunk_size
         self.owner: StoreOwner | None = None
@@ -112,7 +127,10 @@ class TieredStore:
         self._idle = trio.Event()
         self._idle.set()
         self._offload_stuck = False
+        self._disk_readers: dict[int, int] = {}  # versions being read from SSD: not removed meanwhile
+        self._nursery: trio.Nursery | None = None
         self._dram_only_bytes = 0  # sealed bytes whose only copy is in DRAM
+        self._last_write = 0.0
 
     # Queries --------------------------------------------------------------------------
 
@@ -133,6 +151,7 @@ class TieredStore:
         self.dram.create(version)
 
     async def write(self, version: int, offset: int, data: bytes | memoryview) -> None:
+        self._last_write = time.monotonic()
         await self._with_room(lambda: self.dram.write(version, offset, data))
 
     def truncate(self, version: int, size: int) -> None:
@@ -145,7 +164,7 @@ class TieredStore:
         try:
             for start in range(0, size, self.chunk_size):
                 length = min(self.chunk_size, size - start)
-                chunk = bytes(self.read(reader, start, length))  # a copy: a demotion may free the source
+                chunk = bytes(await self.read(reader, start, length))  # a copy: a demotion may free the source
                 await self.write(target, start, chunk)
         finally:
             self.close_read(reader)
@@ -257,12 +276,43 @@ class TieredStore:
         if touches >= 2 and await self._promote(version, sealed):
             self._pin(version)
             return ReadSource(version)
-        buffer_map = mmap.mmap(-1, max(rounded(sealed.size), 4096))
-        view = memoryview(buffer_map)
-        targets = [view[i * self.chunk_size : i * self.chunk_size + rounded(n)]
-                   for i, n in enumerate(sealed.lengths(self.chunk_size))]
-        await self._read_from_disk(version, targets)
-        return ReadSource(version, view, buffer_map)
+        lengths = sealed.lengths(self.chunk_size)
+        source = ReadSource(version, [self.read_buffers.take() for _ in lengths], [trio.Event() for _ in lengths])
+        try:  # the first chunk before the open returns: a corrupt file fails to open
+            await self._read_from_disk(version, source.chunks[:1])
+        except BaseException:
+            self._release_buffers(source)
+            raise
+        source.ready[0].set()
+        if len(lengths) > 1:  # the rest streams in while the reader is served
+            assert self._nursery is not None
+            source.streaming = True
+            self._nursery.start_soon(self._stream_chunks, source)
+        self.stats.ssd_reads += 1
+        self.stats.ssd_read_bytes += sealed.size
+        return source
+
+    async def _stream_chunks(self, source: ReadSource) -> None:
+        async def one(index: int) -> None:
+            try:
+                await self._read_from_disk(source.version, source.chunks[index : index + 1], first_index=index)
+            except StorageError as error:
+                source.failure = source.failure or error
+            source.ready[index].set()
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for index in range(1, len(source.chunks)):
+                    nursery.start_soon(one, index)
+        finally:
+            source.streaming = False
+            if source.closed:
+                self._release_buffers(source)
+
+    def _release_buffers(self, source: ReadSource) -> None:
+        for buffer in source.chunks:
+            self.read_buffers.give_back(buffer)
+        source.chunks = []
 
     async def _promote(self, version: int, sealed: Sealed) -> bool:
         """Second-touch admission: reads the version into DRAM if room can be made without waiting."""
@@ -281,28 +331,52 @@ class TieredStore:
             raise
         self._in_dram_order.insert(version, sealed.size, time.monotonic())
         self.stats.promoted_files += 1
+        self.stats.ssd_reads += 1
+        self.stats.ssd_read_bytes += sealed.size
         return True
 
-    async def _read_from_disk(self, version: int, targets: list[memoryview]) -> None:
+    async def _read_from_disk(self, version: int, targets: list[memoryview], first_index: int = 0) -> None:
+        """Reads and verifies chunks; a corrupt one makes the file disappear (ESTALE/EIO)."""
         assert self.ssd is not None
+        self._disk_readers[version] = self._disk_readers.get(version, 0) + 1
         try:
-            await self.ssd.read_version(version, targets)
+            async with trio.open_nursery() as nursery:
+                for index, target in enumerate(targets, first_index):
+                    nursery.start_soon(self.ssd.read_chunk, version, index, target)
         except CorruptChunk as error:
             self.stats.checksum_failures += 1
             log.error("%s; dropping the corrupt copy", error)
             await self._owner().lost(version)
-            raise StorageError(errno.ESTALE, str(error)) from None
-        self.stats.ssd_reads += 1
-        self.stats.ssd_read_bytes += self._sealed[version].size
+            raise StorageError(errno.ESTALE if first_index == 0 else errno.EIO, str(error)) from None
+        finally:
+            left = self._disk_readers[version] - 1
+            if left:
+                self._disk_readers[version] = left
+            else:
+                del self._disk_readers[version]
 
-    def read(self, source: ReadSource, offset: int, length: int) -> memoryview | bytes:
-        if source.buffer is None:
+    async def read(self, source: ReadSource, offset: int, length: int) -> memoryview | bytes:
+        if source.from_dram:
             return self.dram.read(source.version, offset, length)
-        return source.buffer[offset : offset + length]
+        first, last = offset // self.chunk_size, (offset + length - 1) // self.chunk_size
+        for index in range(first, last + 1):
+            if not source.ready[index].is_set():
+                await source.ready[index].wait()
+        if source.failure is not None:
+            raise StorageError(errno.EIO, str(source.failure))
+        within = offset - first * self.chunk_size
+        if first == last:
+            return source.chunks[first][within : within + length]
+        joined = b"".join(source.chunks[i] for i in range(first, last + 1))
+        return joined[within : within + length]
 
     def close_read(self, source: ReadSource) -> None:
-        if source.buffer is None:
+        if source.from_dram:
             self._unpin(source.version)
+            return
+        source.closed = True
+        if not source.streaming:  # else the stream gives the buffers back when it ends
+            self._release_buffers(source)
 
     def _pin(self, version: int) -> None:
         self._pins[version] = self._pins.get(version, 0) + 1
@@ -337,7 +411,10 @@ class TieredStore:
 
     async def flush_removals(self) -> None:
         if self.ssd is not None and self._disk_removals:
-            versions, self._disk_removals = self._disk_removals, []
+            # Versions still being read from SSD keep their extents until the reads are done.
+            busy = [v for v in self._disk_removals if v in self._disk_readers]
+            versions = [v for v in self._disk_removals if v not in self._disk_readers]
+            self._disk_removals = busy
             await self.ssd.remove(versions)
 
     # The offloader --------------------------------------------------------------------
@@ -346,14 +423,33 @@ class TieredStore:
         """The offloader and disk reaper (a background task while mounted)."""
         if self.ssd is None:
             return
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await self._offload_forever()
+
+    async def _offload_forever(self) -> None:
         while True:
             await self._offload_wanted.wait()
             self._offload_wanted = trio.Event()
             await self.flush_removals()
             while self._offload_queue:
+                await self._yield_to_writers()
                 await self._offload_batch(self._take_batch())
                 await self.flush_removals()
             self._idle.set()
+
+    async def _yield_to_writers(self) -> None:
+        deadline = time.monotonic() + OFFLOAD_MAX_DEFER_S
+        while time.monotonic() < deadline and not self._space_wanted():
+            quiet_for = time.monotonic() - self._last_write
+            if quiet_for >= OFFLOAD_QUIET_S:
+                return
+            await trio.sleep(OFFLOAD_QUIET_S - quiet_for)
+
+    def _space_wanted(self) -> bool:
+        """DRAM pressure or a waiting writer: offload at full speed."""
+        return (self.dram.used > self.settings.high_watermark * self.dram.capacity
+                or self._space_freed.statistics().tasks_waiting > 0)
 
     async def wait_offloaded(self) -> None:
         """Returns once every queued version is on SSD (or could not be)."""
