@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import mmap
 import os
 import random
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from kvfs.concurrency import run_all
 from kvfs.disk.engine import ThreadEngine, UringEngine
 
 ENGINES = [UringEngine, ThreadEngine]
@@ -74,13 +76,11 @@ def test_aligned_io_into_registered_memory_and_batches(tmp_path: Path, engine_cl
         fd = open_direct(path)
         os.posix_fallocate(fd, 0, 8 << 20)
         try:
-            async with trio.open_nursery() as nursery:  # 8 writes in flight at once
-                for i in range(8):
-                    nursery.start_soon(engine.write_from, fd, i << 20, view[i << 20 : (i + 1) << 20])
+            await run_all(functools.partial(engine.write_from, fd, i << 20, view[i << 20 : (i + 1) << 20])
+                          for i in range(8))  # 8 writes in flight at once
             await engine.fsync(fd)
-            async with trio.open_nursery() as nursery:
-                for i in range(8):
-                    nursery.start_soon(engine.read_into, fd, i << 20, view[(8 + i) << 20 : (9 + i) << 20])
+            await run_all(functools.partial(engine.read_into, fd, i << 20, view[(8 + i) << 20 : (9 + i) << 20])
+                          for i in range(8))
         finally:
             os.close(fd)
 

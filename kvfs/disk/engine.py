@@ -60,7 +60,6 @@ class AlignedIo:
         staging = memoryview(self._staging_map)
         self._staging_free = [staging[i * STAGING_SIZE : (i + 1) * STAGING_SIZE] for i in range(STAGING_COUNT)]
         self._staging_limit = trio.Semaphore(STAGING_COUNT)
-        self._direct_cache: dict[int, bool] = {}
 
     # Subclasses implement these on aligned (or non-O_DIRECT) requests.
     async def _readv(self, fd: int, offset: int, buffer: memoryview) -> int:
@@ -72,15 +71,6 @@ class AlignedIo:
     async def fsync(self, fd: int) -> None:
         raise NotImplementedError
 
-    def forget_fd(self, fd: int) -> None:
-        self._direct_cache.pop(fd, None)
-
-    def _needs_alignment(self, fd: int) -> bool:
-        direct = self._direct_cache.get(fd)
-        if direct is None:
-            direct = self._direct_cache[fd] = _is_direct(fd)
-        return direct
-
     @staticmethod
     def _aligned(offset: int, buffer: memoryview) -> bool:
         address = _address(buffer)
@@ -89,7 +79,7 @@ class AlignedIo:
     async def read_into(self, fd: int, offset: int, buffer: memoryview) -> int:
         """Reads up to len(buffer) bytes at offset; fewer only at end of file."""
         buffer = memoryview(buffer).cast("B")
-        if not self._needs_alignment(fd) or self._aligned(offset, buffer):
+        if not _is_direct(fd) or self._aligned(offset, buffer):
             return await self._full(self._readv, fd, offset, buffer)
         done = 0
         async with self._staging() as staging:
@@ -109,7 +99,7 @@ class AlignedIo:
     async def write_from(self, fd: int, offset: int, data: memoryview | bytes) -> int:
         """Writes all of data at offset."""
         data = memoryview(data).cast("B")
-        if not self._needs_alignment(fd) or self._aligned(offset, data):
+        if not _is_direct(fd) or self._aligned(offset, data):
             return await self._full(self._writev, fd, offset, data)
         size_before = os.fstat(fd).st_size
         done = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Iterator
 import trio
 
 from kvfs.checksum import chunk_checksum
+from kvfs.concurrency import run_all
 from kvfs.config import format_size
 from kvfs.disk.engine import ALIGN, AlignedIo
 from kvfs.disk.index import LAYOUT_VERSION, DiskIndex, DiskRecord, LayoutMeta
@@ -49,7 +51,7 @@ class SsdTier:
         if self.capacity < chunk_size:
             raise StorageError(errno.EINVAL, f"disk size {format_size(capacity)} is below one chunk")
         directory.mkdir(parents=True, exist_ok=True)
-        self.index = DiskIndex(directory / "index")
+        self.index = DiskIndex(directory / "index", map_size=max(1 << 30, self.capacity // 256))
         self._check_layout()
         self.segments = SegmentFiles(directory / "segments", self.capacity, direct_io)
         self.extents: dict[int, list[DiskExtent]] = {}
@@ -89,10 +91,11 @@ class SsdTier:
             self.allocator.free(offset)
 
     async def write_chunks(self, offsets: list[int], sources: list[memoryview]) -> None:
-        async with trio.open_nursery() as nursery:
-            for offset, source in zip(offsets, sources):
-                fd, within = self.segments.locate(offset)
-                nursery.start_soon(self.engine.write_from, fd, within, source)
+        def write(offset: int, source: memoryview):
+            fd, within = self.segments.locate(offset)
+            return lambda: self.engine.write_from(fd, within, source)
+
+        await run_all(write(offset, source) for offset, source in zip(offsets, sources))
 
     async def sync(self, offsets: list[int]) -> None:
         for fd in {self.segments.locate(offset)[0] for offset in offsets}:
@@ -120,9 +123,8 @@ class SsdTier:
 
     async def read_version(self, version: int, targets: list[memoryview]) -> None:
         """Reads and verifies every chunk, in parallel."""
-        async with trio.open_nursery() as nursery:
-            for index, target in enumerate(targets):
-                nursery.start_soon(self.read_chunk, version, index, target)
+        await run_all(functools.partial(self.read_chunk, version, index, target)
+                      for index, target in enumerate(targets))
 
     # Removing -----------------------------------------------------------------------
 

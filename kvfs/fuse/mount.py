@@ -35,6 +35,7 @@ log = logging.getLogger("kvfs.mount")
 
 FUSECTL = "/sys/fs/fuse/connections"
 SHUTDOWN_FLUSH_S = 120
+STOP_GRACE_S = 10
 READ_BUFFERS = 64  # chunk buffers for reads served from SSD (256 MiB): 16 readers of 16 MiB files
 
 
@@ -192,8 +193,15 @@ class Daemon:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
                 log.info("received %s, unmounting", signal.Signals(signum).name)
-                pyfuse3.terminate()
-                return
+                break
+        # Detach the mount and keep serving until the kernel has released every open
+        # file: a RELEASE still queued for a file closed just before the signal seals
+        # that file, which a plain stop would lose. Open files bound the wait.
+        await trio.to_thread.run_sync(lambda: subprocess.run(
+            ["fusermount3", "-u", "-z", self.config.mountpoint], capture_output=True))
+        await trio.sleep(STOP_GRACE_S)
+        log.warning("files were still open %d s after unmounting; stopping anyway", STOP_GRACE_S)
+        pyfuse3.terminate()
 
     async def _collect_orphans(self) -> None:
         while True:

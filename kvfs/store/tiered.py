@@ -14,6 +14,7 @@ master and requested through the owner's `reclaim`.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -22,6 +23,7 @@ from typing import Protocol
 
 import trio
 
+from kvfs.concurrency import run_all
 from kvfs.disk.index import DiskRecord
 from kvfs.disk.tier import CorruptChunk, SsdTier, rounded
 from kvfs.errors import NoSpace, StorageError
@@ -296,8 +298,8 @@ class TieredStore:
         async def one(index: int) -> None:
             try:
                 await self._read_from_disk(source.version, source.chunks[index : index + 1], first_index=index)
-            except StorageError as error:
-                source.failure = source.failure or error
+            except (StorageError, OSError) as error:
+                source.failure = source.failure or StorageError(errno.EIO, f"version {source.version}: {error}")
             source.ready[index].set()
 
         try:
@@ -340,9 +342,8 @@ class TieredStore:
         assert self.ssd is not None
         self._disk_readers[version] = self._disk_readers.get(version, 0) + 1
         try:
-            async with trio.open_nursery() as nursery:
-                for index, target in enumerate(targets, first_index):
-                    nursery.start_soon(self.ssd.read_chunk, version, index, target)
+            await run_all(functools.partial(self.ssd.read_chunk, version, index, target)
+                          for index, target in enumerate(targets, first_index))
         except CorruptChunk as error:
             self.stats.checksum_failures += 1
             log.error("%s; dropping the corrupt copy", error)
@@ -434,8 +435,11 @@ class TieredStore:
             await self.flush_removals()
             while self._offload_queue:
                 await self._yield_to_writers()
-                await self._offload_batch(self._take_batch())
-                await self.flush_removals()
+                try:
+                    await self._offload_batch(self._take_batch())
+                    await self.flush_removals()
+                except Exception:  # keep offloading the rest; the failed files stay in DRAM
+                    log.exception("offload batch failed")
             self._idle.set()
 
     async def _yield_to_writers(self) -> None:
@@ -492,10 +496,9 @@ class TieredStore:
         if not planned:
             return
         try:
-            async with trio.open_nursery() as nursery:
-                for version, offsets, _ in planned:
-                    sources = [self.dram.block_view(version, i) for i in range(len(offsets))]
-                    nursery.start_soon(self.ssd.write_chunks, offsets, sources)
+            await run_all(functools.partial(self.ssd.write_chunks, offsets,
+                                            [self.dram.block_view(version, i) for i in range(len(offsets))])
+                          for version, offsets, _ in planned)
             await self.ssd.sync([o for _, offsets, _ in planned for o in offsets])
             await self.ssd.commit([record for _, _, record in planned])
         except OSError as error:
