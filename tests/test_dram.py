@@ -101,3 +101,11 @@ def test_copy_makes_an_independent_version() -> None:
     dram.drop(1)
     dram.drop(2)
     assert dram.used == 0
+
+
+def test_extending_an_empty_version_then_sealing_gives_zeros() -> None:
+    dram = tier()
+    dram.create(1)
+    dram.truncate(1, CHUNK + 5)  # growing needs no storage
+    assert dram.seal(1, CHUNK + 5) == [xxhash.xxh3_64_intdigest(bytes(CHUNK)), xxhash.xxh3_64_intdigest(bytes(5))]
+    assert bytes(dram.read(1, 0, CHUNK + 5)) == bytes(CHUNK + 5)

@@ -124,7 +124,7 @@ class DramTier:
             if extent is not None:
                 self.arena.free(extent.offset)
         del extents[keep:]
-        if keep and extents[keep - 1] is not None:
+        if 0 < keep <= len(extents) and extents[keep - 1] is not None:
             tail = size - (keep - 1) * self.chunk_size
             extent = extents[keep - 1]
             assert extent is not None
