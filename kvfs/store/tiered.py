@@ -97,7 +97,7 @@ class ReadSource:
     version: int
     chunks: list[memoryview] = field(default_factory=list)  # per chunk, for SSD reads
     ready: list[trio.Event] = field(default_factory=list)
-    failure: StorageError | None = None
+    failures: dict[int, StorageError] = field(default_factory=dict)  # chunk -> why it cannot be served
     streaming: bool = False
     closed: bool = False
 
@@ -280,16 +280,16 @@ class TieredStore:
             return ReadSource(version)
         lengths = sealed.lengths(self.chunk_size)
         source = ReadSource(version, [self.read_buffers.take() for _ in lengths], [trio.Event() for _ in lengths])
-        try:  # the first chunk before the open returns: a corrupt file fails to open
-            await self._read_from_disk(version, source.chunks[:1])
-        except BaseException:
-            self._release_buffers(source)
-            raise
-        source.ready[0].set()
-        if len(lengths) > 1:  # the rest streams in while the reader is served
+        if len(lengths) > 1:  # the rest streams in, from now on, while the reader is served
             assert self._nursery is not None
             source.streaming = True
             self._nursery.start_soon(self._stream_chunks, source)
+        try:  # the first chunk before the open returns: a corrupt file fails to open
+            await self._read_from_disk(version, source.chunks[:1])
+        except BaseException:
+            self.close_read(source)
+            raise
+        source.ready[0].set()
         self.stats.ssd_reads += 1
         self.stats.ssd_read_bytes += sealed.size
         return source
@@ -299,7 +299,7 @@ class TieredStore:
             try:
                 await self._read_from_disk(source.version, source.chunks[index : index + 1], first_index=index)
             except (StorageError, OSError) as error:
-                source.failure = source.failure or StorageError(errno.EIO, f"version {source.version}: {error}")
+                source.failures[index] = StorageError(errno.EIO, f"version {source.version}: {error}")
             source.ready[index].set()
 
         try:
@@ -363,8 +363,8 @@ class TieredStore:
         for index in range(first, last + 1):
             if not source.ready[index].is_set():
                 await source.ready[index].wait()
-        if source.failure is not None:
-            raise StorageError(errno.EIO, str(source.failure))
+            if index in source.failures:  # good chunks are still served; this one never
+                raise source.failures[index]
         within = offset - first * self.chunk_size
         if first == last:
             return source.chunks[first][within : within + length]
