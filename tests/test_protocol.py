@@ -1,0 +1,120 @@
+"""The wire protocol and the handshake, driven with plain bytes (no sockets)."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfs.cluster import messages as m
+from kvfs.cluster.auth import AuthError, Hello, Proof, check, load_secret, new_nonce, prove
+from kvfs.cluster.protocol import (MAX_HEADER, MAX_PAYLOAD, PREFIX, PREFIX_SIZE, ErrorReply, FrameKind, FrameReader,
+                                   HeaderDecoder, ProtocolError, encode_frame, parse_prefix)
+
+ANY_REQUEST = typing.Union[tuple(m.Request.__subclasses__())]  # type: ignore[misc]
+
+
+def test_frames_round_trip_through_a_split_stream() -> None:
+    requests = [m.Lookup(1, b"a" * 200), m.Seal(7, 4096, 5, [1, 2, 3]), m.CollectOrphans()]
+    stream = b"".join(encode_frame(FrameKind.REQUEST, i, r) for i, r in enumerate(requests))
+    stream += encode_frame(FrameKind.RESPONSE, 9, m.Done([4]), payload_length=5) + b"hello"
+    reader, frames = FrameReader(), []
+    for i in range(0, len(stream), 7):  # arbitrary cuts
+        frames += reader.feed(stream[i : i + 7])
+    decoder = HeaderDecoder(ANY_REQUEST)
+    assert [decoder.decode(f.header) for f in frames[:3]] == requests
+    assert [f.prefix.request_id for f in frames] == [0, 1, 2, 9]
+    assert frames[3].payload == b"hello"
+    assert HeaderDecoder(m.Done).decode(frames[3].header) == m.Done([4])
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda p: b"XX" + p[2:], "bad magic"),
+    (lambda p: p[:2] + bytes([9]) + p[3:], "protocol version 9"),
+    (lambda p: p[:3] + bytes([77]) + p[4:], "unknown frame kind 77"),
+    (lambda p: PREFIX.pack(b"KV", 1, 2, MAX_HEADER + 1, 0, 1), "header of"),
+    (lambda p: PREFIX.pack(b"KV", 1, 2, 10, MAX_PAYLOAD + 1, 1), "payload of"),
+])
+def test_bad_prefixes_are_refused_before_allocating(mutate, reason: str) -> None:
+    good = encode_frame(FrameKind.REQUEST, 1, m.GetAttr(1))[:PREFIX_SIZE]
+    with pytest.raises(ProtocolError, match=reason):
+        parse_prefix(mutate(good))
+
+
+def test_a_failed_reader_stays_failed() -> None:
+    reader = FrameReader()
+    with pytest.raises(ProtocolError):
+        reader.feed(b"GARBAGE-GARBAGE-GARBAGE")
+    with pytest.raises(ProtocolError):
+        reader.feed(encode_frame(FrameKind.REQUEST, 1, m.GetAttr(1)))
+
+
+def test_headers_of_the_wrong_type_are_refused() -> None:
+    frame = encode_frame(FrameKind.REQUEST, 1, m.Done([1]))
+    with pytest.raises(ProtocolError, match="invalid header"):
+        HeaderDecoder(ANY_REQUEST).decode(frame[PREFIX_SIZE:])
+    with pytest.raises(ProtocolError):
+        HeaderDecoder(ErrorReply).decode(b"\xc1")
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=200), st.integers(1, 50))
+def test_random_bytes_never_escape_as_anything_but_protocol_errors(data: bytes, cut: int) -> None:
+    reader, decoder = FrameReader(), HeaderDecoder(ANY_REQUEST)
+    try:
+        for i in range(0, len(data), cut):
+            for frame in reader.feed(data[i : i + cut]):
+                decoder.decode(frame.header)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=200)
+@given(st.binary(max_size=120))
+def test_random_headers_behind_a_valid_prefix(header: bytes) -> None:
+    frame = PREFIX.pack(b"KV", 1, FrameKind.REQUEST, len(header), 0, 1) + header
+    frames = FrameReader().feed(frame)
+    assert len(frames) == 1
+    try:
+        HeaderDecoder(ANY_REQUEST).decode(frames[0].header)
+    except ProtocolError:
+        pass
+
+
+def handshake(client_secret: bytes, server_secret: bytes) -> None:
+    client_nonce, server_nonce = new_nonce(), new_nonce()
+    client_hello, server_hello = Hello("node", client_nonce), Hello("master", server_nonce)
+    client_proof = Proof(prove(client_secret, "node", client_nonce, server_nonce))
+    server_proof = Proof(prove(server_secret, "master", server_nonce, client_nonce))
+    check(server_secret, client_hello, client_proof, server_nonce)  # the master checks the node
+    check(client_secret, server_hello, server_proof, client_nonce)  # and the node the master
+
+
+def test_handshake_with_the_same_secret() -> None:
+    handshake(b"s" * 32, b"s" * 32)
+
+
+def test_handshake_with_a_wrong_secret_fails() -> None:
+    with pytest.raises(AuthError, match="node failed to prove"):
+        handshake(b"wrong" * 8, b"s" * 32)
+
+
+def test_a_reflected_proof_is_refused() -> None:
+    secret, nonce = b"s" * 32, new_nonce()
+    # An attacker replays the master's own hello and proof back at it.
+    proof = Proof(prove(secret, "master", nonce, nonce))
+    with pytest.raises(AuthError, match="reflection"):
+        check(secret, Hello("master", nonce), proof, nonce)
+
+
+def test_secret_sources(tmp_path) -> None:
+    path = tmp_path / "secret"
+    path.write_text("a-long-enough-secret-value\n")
+    assert load_secret(str(path), {}) == b"a-long-enough-secret-value"
+    assert load_secret(None, {"KVFS_SECRET": "x" * 20}) == b"x" * 20
+    with pytest.raises(AuthError, match="shorter than"):
+        load_secret(None, {"KVFS_SECRET": "short"})
+    with pytest.raises(AuthError, match="no cluster secret"):
+        load_secret(None, {})
