@@ -280,3 +280,13 @@ class MasterStats(msgspec.Struct):
     inodes: int
     files: int
     sealed_bytes: int
+
+
+# What each request is answered with (the RPC client decodes responses by it).
+RESPONSE_TYPES: dict[type, type] = {
+    Lookup: Entry, GetAttr: Attr, SetAttr: Attr, MkDir: Attr, Create: Opened, Unlink: Done, RmDir: Done,
+    Rename: Done, ReadDir: Listing, Forget: Done, OpenRead: Opened, OpenWrite: Opened, Release: Done,
+    Seal: Attr, GetXattr: XattrValue, SetXattr: Done, ListXattr: XattrNames, RemoveXattr: Done,
+    GetVersion: VersionInfo, Reclaim: Removed, Offloaded: Done, GetRecord: FileRecord, Lost: Removed,
+    Restore: Restored, CollectOrphans: Removed, Stats: MasterStats,
+}

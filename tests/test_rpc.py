@@ -1,0 +1,108 @@
+"""The metadata service over real loopback TCP: handshake, calls, errors, bad peers."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import pytest
+import trio
+
+from kvfs.clock import ManualClock
+from kvfs.cluster import messages as m
+from kvfs.cluster.auth import AuthError
+from kvfs.cluster.master import MetadataService
+from kvfs.cluster.namespace import ROOT_INO
+from kvfs.cluster.protocol import PREFIX, FrameKind
+from kvfs.cluster.rpc import MetadataServer, RemoteMaster
+from kvfs.errors import MetadataError
+from kvfs.policy import LruPolicy
+
+SECRET = b"a-cluster-secret-for-tests"
+
+
+def serve_and(test) -> MetadataServer:
+    service = MetadataService(ManualClock(), LruPolicy())
+    server = MetadataServer(service.handle, SECRET)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve, "127.0.0.1", 0)
+            with trio.fail_after(20):
+                await test(port)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return server
+
+
+def test_calls_and_errors_cross_the_wire() -> None:
+    async def test(port: int) -> None:
+        master = await RemoteMaster.connect("127.0.0.1", port, SECRET)
+        opened = await master.call(m.Create(ROOT_INO, b"k.bin", 0o644, 0, 0, 1, True))
+        await master.call(m.Seal(opened.version, 4096, 7, [1]))
+        await master.call(m.Release(opened.version, writer=True))
+        entry = await master.call(m.Lookup(ROOT_INO, b"k.bin"))
+        assert entry.attr.size == 4096 and entry.attr.sealed
+        with pytest.raises(MetadataError) as raised:
+            await master.call(m.Create(ROOT_INO, b"k.bin", 0o644, 0, 0, 1, True))
+        assert raised.value.errno == errno.EEXIST
+        listing = await master.call(m.ReadDir(ROOT_INO, 0, 10))
+        assert [e.name for e in listing.entries] == [b"k.bin"]
+        await master.aclose()
+
+    serve_and(test)
+
+
+def test_wrong_secret_is_refused_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+
+    async def test(port: int) -> None:
+        with pytest.raises((AuthError, trio.BrokenResourceError, EOFError)):
+            await RemoteMaster.connect("127.0.0.1", port, b"not-the-secret-at-all")
+        master = await RemoteMaster.connect("127.0.0.1", port, SECRET)  # others still get in
+        assert (await master.call(m.Stats())).inodes == 1
+        await master.aclose()
+
+    server = serve_and(test)
+    assert server.refused == 1
+    assert "refused connection" in caplog.text and "failed to prove the cluster secret" in caplog.text
+
+
+@pytest.mark.parametrize("garbage", [
+    os.urandom(64),
+    PREFIX.pack(b"KV", 9, FrameKind.HELLO, 0, 0, 0),  # wrong version
+    PREFIX.pack(b"KV", 1, FrameKind.HELLO, 1 << 30, 0, 0),  # oversized header
+    PREFIX.pack(b"KV", 1, FrameKind.HELLO, 100, 0, 0) + b"\x01" * 10,  # truncated, then closed
+])
+def test_bad_frames_close_only_that_connection(garbage: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    async def test(port: int) -> None:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.receive_some(4096)  # the server's hello
+        await stream.send_all(garbage)
+        await stream.send_eof()
+        with trio.fail_after(5):  # the server hangs up
+            while await stream.receive_some(4096):
+                pass
+        await stream.aclose()
+        master = await RemoteMaster.connect("127.0.0.1", port, SECRET)
+        assert (await master.call(m.GetAttr(ROOT_INO))).ino == ROOT_INO
+        await master.aclose()
+
+    server = serve_and(test)
+    assert server.refused == 1
+
+
+def test_invalid_request_after_handshake_closes_the_connection(caplog: pytest.LogCaptureFixture) -> None:
+    async def test(port: int) -> None:
+        master = await RemoteMaster.connect("127.0.0.1", port, SECRET)
+        await master._frames.send(FrameKind.REQUEST, 1, m.Done([1]))  # a response type as a request
+        with pytest.raises((EOFError, trio.BrokenResourceError)):
+            await master._frames.receive()
+        other = await RemoteMaster.connect("127.0.0.1", port, SECRET)
+        assert (await other.call(m.Stats())).files == 0
+        await other.aclose()
+
+    serve_and(test)
+    assert "closing connection" in caplog.text and "invalid header" in caplog.text
