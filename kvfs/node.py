@@ -267,7 +267,7 @@ class Node:
             info = await self.master.call(m.GetRecord(version))
         except KvfsError:
             return None
-        return DiskRecord(version, info.path, info.size, info.mode, info.uid, info.gid, info.mtime_ns, info.xattrs, [])
+        return DiskRecord(version, info, [])
 
     async def offloaded(self, versions: list[int]) -> None:
         await self.master.call(m.Offloaded(versions))
@@ -286,18 +286,16 @@ class Node:
         discard: list[int] = []
         last_report = started
         for count, record in enumerate(ssd.recovered_records(), 1):
-            if not record.path or record.path[-1].endswith(temp_suffix):
+            if not record.file.path or record.file.path[-1].endswith(temp_suffix):
                 discard.append(record.version)  # its writer died before publishing it
                 continue
             checksums = [chunk[2] for chunk in record.chunks]
-            info = m.FileRecord(record.path, record.size, record.mode, record.uid, record.gid, record.mtime_ns,
-                                record.xattrs)
-            result = await self.master.call(m.Restore(record.version, self.node_id, info, checksums))
+            result = await self.master.call(m.Restore(record.version, self.node_id, record.file, checksums))
             discard.extend(result.dropped)
             if result.kept:
-                self.store.adopt_recovered(record.version, record.size, checksums)
+                self.store.adopt_recovered(record.version, record.file.size, checksums)
                 restored += 1
-                restored_bytes += record.size
+                restored_bytes += record.file.size
             if time.monotonic() - last_report > 1:
                 last_report = time.monotonic()
                 log.info("recovering from %s: %d of %d files", ssd.directory, count, total)
@@ -371,7 +369,7 @@ class Node:
     def store_stats(self) -> dict[str, float]:
         stats = asdict(self.store.stats)
         stats.update(dram_capacity=self.store.dram.capacity, dram_used=self.store.dram.used,
-                     evicted_files=self.evicted_files)
+                     evicted_files=self.evicted_files, read_buffer_misses=self.store.read_buffers.misses)
         if self.store.ssd is not None:
             stats.update(ssd_capacity=self.store.ssd.capacity, ssd_used=self.store.ssd.used)
         return stats

@@ -272,27 +272,23 @@ class UringEngine(AlignedIo):
         self._unsubmitted = 0
 
     async def _readv(self, fd: int, offset: int, buffer: memoryview) -> int:
-        u, index = self._u, self._fixed_index(buffer)
-
-        def prepare(sqe: object) -> object:
-            iovec = u.Iovec([buffer])
-            if index is None:
-                u.io_uring_prep_readv(sqe, fd, iovec, offset)
-            else:
-                u.io_uring_prep_readv_fixed(sqe, fd, iovec, index, offset)
-            return iovec
-
-        return await self._submit(prepare)
+        u = self._u
+        return await self._transfer(u.io_uring_prep_readv, u.io_uring_prep_readv_fixed, fd, offset, buffer)
 
     async def _writev(self, fd: int, offset: int, buffer: memoryview) -> int:
-        u, index = self._u, self._fixed_index(buffer)
+        u = self._u
+        return await self._transfer(u.io_uring_prep_writev, u.io_uring_prep_writev_fixed, fd, offset, buffer)
+
+    async def _transfer(self, plain: Callable, fixed: Callable, fd: int, offset: int, buffer: memoryview) -> int:
+        """One readv/writev, as a fixed-buffer operation when the buffer is registered."""
+        index = self._fixed_index(buffer)
 
         def prepare(sqe: object) -> object:
-            iovec = u.Iovec([buffer])
+            iovec = self._u.Iovec([buffer])
             if index is None:
-                u.io_uring_prep_writev(sqe, fd, iovec, offset)
+                plain(sqe, fd, iovec, offset)
             else:
-                u.io_uring_prep_writev_fixed(sqe, fd, iovec, index, offset)
+                fixed(sqe, fd, iovec, index, offset)
             return iovec
 
         return await self._submit(prepare)

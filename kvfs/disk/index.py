@@ -14,18 +14,14 @@ from typing import Iterator
 import lmdb
 import msgspec
 
+from kvfs.cluster.messages import FileRecord
+
 LAYOUT_VERSION = 1
 
 
 class DiskRecord(msgspec.Struct):
     version: int
-    path: list[bytes]  # names from the root
-    size: int
-    mode: int
-    uid: int
-    gid: int
-    mtime_ns: int
-    xattrs: dict[bytes, bytes]
+    file: FileRecord  # path from the root, size, attributes, user xattrs
     chunks: list[tuple[int, int, int]]  # (tier offset, length, xxh3-64)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,11 +119,6 @@ class SsdTier:
         await self.engine.read_into(fd, within, target[: rounded(extent.length)])
         if chunk_checksum(target[: extent.length]) != extent.checksum:
             raise CorruptChunk(version, index)
-
-    async def read_version(self, version: int, targets: list[memoryview]) -> None:
-        """Reads and verifies every chunk, in parallel."""
-        await run_all(functools.partial(self.read_chunk, version, index, target)
-                      for index, target in enumerate(targets))
 
     # Removing -----------------------------------------------------------------------
 

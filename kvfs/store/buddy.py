@@ -41,10 +41,6 @@ class BuddyAllocator:
         """The size of the allocated block at `offset`."""
         return self.block_size(self._allocated[offset])
 
-    @property
-    def free_bytes(self) -> int:
-        return self.capacity - self.used
-
     def allocate(self, size: int) -> int | None:
         """Returns the offset of a block of at least `size` bytes, or None if none is free."""
         if size <= 0 or size > self.max_block:

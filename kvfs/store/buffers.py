@@ -35,7 +35,3 @@ class ReadBufferPool:
     def give_back(self, buffer: memoryview) -> None:
         if buffer.obj is self._map:
             self._free.append(buffer)
-
-    @property
-    def available(self) -> int:
-        return len(self._free)

@@ -194,9 +194,6 @@ class DramTier:
                 self.arena.zero(block, length)
                 extents[index] = Extent(block, length)
 
-    def stored_bytes(self, version: int) -> int:
-        return sum(self.arena.allocator.size_of(e.offset) for e in self._versions.get(version, ()) if e is not None)
-
     def drop(self, version: int) -> None:
         """Frees every chunk of a version (unknown versions are ignored)."""
         for extent in self._versions.pop(version, ()):

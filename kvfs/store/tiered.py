@@ -516,9 +516,9 @@ class TieredStore:
                 self._release_if_dropped(version)
                 continue
             done.append(version)
-            self._dram_only_bytes -= record.size
+            self._dram_only_bytes -= record.file.size
             self.stats.offloaded_files += 1
-            self.stats.offloaded_bytes += record.size
+            self.stats.offloaded_bytes += record.file.size
         if done:
             await self._owner().offloaded(done)
             for version, _, record in planned:  # a rename while the chunks were in flight
@@ -554,8 +554,7 @@ class TieredStore:
         if record is None:
             return
         record.chunks = [(e.offset, e.length, e.checksum) for e in self.ssd.extents[version]]
-        if stale is None or (record.path, record.mode, record.uid, record.gid, record.xattrs) != (
-                stale.path, stale.mode, stale.uid, stale.gid, stale.xattrs):
+        if stale is None or record.file != stale.file:
             await self.ssd.update([record])
 
     def demote_all(self) -> int:
