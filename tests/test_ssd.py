@@ -224,8 +224,9 @@ def test_corrupt_chunks_are_never_served(make_mount, tmp_path: Path) -> None:
     assert stats(root)["checksum_failures"] == 2
 
 
-@pytest.mark.parametrize("kill_after", [0.3, 0.8, 1.5])
-def test_kill_9_during_writes_loses_no_acknowledged_file(make_mount, tmp_path: Path, kill_after: float) -> None:
+@pytest.mark.parametrize("kill_after_acknowledged", [1, 10, 40])
+def test_kill_9_during_writes_loses_no_acknowledged_file(make_mount, tmp_path: Path,
+                                                          kill_after_acknowledged: int) -> None:
     mount = ssd_mount(make_mount, tmp_path, "64M", "2G")
     root = mount.path
     published: list[tuple[Path, int]] = []
@@ -261,9 +262,9 @@ def test_kill_9_during_writes_loses_no_acknowledged_file(make_mount, tmp_path: P
     threads = [threading.Thread(target=writer, args=(w,)) for w in range(16)] + [threading.Thread(target=acknowledger)]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + kill_after
-    while time.monotonic() < deadline:
-        time.sleep(0.01)
+    deadline = time.monotonic() + 60  # kill points: once this many files are safe on SSD, writers still busy
+    while len(acknowledged) < kill_after_acknowledged and time.monotonic() < deadline:
+        time.sleep(0.005)
     mount.kill()
     stop.set()
     for thread in threads:
@@ -276,4 +277,4 @@ def test_kill_9_during_writes_loses_no_acknowledged_file(make_mount, tmp_path: P
     for name in names:  # whatever else survived is whole
         data = (root / name).read_bytes()
         assert data == content(name, len(data)) and len(data) in (MiB, 2 * MiB, 4 * MiB)
-    assert len(acknowledged) > 0
+    assert len(acknowledged) >= kill_after_acknowledged

@@ -129,6 +129,7 @@ class TieredStore:
         self._idle = trio.Event()
         self._idle.set()
         self._offload_stuck = False
+        self._unsettled: set[int] = set()  # committed to SSD, record not yet checked against renames
         self._disk_readers: dict[int, int] = {}  # versions being read from SSD: not removed meanwhile
         self._nursery: trio.Nursery | None = None
         self._dram_only_bytes = 0  # sealed bytes whose only copy is in DRAM
@@ -143,7 +144,9 @@ class TieredStore:
         return self.ssd is not None and version in self.ssd
 
     def tier_of(self, version: int) -> str:
-        tiers = [name for name, present in (("dram", version in self.dram), ("ssd", self.on_disk(version))) if present]
+        """Where a version is; "ssd" only once its copy there would survive a crash as named."""
+        on_ssd = self.on_disk(version) and version not in self._unsettled
+        tiers = [name for name, present in (("dram", version in self.dram), ("ssd", on_ssd)) if present]
         return "+".join(tiers) or "none"
 
 
@@ -508,24 +511,37 @@ class TieredStore:
                 self._offloading.discard(version)
                 self._release_if_dropped(version)
             return
-        done = []
+        self._unsettled.update(version for version, _, _ in planned)
         for version, _, record in planned:
             self._offloading.discard(version)
-            if version in self._dropped_while_busy or version not in self._sealed:
+            if version in self._dropped_while_busy or version not in self._sealed or not await self._settle(record):
+                self._unsettled.discard(version)
                 self._disk_removals.append(version)
                 self._release_if_dropped(version)
                 continue
-            done.append(version)
+            # Settled: the durable record names the file as it is now. From here on the
+            # master knows it is on SSD, so a later rename rewrites the record itself.
+            self._unsettled.discard(version)
+            await self._owner().offloaded([version])
             self._dram_only_bytes -= record.file.size
             self.stats.offloaded_files += 1
             self.stats.offloaded_bytes += record.file.size
-        if done:
-            await self._owner().offloaded(done)
-            for version, _, record in planned:  # a rename while the chunks were in flight
-                if version in done:
-                    await self.refresh_record(version, stale=record)
         self._space_freed.set()
         self._space_freed = trio.Event()
+
+    async def _settle(self, record: DiskRecord) -> bool:
+        """Rewrites a just-committed record until it matches the file's current path and
+        attributes (a rename may have landed while its chunks were in flight); False if
+        the file is gone. Until then the version does not count as on SSD."""
+        while True:
+            current = await self._owner().describe(record.version)
+            if current is None:
+                return False
+            current.chunks = record.chunks
+            if current == record:
+                return True
+            await self.ssd.update([current])  # type: ignore[union-attr]
+            record = current
 
     def _release_if_dropped(self, version: int) -> None:
         if version in self._dropped_while_busy and not self._pins.get(version):
@@ -546,7 +562,7 @@ class TieredStore:
                 return None
             await self.flush_removals()
 
-    async def refresh_record(self, version: int, stale: DiskRecord | None = None) -> None:
+    async def refresh_record(self, version: int) -> None:
         """Rewrites a version's index record after its path or attributes changed."""
         if self.ssd is None or version not in self.ssd:
             return
@@ -554,8 +570,7 @@ class TieredStore:
         if record is None:
             return
         record.chunks = [(e.offset, e.length, e.checksum) for e in self.ssd.extents[version]]
-        if stale is None or record.file != stale.file:
-            await self.ssd.update([record])
+        await self.ssd.update([record])
 
     def demote_all(self) -> int:
         """Drops every DRAM copy that is safe on SSD (an operator's or a benchmark's request)."""
