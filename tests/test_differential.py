@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import drop_page_cache
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -48,7 +49,21 @@ def tmpfs_root() -> Path:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def test_kvfs_behaves_like_tmpfs(shared_mount, tmpfs_root: Path) -> None:
+@pytest.fixture(scope="module", params=["dram", "ssd"])
+def mount_under_test(request, shared_mount, tmp_path_factory):
+    """The shared DRAM-only mount, and a mount with a small DRAM tier over an SSD tier
+    (every write then goes through offload, demotion, SSD reads and promotion)."""
+    if request.param == "dram":
+        yield shared_mount
+        return
+    from conftest import _mount
+
+    root = tmp_path_factory.mktemp("kvfs-ssd")
+    yield from _mount(root, "32M", "--disk", str(root / "disk"), "--disk-size", "256M")
+
+
+def test_kvfs_behaves_like_tmpfs(mount_under_test, tmpfs_root: Path) -> None:
+    shared_mount = mount_under_test
     class Differential(RuleBasedStateMachine):
         @initialize()
         def fresh_roots(self) -> None:
@@ -102,6 +117,13 @@ def test_kvfs_behaves_like_tmpfs(shared_mount, tmpfs_root: Path) -> None:
         @rule(name=NAMES | DIRS)
         def size(self, name: str) -> None:
             self.both(lambda path: path.stat().st_size if path.is_file() else None, name)
+
+        @rule()
+        def drop_caches(self) -> None:
+            """Sends later reads to the daemon, and (with an SSD tier) to the SSD."""
+            os.setxattr(shared_mount.path, "user.kvfs.control", b"sync")
+            os.setxattr(shared_mount.path, "user.kvfs.control", b"drop-dram")
+            drop_page_cache()
 
         @invariant()
         def same_tree(self) -> None:

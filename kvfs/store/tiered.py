@@ -95,15 +95,12 @@ class ReadSource:
     fill chunk by chunk while the reader is served (each chunk verified before use)."""
 
     version: int
+    from_dram: bool
     chunks: list[memoryview] = field(default_factory=list)  # per chunk, for SSD reads
     ready: list[trio.Event] = field(default_factory=list)
     failures: dict[int, StorageError] = field(default_factory=dict)  # chunk -> why it cannot be served
     streaming: bool = False
     closed: bool = False
-
-    @property
-    def from_dram(self) -> bool:
-        return not self.chunks
 
 
 class TieredStore:
@@ -273,16 +270,19 @@ class TieredStore:
         if version in self.dram:
             self._pin(version)
             self._in_dram_order.touch(version, time.monotonic())
-            return ReadSource(version)
+            return ReadSource(version, from_dram=True)
         if not self.on_disk(version):
             raise StorageError(errno.ENOENT, f"version {version} is stored on no tier of this node")
         sealed = self._sealed[version]
         self._touches[version] = touches = self._touches.get(version, 0) + 1
         if touches >= 2 and await self._promote(version, sealed):
             self._pin(version)
-            return ReadSource(version)
+            return ReadSource(version, from_dram=True)
         lengths = sealed.lengths(self.chunk_size)
-        source = ReadSource(version, [self.read_buffers.take() for _ in lengths], [trio.Event() for _ in lengths])
+        source = ReadSource(version, False, [self.read_buffers.take() for _ in lengths],
+                            [trio.Event() for _ in lengths])
+        if not lengths:  # an empty file: nothing to read
+            return source
         if len(lengths) > 1:  # the rest streams in, from now on, while the reader is served
             assert self._nursery is not None
             source.streaming = True
