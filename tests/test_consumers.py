@@ -74,13 +74,20 @@ def vllm_load(path: Path, buffer: mmap.mmap, direct: bool) -> int:
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["c-path-o_direct", "python-path-buffered"])
-@pytest.mark.parametrize("size", [2 * MiB, 32 * MiB, 64 * MiB], ids=["2MiB", "32MiB", "64MiB"])
-def test_vllm_fs_tier_16_writers_16_readers(make_mount, size: int, direct: bool) -> None:
+@pytest.mark.parametrize("tiers, size", [("dram", 2 * MiB), ("dram", 32 * MiB), ("dram", 64 * MiB),
+                                         ("dram+ssd", 2 * MiB), ("dram+ssd", 32 * MiB)],
+                         ids=["dram-2MiB", "dram-32MiB", "dram-64MiB", "ssd-2MiB", "ssd-32MiB"])
+def test_vllm_fs_tier_16_writers_16_readers(make_mount, tmp_path: Path, size: int, direct: bool, tiers: str) -> None:
     # Room for every writer's and reader's file at once plus a few sealed ones: the
     # DRAM tier cannot evict files that are being written or read, so a smaller
     # tier would rightly answer ENOSPC. 48 files overflow it, so eviction runs.
+    # With an SSD tier, 36 files fit on SSD and DRAM holds what is in flight.
     dram = 36 * size
-    mount = make_mount(f"{dram // MiB}M")
+    if tiers == "dram":
+        mount = make_mount(f"{dram // MiB}M")
+    else:
+        mount = make_mount(f"{34 * size // MiB}M", "--disk", str(tmp_path / "disk"),
+                           "--disk-size", f"{dram // MiB}M")
     root = mount.path
     base = os.urandom(size)
     keys = list(range(48))

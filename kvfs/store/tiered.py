@@ -126,7 +126,8 @@ class TieredStore:
         self._idle = trio.Event()
         self._idle.set()
         self._offload_stuck = False
-        self._unsettled: set[int] = set()  # committed to SSD, record not yet checked against renames
+        self._unsettled: set[int] = set()
+        self._promoting: dict[int, trio.Event] = {}  # committed to SSD, record not yet checked against renames
         self._disk_readers: dict[int, int] = {}  # versions being read from SSD: not removed meanwhile
         self._nursery: trio.Nursery | None = None
         self._dram_only_bytes = 0  # sealed bytes whose only copy is in DRAM
@@ -267,6 +268,8 @@ class TieredStore:
 
     async def open_read(self, version: int) -> ReadSource:
         """Makes a version readable: pinned in DRAM, promoted on a second touch, or read from SSD."""
+        while version in self._promoting:  # another reader is bringing it into DRAM: use that
+            await self._promoting[version].wait()
         if version in self.dram:
             self._pin(version)
             self._in_dram_order.touch(version, time.monotonic())
@@ -276,8 +279,7 @@ class TieredStore:
         sealed = self._sealed[version]
         self._touches[version] = touches = self._touches.get(version, 0) + 1
         if touches >= 2 and await self._promote(version, sealed):
-            self._pin(version)
-            return ReadSource(version, from_dram=True)
+            return ReadSource(version, from_dram=True)  # promotion pinned it for this reader
         lengths = sealed.lengths(self.chunk_size)
         source = ReadSource(version, False, [self.read_buffers.take() for _ in lengths],
                             [trio.Event() for _ in lengths])
@@ -320,7 +322,9 @@ class TieredStore:
         source.chunks = []
 
     async def _promote(self, version: int, sealed: Sealed) -> bool:
-        """Second-touch admission: reads the version into DRAM if room can be made without waiting."""
+        """Second-touch admission: reads the version into DRAM if room can be made without
+        waiting, and returns it pinned for the caller. While its blocks fill, other readers
+        wait for it and it can be neither demoted nor freed."""
         lengths = sealed.lengths(self.chunk_size)
         while True:
             try:
@@ -329,11 +333,23 @@ class TieredStore:
             except NoSpace:
                 if not self._demote_one():
                     return False
+        self._promoting[version] = done = trio.Event()
+        self._pins[version] = self._pins.get(version, 0) + 1
+        promoted = False
         try:
             await self._read_from_disk(version, targets)
-        except BaseException:
-            self.dram.drop(version)
-            raise
+            promoted = version in self._sealed  # else the file went while we read it
+        finally:
+            del self._promoting[version]
+            done.set()
+            if not promoted:  # give the blocks back; readers that waited go to the SSD
+                self._pins[version] -= 1
+                if not self._pins[version]:
+                    del self._pins[version]
+                self._dropped_while_busy.discard(version)
+                self.dram.drop(version)
+        if not promoted:
+            return False
         self._in_dram_order.insert(version, sealed.size, time.monotonic())
         self.stats.promoted_files += 1
         self.stats.ssd_reads += 1
