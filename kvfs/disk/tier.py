@@ -114,7 +114,10 @@ class SsdTier:
 
     async def read_chunk(self, version: int, index: int, target: memoryview) -> None:
         """Reads one chunk into target (its page-rounded length) and verifies its checksum."""
-        extent = self.extents[version][index]
+        extents = self.extents.get(version)
+        if extents is None:
+            raise StorageError(errno.ENOENT, f"version {version} is no longer on {self.directory}")
+        extent = extents[index]
         fd, within = self.segments.locate(extent.offset)
         await self.engine.read_into(fd, within, target[: rounded(extent.length)])
         if chunk_checksum(target[: extent.length]) != extent.checksum:

@@ -288,6 +288,7 @@ class TieredStore:
         if len(lengths) > 1:  # the rest streams in, from now on, while the reader is served
             assert self._nursery is not None
             source.streaming = True
+            self._hold_disk_copy(version)  # until the stream ends, even if the file goes meanwhile
             self._nursery.start_soon(self._stream_chunks, source)
         try:  # the first chunk before the open returns: a corrupt file fails to open
             await self._read_from_disk(version, source.chunks[:1])
@@ -305,6 +306,9 @@ class TieredStore:
                 await self._read_from_disk(source.version, source.chunks[index : index + 1], first_index=index)
             except (StorageError, OSError) as error:
                 source.failures[index] = StorageError(errno.EIO, f"version {source.version}: {error}")
+            except Exception as error:  # a bug must fail this read, not the daemon
+                log.exception("reading chunk %d of version %d failed", index, source.version)
+                source.failures[index] = StorageError(errno.EIO, f"version {source.version}: {error!r}")
             source.ready[index].set()
 
         try:
@@ -313,6 +317,7 @@ class TieredStore:
                     nursery.start_soon(one, index)
         finally:
             source.streaming = False
+            self._release_disk_copy(source.version)
             if source.closed:
                 self._release_buffers(source)
 
@@ -359,7 +364,7 @@ class TieredStore:
     async def _read_from_disk(self, version: int, targets: list[memoryview], first_index: int = 0) -> None:
         """Reads and verifies chunks; a corrupt one makes the file disappear (ESTALE/EIO)."""
         assert self.ssd is not None
-        self._disk_readers[version] = self._disk_readers.get(version, 0) + 1
+        self._hold_disk_copy(version)
         try:
             await run_all(functools.partial(self.ssd.read_chunk, version, index, target)
                           for index, target in enumerate(targets, first_index))
@@ -369,11 +374,18 @@ class TieredStore:
             await self._owner().lost(version)
             raise StorageError(errno.ESTALE if first_index == 0 else errno.EIO, str(error)) from None
         finally:
-            left = self._disk_readers[version] - 1
-            if left:
-                self._disk_readers[version] = left
-            else:
-                del self._disk_readers[version]
+            self._release_disk_copy(version)
+
+    def _hold_disk_copy(self, version: int) -> None:
+        """While held, a version's extents on SSD are not freed (its reads are in flight)."""
+        self._disk_readers[version] = self._disk_readers.get(version, 0) + 1
+
+    def _release_disk_copy(self, version: int) -> None:
+        left = self._disk_readers[version] - 1
+        if left:
+            self._disk_readers[version] = left
+        else:
+            del self._disk_readers[version]
 
     async def read(self, source: ReadSource, offset: int, length: int) -> memoryview | bytes:
         if source.from_dram:
