@@ -85,6 +85,16 @@ class KvfsMount:
         self.process.wait()
 
 
+def is_stored(path: Path) -> bool:
+    """Whether kvfs still holds a file. An open asks the daemon; stat may still be answered
+    for a moment from a kernel entry of an evicted file, whose invalidation is asynchronous."""
+    try:
+        open(path, "rb").close()
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def drop_page_cache() -> None:
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3")

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import drop_page_cache
+from conftest import drop_page_cache, is_stored
 
 MiB = 1 << 20
 
@@ -49,11 +49,11 @@ def test_writing_three_times_dram_never_fails_or_corrupts(make_mount) -> None:
     newest = written[-4:]
     assert all(path.read_bytes() == content(i, size) for path, i, size in newest)
     listed = {p.name for d in root.iterdir() for p in d.iterdir()}
-    assert {p.name for p, _, _ in written if p.exists()} == listed
+    assert {p.name for p, _, _ in written if is_stored(p)} == listed
     assert not any(name.endswith(".tmp") for name in listed)
     st = os.statvfs(root)
     used = (st.f_blocks - st.f_bfree) * st.f_frsize
-    stored = sum(size for path, _, size in written if path.exists())
+    stored = sum(size for path, _, size in written if is_stored(path))
     assert stored <= used <= 64 * MiB
 
 
@@ -99,6 +99,6 @@ def test_orphaned_temp_files_are_collected(make_mount) -> None:
     while orphan.name in os.listdir(mount.path):
         assert time.monotonic() < deadline, "the orphaned temp file was never collected"
         time.sleep(0.1)
-    assert not orphan.exists()
+    assert not is_stored(orphan)
     assert kept.read_bytes() == b"published"
     assert "collected 1 orphaned temp files" in mount.log_text()

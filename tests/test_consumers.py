@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from conftest import is_stored
 
 libc = ctypes.CDLL(None, use_errno=True)
 MiB = 1 << 20
@@ -149,7 +150,7 @@ def test_vllm_fs_tier_16_writers_16_readers(make_mount, tmp_path: Path, size: in
     assert loaded[0] > 0
     # Capacity was managed: some keys were evicted (cleanly absent), the newest one
     # is there, and the mount is not over-full.
-    present = [key for key in keys if os.access(key_path(root, key), os.F_OK)]
+    present = [key for key in keys if is_stored(key_path(root, key))]
     assert 0 < len(present) < len(keys)
     buffer = mmap.mmap(-1, size)
     assert vllm_load(key_path(root, published[-1]), buffer, direct) == size

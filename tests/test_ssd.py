@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import drop_page_cache
+from conftest import drop_page_cache, is_stored
 
 MiB = 1 << 20
 SEGMENT_SIZE = 256 * MiB
@@ -117,7 +117,7 @@ def test_ssd_full_evicts_whole_files(make_mount, tmp_path: Path) -> None:
         store(path, 4 * MiB)
         paths.append(path)
     sync(root)
-    present = [p for p in paths if p.exists()]
+    present = [p for p in paths if is_stored(p)]
     assert 0 < len(present) < len(paths)
     assert paths[-1] in present
     drop_page_cache()
