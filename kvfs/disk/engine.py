@@ -39,6 +39,14 @@ def _address(buffer: memoryview) -> int | None:
     return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
 
 
+def _window(start: int, remaining: int, room: int) -> tuple[int, int, int]:
+    """The page-aligned span [aligned_start, aligned_end) that covers the next `length`
+    bytes from `start` and fits in a staging buffer of `room` bytes."""
+    aligned_start = start - start % ALIGN
+    length = min(remaining, room - (start - aligned_start))
+    return aligned_start, length, -(-(start + length) // ALIGN) * ALIGN
+
+
 def _is_direct(fd: int) -> bool:
     return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
 
@@ -85,9 +93,7 @@ class AlignedIo:
         async with self._staging() as staging:
             while done < len(buffer):
                 start = offset + done
-                aligned_start = start - start % ALIGN
-                want = min(len(buffer) - done, len(staging) - (start - aligned_start))
-                aligned_end = -(-(start + want) // ALIGN) * ALIGN
+                aligned_start, want, aligned_end = _window(start, len(buffer) - done, len(staging))
                 got = await self._full(self._readv, fd, aligned_start, staging[: aligned_end - aligned_start])
                 usable = max(0, min(want, got - (start - aligned_start)))
                 buffer[done : done + usable] = staging[start - aligned_start : start - aligned_start + usable]
@@ -106,9 +112,7 @@ class AlignedIo:
         async with self._staging() as staging:
             while done < len(data):
                 start = offset + done
-                aligned_start = start - start % ALIGN
-                length = min(len(data) - done, len(staging) - (start - aligned_start))
-                aligned_end = -(-(start + length) // ALIGN) * ALIGN
+                aligned_start, length, aligned_end = _window(start, len(data) - done, len(staging))
                 window = staging[: aligned_end - aligned_start]
                 # Read-modify-write of the partial pages at either end.
                 if start != aligned_start or (start + length) % ALIGN:
