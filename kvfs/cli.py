@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -104,7 +105,7 @@ def run_umount(args: argparse.Namespace) -> int:
     mountpoint = os.path.abspath(args.mountpoint)
     info = find_mount(mountpoint)
     if info is None or not info.fstype.startswith("fuse"):
-        raise KvfsError(22, f"{mountpoint} is not a kvfs mount")
+        raise KvfsError(errno.EINVAL, f"{mountpoint} is not a kvfs mount")
     unmount(mountpoint, lazy=args.lazy)
     deadline = time.monotonic() + 10
     while find_mount(mountpoint) is not None and time.monotonic() < deadline:

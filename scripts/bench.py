@@ -47,6 +47,14 @@ def warm_guest_memory(nbytes: int) -> None:
     region.close()
 
 
+def prepare_machine() -> None:
+    """Refuses to run without root, then warms guest memory (half of it, at most 12 GiB)."""
+    if os.geteuid() != 0:
+        raise SystemExit("run as root: the benchmark mounts file systems and drops the page cache")
+    print("warming guest memory", file=sys.stderr, flush=True)
+    warm_guest_memory(min(12 << 30, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2))
+
+
 def drop_page_cache() -> None:
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3")
@@ -144,13 +152,10 @@ def main() -> None:
     parser.add_argument("--dram", default="2G", help="kvfs DRAM tier")
     parser.add_argument("--lookups", type=int, default=20000)
     args = parser.parse_args()
-    if os.geteuid() != 0:
-        raise SystemExit("run as root: the benchmark mounts file systems and drops the page cache")
+    prepare_machine()
     sizes = [int(s) * MiB for s in args.sizes.split(",")]
     total = parse_size(args.total)
 
-    print("warming guest memory", file=sys.stderr, flush=True)
-    warm_guest_memory(min(12 << 30, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2))
     with tempfile.TemporaryDirectory(prefix="kvfs-bench-") as scratch:
         base = Path(scratch)
         tmpfs = base / "tmpfs"

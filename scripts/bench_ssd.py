@@ -27,7 +27,7 @@ from pathlib import Path
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import drop_page_cache, load_files, start_daemon, store_files, warm_guest_memory  # noqa: E402
+from bench import drop_page_cache, load_files, prepare_machine, start_daemon, store_files  # noqa: E402
 from kvfs.config import parse_size  # noqa: E402
 from kvfs.disk.engine import open_engine  # noqa: E402
 from kvfs.disk.segments import SEGMENT_SIZE  # noqa: E402
@@ -115,8 +115,7 @@ def main() -> None:
     parser.add_argument("--total", default="512M")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    if os.geteuid() != 0:
-        raise SystemExit("run as root: the benchmark mounts file systems and drops the page cache")
+    prepare_machine()
     sizes = [int(s) * MiB for s in args.sizes.split(",")]
     total = parse_size(args.total)
     results: dict[str, list[float]] = {}
@@ -124,8 +123,6 @@ def main() -> None:
     def record(metric: str, value: float) -> None:
         results.setdefault(metric, []).append(value)
 
-    print("warming guest memory", file=sys.stderr, flush=True)
-    warm_guest_memory(min(12 << 30, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2))
     with tempfile.TemporaryDirectory(prefix="kvfs-bench-ssd-") as scratch:
         base = Path(scratch)
         disk = Path(args.disk) if args.disk else base / "disk"
