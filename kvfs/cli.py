@@ -1,4 +1,4 @@
-"""The `kvfs` command line: mount, umount."""
+"""The `kvfs` command line: mount, node, master, status, umount."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 from kvfs import __version__
 from kvfs.config import MountConfig, default_disk_bytes, default_dram_bytes, format_size, parse_size
-from kvfs.errors import KvfsError
+from kvfs.errors import ConfigError, KvfsError
 from kvfs.policy import POLICIES
 
 log = logging.getLogger("kvfs")
@@ -31,28 +31,26 @@ def default_log_file(mountpoint: str) -> str:
     return f"/var/log/kvfs/{name}.log"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvfs", description="A POSIX filesystem for LLM KV-cache blocks.")
-    parser.add_argument("--version", action="version", version=f"kvfs {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+DEFAULT_SECRET_FILE = "/etc/kvfs/secret"
 
-    mount = commands.add_parser("mount", help="mount a single-node kvfs (embedded master)")
-    mount.add_argument("mountpoint")
-    mount.add_argument("--dram", default=None,
-                       help=f"DRAM tier size, e.g. 8G (default: a quarter of memory, here {format_size(default_dram_bytes())})")
-    mount.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground (for systemd)")
-    mount.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    mount.add_argument("--log-file", default=None,
-                       help="where a background daemon logs (default: /var/log/kvfs/<mountpoint>.log)")
-    mount.add_argument("--eviction-policy", default="lru", choices=sorted(POLICIES))
-    mount.add_argument("--entry-timeout", type=float, default=60.0, help="seconds the kernel caches names and attributes")
-    mount.add_argument("--negative-timeout", type=float, default=1.0, help="seconds the kernel caches absent names")
-    mount.add_argument("--temp-grace", type=float, default=300.0,
-                       help="seconds before an abandoned *.tmp file is collected")
-    mount.add_argument("--gc-interval", type=float, default=30.0, help="seconds between orphan collections")
-    mount.add_argument("--no-allow-other", dest="allow_other", action="store_false",
-                       help="only the mounting user may access the mount")
-    ssd = mount.add_argument_group("SSD tier (off unless --disk is given)")
+
+def _add_store_options(command: argparse.ArgumentParser) -> None:
+    """Options of a node's store and mount, shared by `mount` and `node`."""
+    command.add_argument("--dram", default=None,
+                         help=f"DRAM tier size, e.g. 8G (default: a quarter of memory, here {format_size(default_dram_bytes())})")
+    command.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground (for systemd)")
+    command.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    command.add_argument("--log-file", default=None,
+                         help="where a background daemon logs (default: /var/log/kvfs/<mountpoint>.log)")
+    command.add_argument("--eviction-policy", default="lru", choices=sorted(POLICIES))
+    command.add_argument("--entry-timeout", type=float, default=60.0, help="seconds the kernel caches names and attributes")
+    command.add_argument("--negative-timeout", type=float, default=1.0, help="seconds the kernel caches absent names")
+    command.add_argument("--temp-grace", type=float, default=300.0,
+                         help="seconds before an abandoned *.tmp file is collected")
+    command.add_argument("--gc-interval", type=float, default=30.0, help="seconds between orphan collections")
+    command.add_argument("--no-allow-other", dest="allow_other", action="store_false",
+                         help="only the mounting user may access the mount")
+    ssd = command.add_argument_group("SSD tier (off unless --disk is given)")
     ssd.add_argument("--disk", default=None, help="directory on the NVMe for the SSD tier (segment files, index)")
     ssd.add_argument("--disk-size", default=None,
                      help="SSD tier size, preallocated (default: half the free space of --disk's file system)")
@@ -65,18 +63,115 @@ def build_parser() -> argparse.ArgumentParser:
     ssd.add_argument("--backpressure-timeout", type=float, default=30.0,
                      help="seconds a writer may wait for the offloader before ENOSPC")
 
+
+def _add_common(command: argparse.ArgumentParser, secret: bool = True) -> None:
+    command.add_argument("--config", default=None,
+                         help="TOML file; the table named after this command sets defaults for its options")
+    if secret:
+        command.add_argument("--secret-file", default=DEFAULT_SECRET_FILE,
+                             help=f"the cluster secret's file (KVFS_SECRET overrides it; default {DEFAULT_SECRET_FILE})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvfs", description="A POSIX filesystem for LLM KV-cache blocks.")
+    parser.add_argument("--version", action="version", version=f"kvfs {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    mount = commands.add_parser("mount", help="mount a single-node kvfs (embedded master)")
+    mount.add_argument("mountpoint")
+    _add_store_options(mount)
+    _add_common(mount, secret=False)
+
+    node = commands.add_parser("node", help="run a cluster node: mount, contribute DRAM/SSD, serve peers")
+    node.add_argument("--master", required=True, help="the master's HOST:PORT")
+    node.add_argument("--mount", dest="mountpoint", required=True, help="where to mount the cluster's namespace")
+    node.add_argument("--listen", default="127.0.0.1:0",
+                      help="HOST:PORT of this node's peer server, for chunk reads by other nodes (default 127.0.0.1:0)")
+    node.add_argument("--advertise", default=None, help="host other nodes reach this one at (default: the --listen host)")
+    node.add_argument("--name", default=None,
+                      help="stable node name, kept across restarts (default: hostname:mountpoint)")
+    node.add_argument("--master-wait", type=float, default=10.0,
+                      help="seconds a request waits for an unreachable master before failing with EIO")
+    _add_store_options(node)
+    _add_common(node)
+
+    master = commands.add_parser("master", help="run the metadata master")
+    master.add_argument("--listen", required=True, help="HOST:PORT to serve nodes on")
+    master.add_argument("--data", required=True, help="directory for the master's state (lmdb)")
+    master.add_argument("--eviction-policy", default="lru", choices=sorted(POLICIES))
+    master.add_argument("--temp-grace", type=float, default=300.0,
+                        help="seconds before an abandoned *.tmp file is collected")
+    master.add_argument("--dead-after", type=float, default=2.5,
+                        help="seconds without a heartbeat before a node is declared dead")
+    master.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_common(master)
+
+    status = commands.add_parser("status", help="print the cluster: nodes, liveness, capacity, files")
+    status.add_argument("--master", required=True, help="the master's HOST:PORT")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_common(status)
+
     umount = commands.add_parser("umount", help="unmount a kvfs mount")
     umount.add_argument("mountpoint")
     umount.add_argument("--lazy", action="store_true", help="detach now even if busy")
     return parser
 
 
-def run_mount(args: argparse.Namespace) -> int:
-    from kvfs.fuse.mount import mount
+def _config_path(argv: list[str]) -> str | None:
+    for index, arg in enumerate(argv):
+        if arg == "--config" and index + 1 < len(argv):
+            return argv[index + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
 
-    config = MountConfig(
+
+def apply_config_file(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parses argv; when --config names a TOML file, its table for the command (e.g. [node])
+    supplies defaults, so that flags given on the command line still win."""
+    argv = sys.argv[1:] if argv is None else argv
+    path = _config_path(argv)
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    subparsers = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    if path is None or command not in subparsers:
+        return parser.parse_args(argv)
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f).get(command, {})
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise ConfigError(f"--config {path}: {error}") from None
+    subparser = subparsers[command]
+    known = {action.dest for action in subparser._actions}
+    defaults = {}
+    for key, value in table.items():
+        dest = key.replace("-", "_")
+        if dest == "mount":
+            dest = "mountpoint"
+        if dest not in known or dest in ("config", "help"):
+            raise ConfigError(f"{path}: [{command}] has no setting {key!r}")
+        defaults[dest] = value
+    subparser.set_defaults(**defaults)
+    for action in subparser._actions:  # a required option set in the file is no longer required
+        if action.dest in defaults:
+            action.required = False
+    return parser.parse_args(argv)
+
+
+def _secret(args: argparse.Namespace) -> bytes:
+    from kvfs.cluster.auth import AuthError, load_secret
+
+    try:
+        return load_secret(args.secret_file)
+    except (AuthError, OSError) as error:
+        raise ConfigError(f"cluster secret: {error}") from None
+
+
+def _mount_config(args: argparse.Namespace, **cluster) -> MountConfig:
+    return MountConfig(
         mountpoint=os.path.abspath(args.mountpoint),
-        dram_bytes=parse_size(args.dram, "--dram") if args.dram else default_dram_bytes(),
+        dram_bytes=parse_size(str(args.dram), "--dram") if args.dram else default_dram_bytes(),
         eviction_policy=args.eviction_policy,
         entry_timeout_s=args.entry_timeout,
         negative_timeout_s=args.negative_timeout,
@@ -84,19 +179,83 @@ def run_mount(args: argparse.Namespace) -> int:
         gc_interval_s=args.gc_interval,
         allow_other=args.allow_other,
         disk_path=os.path.abspath(args.disk) if args.disk else None,
-        disk_bytes=(parse_size(args.disk_size, "--disk-size") if args.disk_size
+        disk_bytes=(parse_size(str(args.disk_size), "--disk-size") if args.disk_size
                     else default_disk_bytes(args.disk) if args.disk else 0),
         offload=args.offload,
         high_watermark=args.high_watermark,
         low_watermark=args.low_watermark,
         direct_io=args.direct_io,
         backpressure_timeout_s=args.backpressure_timeout,
+        **cluster,
     )
+
+
+def _start(config: MountConfig, args: argparse.Namespace) -> int:
+    from kvfs.fuse.mount import mount
+
     log_file = None if args.foreground else (args.log_file or default_log_file(config.mountpoint))
     code = mount(config, args.foreground, log_file)
     if code == 0 and not args.foreground:
         print(f"kvfs mounted on {config.mountpoint} ({format_size(config.dram_bytes)} DRAM); log: {log_file}")
     return code
+
+
+def run_mount(args: argparse.Namespace) -> int:
+    return _start(_mount_config(args), args)
+
+
+def run_node(args: argparse.Namespace) -> int:
+    config = _mount_config(args, master=args.master, listen=args.listen, advertise=args.advertise,
+                           node_name=args.name or "", secret=_secret(args), master_wait_s=args.master_wait)
+    return _start(config, args)
+
+
+def run_master(args: argparse.Namespace) -> int:
+    import trio
+
+    from kvfs.cluster.master_process import MasterConfig, MasterProcess
+
+    config = MasterConfig(args.listen, os.path.abspath(args.data), _secret(args), args.eviction_policy,
+                          temp_grace_s=args.temp_grace, dead_after_s=args.dead_after)
+    trio.run(MasterProcess(config).run)
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    import json
+
+    import msgspec
+    import trio
+
+    from kvfs.cluster import messages as m
+    from kvfs.cluster.rpc import RemoteMaster
+    from kvfs.cluster.transport import split_address
+
+    host, port = split_address(args.master)
+    secret = _secret(args)
+
+    async def fetch() -> m.ClusterInfo:
+        async with trio.open_nursery() as nursery:
+            with trio.fail_after(10):
+                master = await RemoteMaster.connect(host, port, secret, nursery, role="client")
+                info = await master.call(m.ClusterStatus())
+            await master.aclose()
+            return info
+
+    info = trio.run(fetch)
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(info), indent=2))
+        return 0
+    print(f"master {args.master}: {info.files} files, {format_size(info.sealed_bytes)}, {info.inodes} inodes")
+    print(f"{'NODE':>4} {'NAME':<28} {'ADDRESS':<22} {'STATE':<6} {'DRAM USED/CAP':>21} {'SSD USED/CAP':>21} "
+          f"{'FILES':>7} {'DRAM-ONLY':>9} {'ON SSD':>7}")
+    for n in info.nodes:
+        state = "up" if n.live else "down"
+        print(f"{n.node:>4} {n.name[:28]:<28} {n.address[:22]:<22} {state:<6} "
+              f"{format_size(n.dram_used) + ' / ' + format_size(n.dram_capacity):>21} "
+              f"{format_size(n.ssd_used) + ' / ' + format_size(n.ssd_capacity):>21} "
+              f"{n.files:>7} {n.dram_only_files:>9} {n.ssd_files:>7}")
+    return 0
 
 
 def run_umount(args: argparse.Namespace) -> int:
@@ -114,10 +273,14 @@ def run_umount(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    init_logging(getattr(args, "log_level", "info"))
+    parser = build_parser()
+    init_logging("info")
     try:
-        return {"mount": run_mount, "umount": run_umount}[args.command](args)
+        args = apply_config_file(parser, argv)
+        init_logging(getattr(args, "log_level", "info"))
+        commands = {"mount": run_mount, "node": run_node, "master": run_master, "status": run_status,
+                    "umount": run_umount}
+        return commands[args.command](args)
     except KvfsError as error:
         log.error("%s", error)
         return 1

@@ -60,6 +60,13 @@ class MountConfig:
     low_watermark: float = 0.7
     direct_io: bool = True
     backpressure_timeout_s: float = 30.0
+    # Cluster mode (`kvfs node`): the master's address; None runs an embedded master.
+    master: str | None = None
+    listen: str = "127.0.0.1:0"  # the peer server (chunk reads by other nodes)
+    advertise: str | None = None  # the host other nodes reach the peer server at (default: listen host)
+    node_name: str = ""  # stable identity across restarts (default: hostname:mountpoint)
+    secret: bytes = b""
+    master_wait_s: float = 10.0  # how long a request waits for an unreachable master
 
     def __post_init__(self) -> None:
         if self.dram_bytes < (16 << 20):

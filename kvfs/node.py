@@ -23,6 +23,8 @@ from kvfs.clock import Clock
 from kvfs.cluster import messages as m
 from kvfs.cluster.embedded import MasterClient
 from kvfs.cluster.namespace import ROOT_INO
+from kvfs.cluster.rpc import MasterUnavailable
+from kvfs.cluster.transport import Transport
 from kvfs.config import format_size
 from kvfs.disk.index import DiskRecord
 from kvfs.errors import KvfsError, StorageError
@@ -45,6 +47,7 @@ class OpenFile:
     writable: bool
     size: int  # the size of a sealed version (versions being written track theirs in WriteState)
     source: ReadSource | None = None  # where a reader's bytes come from
+    leased: bool = True  # the master counts this handle (not when opened while it was unreachable)
 
 
 @dataclass(slots=True)
@@ -64,20 +67,33 @@ class NodeStats:
     files: int
 
 
+REPORT_BATCH = 2000  # versions per registration report
+HEARTBEAT_S = 0.5
+REMOTE_STREAMS = 2  # parallel chunk runs per remote file
+
+
 class Node:
     """The POSIX file service of one node."""
 
     def __init__(self, master: MasterClient, store: TieredStore, clock: Clock, node_id: int = 1,
-                 forget_entries: Callable[[list[tuple[int, bytes]]], None] = lambda entries: None) -> None:
+                 forget_entries: Callable[[list[tuple[int, bytes]]], None] = lambda entries: None,
+                 transport: Transport | None = None) -> None:
         self.master = master
         self.store = store
         store.owner = self
         self.clock = clock
         self.node_id = node_id
         self.forget_entries = forget_entries  # tells the kernel that names were removed behind its back
+        self.transport = transport  # chunk fetches from other nodes (cluster mode)
         self._writing: dict[int, WriteState] = {}
         self._cached_version: dict[int, int] = {}  # ino -> version the kernel page cache holds
+        self._local: dict[int, tuple[int, int]] = {}  # ino -> (version, size) stored here, for reads without the master
+        self._local_inos: dict[int, int] = {}  # version -> ino, the reverse of _local
+        self._opens: dict[tuple[int, bool], int] = {}  # (version, writer) -> open handles (reported on registration)
+        self._unreported_seals: dict[int, int] = {}  # version -> mtime of seals the master did not get
         self.evicted_files = 0
+        self.remote_reads = 0
+        self.degraded_reads = 0
 
     @property
     def chunk_size(self) -> int:
@@ -170,13 +186,19 @@ class Node:
     async def open(self, ino: int, flags: int) -> tuple[OpenFile, bool]:
         """Opens a file; returns the handle and whether the kernel may keep its cached pages."""
         if flags & os.O_ACCMODE == os.O_RDONLY:
-            opened = await self.master.call(m.OpenRead(ino))
             try:
-                source = await self.store.open_read(opened.version)
+                opened = await self._call(m.OpenRead(ino), wait_s=0)
+            except MasterUnavailable:
+                return await self._open_without_master(ino)
+            try:
+                source = await self._open_source(opened)
             except BaseException:
                 await self.master.call(m.Release(opened.version, writer=False))
                 raise
+            self._count_open(opened.version, False, 1)
             handle = OpenFile(ino, opened.version, False, opened.attr.size, source)
+            if opened.attr.sealed and not opened.node:
+                self._remember_local(ino, opened.version, opened.attr.size)
             keep_cache = opened.attr.sealed and self._cached_version.get(ino) == opened.version
             if opened.attr.sealed:
                 self._cached_version[ino] = opened.version
@@ -186,12 +208,63 @@ class Node:
         self._cached_version.pop(ino, None)
         return await self._open_version(ino, truncate=bool(flags & os.O_TRUNC)), False
 
+    async def _call(self, request: m.Request, wait_s: float | None = None):
+        if wait_s is None:
+            return await self.master.call(request)
+        return await self.master.call(request, wait_s=wait_s)  # type: ignore[call-arg]
+
+    async def _open_source(self, opened: m.Opened) -> ReadSource:
+        """Where a reader's bytes come from: this node's tiers, or the node that stores them."""
+        if not opened.node or opened.node == self.node_id:
+            return await self.store.open_read(opened.version)
+        size = opened.attr.size if opened.attr.sealed else 0  # close-to-open: nothing until sealed
+        return await self._open_remote(opened.version, size, opened.node, opened.address, opened.checksums)
+
+    async def _open_remote(self, version: int, size: int, node: int, address: str, checksums: list[int]) -> ReadSource:
+        transport = self.transport
+        if transport is None:
+            raise StorageError(errno.ENOENT, f"version {version} is on node {node} and this node has no transport")
+
+        async def fetch(source: ReadSource, start: int, stop: int) -> None:
+            await transport.fetch(address, version, start, source.chunks[start:stop],
+                                  [min(self.chunk_size, size - i * self.chunk_size) for i in range(start, stop)],
+                                  checksums, lambda index: source.ready[index].set())
+
+        self.remote_reads += 1
+        return await self.store.open_remote(version, size, fetch, REMOTE_STREAMS)
+
+    async def _open_without_master(self, ino: int) -> tuple[OpenFile, bool]:
+        """The master is unreachable: a file this node stores is still served from here."""
+        known = self._local.get(ino)
+        if known is None or known[0] not in self.store:
+            raise MasterUnavailable(f"inode {ino}: the master is unreachable and this node does not store the file")
+        version, size = known
+        source = await self.store.open_read(version)
+        self.degraded_reads += 1
+        return OpenFile(ino, version, False, size, source, leased=False), self._cached_version.get(ino) == version
+
+    def _remember_local(self, ino: int, version: int, size: int) -> None:
+        previous = self._local.get(ino)
+        if previous is not None:
+            self._local_inos.pop(previous[0], None)
+        self._local[ino] = (version, size)
+        self._local_inos[version] = ino
+
+    def _count_open(self, version: int, writer: bool, delta: int) -> None:
+        key = (version, writer)
+        count = self._opens.get(key, 0) + delta
+        if count > 0:
+            self._opens[key] = count
+        else:
+            self._opens.pop(key, None)
+
     async def _open_version(self, ino: int, truncate: bool) -> OpenFile:
         return await self._start_writing(await self.master.call(m.OpenWrite(ino, self.node_id, truncate)), truncate)
 
     async def _start_writing(self, opened: m.Opened, truncate: bool) -> OpenFile:
         self._drop(opened.dropped)
         version = opened.version
+        self._count_open(version, True, 1)
         state = self._writing.get(version)
         if state is not None:  # joining a version this node is already writing
             state.writers += 1
@@ -201,10 +274,16 @@ class Node:
             self.store.create(version)
             state = self._writing[version] = WriteState(0, 1, self.clock.wall_ns())
             if opened.copy_from:
+                self._count_open(opened.copy_from, False, 1)
                 try:
-                    await self.store.copy(opened.copy_from, version, opened.copy_size)
+                    reader = None
+                    if opened.node and opened.node != self.node_id:  # the old bytes are on another node
+                        reader = await self._open_remote(opened.copy_from, opened.copy_size, opened.node,
+                                                         opened.address, opened.checksums)
+                    await self.store.copy(opened.copy_from, version, opened.copy_size, reader)
                     state.size = opened.copy_size
                 finally:
+                    self._count_open(opened.copy_from, False, -1)
                     self._drop((await self.master.call(m.Release(opened.copy_from, writer=False))).dropped)
         return OpenFile(opened.attr.ino, version, True, 0)
 
@@ -234,6 +313,7 @@ class Node:
         return len(data)
 
     async def release(self, handle: OpenFile) -> None:
+        self._count_open(handle.version, handle.writable, -1)
         try:
             if handle.source is not None:
                 self.store.close_read(handle.source)
@@ -243,9 +323,19 @@ class Node:
                 if state.writers == 0:  # the last writer closed: the bytes are final
                     del self._writing[handle.version]
                     checksums = self.store.seal(handle.version, state.size)
-                    await self.master.call(m.Seal(handle.version, state.size, state.mtime_ns, checksums))
+                    self._remember_local(handle.ino, handle.version, state.size)
+                    try:
+                        await self.master.call(m.Seal(handle.version, state.size, state.mtime_ns, checksums))
+                    except MasterUnavailable:  # sealed here; the next registration reports it
+                        self._unreported_seals[handle.version] = state.mtime_ns
+                        log.warning("inode %d: the master is unreachable; its seal is reported on reconnection",
+                                    handle.ino)
         finally:  # the reference goes even if sealing failed, or the version would leak
-            self._drop((await self.master.call(m.Release(handle.version, handle.writable))).dropped)
+            if handle.leased:
+                try:
+                    self._drop((await self.master.call(m.Release(handle.version, handle.writable))).dropped)
+                except MasterUnavailable:
+                    pass  # a new registration reports only the handles still open
 
     async def fsync(self, handle: OpenFile) -> None:
         """A sealed file is durable once it is on SSD: fsync waits for its offload."""
@@ -274,6 +364,18 @@ class Node:
 
     async def lost(self, version: int) -> None:
         self._apply_removed(await self.master.call(m.Lost(version)))
+
+    def adopt_disk(self) -> int:
+        """Cluster mode, at start: takes in the files on SSD (the registration reports them)."""
+        ssd = self.store.ssd
+        if ssd is None:
+            return 0
+        count = 0
+        for record in ssd.recovered_records():
+            self.store.adopt_recovered(record.version, record.file.size, [chunk[2] for chunk in record.chunks])
+            count += 1
+        log.info("found %d files in %s", count, ssd.directory)
+        return count
 
     async def recover(self, temp_suffix: bytes) -> None:
         """Rebuilds the namespace from the SSD index after a restart (before mounting)."""
@@ -322,6 +424,63 @@ class Node:
     def _drop(self, versions: Iterable[int]) -> None:
         for version in versions:
             self.store.drop(version)
+            self._unreported_seals.pop(version, None)
+            ino = self._local_inos.pop(version, None)
+            if ino is not None:
+                del self._local[ino]
+
+    # Cluster membership ----------------------------------------------------------------
+
+    async def join(self, master: MasterClient, name: str, address: str) -> None:
+        """Registers with the master and reports every version stored here and every open
+        handle, so that the master keeps exactly the files that still exist (after a node
+        or a master restart alike); what it answers to drop is freed."""
+        started = time.monotonic()
+        self.node_id = (await master.call(m.Register(name, address))).node
+        held = self._held()
+        opens = [(version, writer, count) for (version, writer), count in self._opens.items()]
+        dropped: list[int] = []
+        for start in range(0, max(len(held), 1), REPORT_BATCH):
+            batch = held[start : start + REPORT_BATCH]
+            reported = await master.call(m.Report(batch, opens if start == 0 else []))
+            dropped.extend(reported.dropped)
+            if time.monotonic() - started > 1:
+                log.info("registering with the master: reported %d of %d files", start + len(batch), len(held))
+        dropped.extend((await master.call(m.FinishRegistration())).dropped)
+        self._unreported_seals.clear()
+        self._drop(dropped)
+        log.info("registered as node %d: %d files kept, %d dropped, in %.2f s", self.node_id,
+                 len(held) - len(set(dropped)), len(set(dropped)), time.monotonic() - started)
+
+    def _held(self) -> list[m.Held]:
+        held = []
+        records = self.store.disk_records()
+        for version, size, checksums, on_disk in self.store.holdings():
+            record = records.get(version)
+            held.append(m.Held(version, size, True, on_disk, self._unreported_seals.get(version, 0), checksums,
+                               record.file if record is not None and on_disk else None))
+        for version, state in self._writing.items():
+            held.append(m.Held(version, state.size, False, False, state.mtime_ns))
+        return held
+
+    async def heartbeat(self) -> bool:
+        """One heartbeat: tells the master this node lives and applies what happened elsewhere.
+        False if the master no longer knows this node (it must register again)."""
+        ssd = self.store.ssd
+        try:
+            beat = await self._call(m.Heartbeat(self.store.dram.capacity, self.store.dram.used,
+                                                ssd.capacity if ssd else 0, ssd.used if ssd else 0), wait_s=0)
+        except MasterUnavailable:
+            return True  # the link reconnects and registers again by itself
+        except KvfsError as error:
+            if error.errno == errno.ESTALE:
+                log.warning("the master declared this node dead; registering again")
+                return False
+            raise
+        self._drop(beat.dropped)
+        if beat.forget:
+            self.forget_entries(beat.forget)
+        return True
 
     async def stats(self) -> NodeStats:
         """Capacity as statfs reports it: the largest tier that holds every file (SSD when present)."""

@@ -22,17 +22,23 @@ import pytest
 from kvfs.fuse.mount import find_mount
 
 UNEXPECTED = re.compile(r" (ERROR|CRITICAL) |Traceback")
+CLUSTER_SECRET = "kvfs-test-cluster-secret"
 
 
 class KvfsMount:
     """A kvfs daemon running in the foreground in a child process."""
 
-    def __init__(self, root: Path, dram: str, *extra: str) -> None:
+    def __init__(self, root: Path, dram: str, *extra: str, master: str | None = None) -> None:
+        self.root = root
         self.path = root / "mnt"
         self.path.mkdir()
         self.log_path = root / "kvfs.log"
-        self.args = [sys.executable, "-m", "kvfs", "mount", str(self.path), "--foreground",
-                     "--dram", dram, "--log-level", "debug", *extra]
+        if master is None:
+            self.args = [sys.executable, "-m", "kvfs", "mount", str(self.path), "--foreground",
+                         "--dram", dram, "--log-level", "debug", *extra]
+        else:
+            self.args = [sys.executable, "-m", "kvfs", "node", "--master", master, "--mount", str(self.path),
+                         "--name", root.name, "--foreground", "--dram", dram, "--log-level", "debug", *extra]
         self.allowed_errors: list[str] = []
         self._log_offset = 0
         self.process: subprocess.Popen[bytes] | None = None
@@ -40,7 +46,8 @@ class KvfsMount:
     def start(self) -> None:
         start_offset = len(self.log_text())
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
+                                            env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
         self.wait_ready(start_offset)
 
     def wait_ready(self, start_offset: int, timeout: float = 30) -> None:
@@ -140,3 +147,90 @@ def make_mount(tmp_path: Path) -> Iterator:
     yield make
     for generator in reversed(mounts):
         next(generator, None)
+
+
+class MasterDaemon:
+    """`kvfs master` in a child process, on an ephemeral loopback port."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.data = root / "master-data"
+        self.log_path = root / "master.log"
+        self.address = ""
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def start(self, port: int = 0) -> None:
+        offset = len(self.log_text())
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "kvfs", "master", "--listen", f"127.0.0.1:{port}", "--data", str(self.data),
+                 "--log-level", "debug"], stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
+        deadline = time.monotonic() + 30
+        while True:
+            found = re.search(r"master listening on (\S+)", self.log_text()[offset:])
+            if found:
+                self.address = found.group(1)
+                return
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"kvfs master did not start:\n{self.log_text()}")
+            time.sleep(0.02)
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(timeout=30)
+
+
+class Cluster:
+    """A master and nodes, each node a real mount, all on loopback."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.master = MasterDaemon(root)
+        self.master.start()
+        self.nodes: list[KvfsMount] = []
+
+    def add_node(self, dram: str = "256M", *extra: str, name: str | None = None) -> KvfsMount:
+        node_root = self.root / (name or f"node{len(self.nodes) + 1}")
+        node_root.mkdir()
+        node = KvfsMount(node_root, dram, *extra, master=self.master.address)
+        node.start()
+        self.nodes.append(node)
+        return node
+
+    def errors(self) -> list[str]:
+        return [f"{node.root.name}: {line}" for node in self.nodes for line in node.new_errors()]
+
+    def close(self) -> list[str]:
+        errors = self.errors()
+        for node in reversed(self.nodes):
+            if node.process is not None and node.process.poll() is None:
+                node.stop()
+            elif find_mount(str(node.path)) is not None:
+                subprocess.run(["fusermount3", "-u", "-z", str(node.path)], capture_output=True)
+        self.master.stop()
+        return errors
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """A master on loopback; add nodes with cluster.add_node(dram, *flags)."""
+    started = Cluster(tmp_path)
+    try:
+        yield started
+    finally:
+        errors = started.close()
+        assert not errors, "kvfs logged unexpected errors:\n" + "\n".join(errors)

@@ -30,7 +30,7 @@ def serve_and(test) -> MetadataServer:
         async with trio.open_nursery() as nursery:
             port = await nursery.start(server.serve, "127.0.0.1", 0)
             with trio.fail_after(20):
-                await test(port)
+                await test(port, nursery)
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -38,8 +38,8 @@ def serve_and(test) -> MetadataServer:
 
 
 def test_calls_and_errors_cross_the_wire() -> None:
-    async def test(port: int) -> None:
-        master = await RemoteMaster.connect("127.0.0.1", port, SECRET)
+    async def test(port: int, nursery: trio.Nursery) -> None:
+        master = await RemoteMaster.connect("127.0.0.1", port, SECRET, nursery)
         opened = await master.call(m.Create(ROOT_INO, b"k.bin", 0o644, 0, 0, 1, True))
         await master.call(m.Seal(opened.version, 4096, 7, [1]))
         await master.call(m.Release(opened.version, writer=True))
@@ -58,10 +58,10 @@ def test_calls_and_errors_cross_the_wire() -> None:
 def test_wrong_secret_is_refused_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
 
-    async def test(port: int) -> None:
+    async def test(port: int, nursery: trio.Nursery) -> None:
         with pytest.raises((AuthError, trio.BrokenResourceError, EOFError)):
-            await RemoteMaster.connect("127.0.0.1", port, b"not-the-secret-at-all")
-        master = await RemoteMaster.connect("127.0.0.1", port, SECRET)  # others still get in
+            await RemoteMaster.connect("127.0.0.1", port, b"not-the-secret-at-all", nursery)
+        master = await RemoteMaster.connect("127.0.0.1", port, SECRET, nursery)  # others still get in
         assert (await master.call(m.Stats())).inodes == 1
         await master.aclose()
 
@@ -77,7 +77,7 @@ def test_wrong_secret_is_refused_and_logged(caplog: pytest.LogCaptureFixture) ->
     PREFIX.pack(b"KV", 1, FrameKind.HELLO, 100, 0, 0) + b"\x01" * 10,  # truncated, then closed
 ])
 def test_bad_frames_close_only_that_connection(garbage: bytes, caplog: pytest.LogCaptureFixture) -> None:
-    async def test(port: int) -> None:
+    async def test(port: int, nursery: trio.Nursery) -> None:
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         await stream.receive_some(4096)  # the server's hello
         await stream.send_all(garbage)
@@ -86,7 +86,7 @@ def test_bad_frames_close_only_that_connection(garbage: bytes, caplog: pytest.Lo
             while await stream.receive_some(4096):
                 pass
         await stream.aclose()
-        master = await RemoteMaster.connect("127.0.0.1", port, SECRET)
+        master = await RemoteMaster.connect("127.0.0.1", port, SECRET, nursery)
         assert (await master.call(m.GetAttr(ROOT_INO))).ino == ROOT_INO
         await master.aclose()
 
@@ -95,12 +95,15 @@ def test_bad_frames_close_only_that_connection(garbage: bytes, caplog: pytest.Lo
 
 
 def test_invalid_request_after_handshake_closes_the_connection(caplog: pytest.LogCaptureFixture) -> None:
-    async def test(port: int) -> None:
-        master = await RemoteMaster.connect("127.0.0.1", port, SECRET)
+    async def test(port: int, nursery: trio.Nursery) -> None:
+        master = await RemoteMaster.connect("127.0.0.1", port, SECRET, nursery)
         await master._frames.send(FrameKind.REQUEST, 1, m.Done([1]))  # a response type as a request
-        with pytest.raises((EOFError, trio.BrokenResourceError)):
-            await master._frames.receive()
-        other = await RemoteMaster.connect("127.0.0.1", port, SECRET)
+        with trio.fail_after(5):
+            await master.closed.wait()  # the server hung up
+        with pytest.raises(MetadataError) as raised:
+            await master.call(m.Stats())
+        assert raised.value.errno == errno.EIO
+        other = await RemoteMaster.connect("127.0.0.1", port, SECRET, nursery)
         assert (await other.call(m.Stats())).files == 0
         await other.aclose()
 

@@ -17,6 +17,7 @@ from kvfs.clock import Clock
 from kvfs.cluster import messages as m
 from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace, check_name
 from kvfs.cluster.objects import FileVersion, ObjectDirectory
+from kvfs.cluster.registry import LOCAL_NODE, NodeRecord, Registry
 from kvfs.errors import MetadataError
 from kvfs.policy import EvictionPolicy
 
@@ -32,6 +33,8 @@ class MasterSettings:
     root_mode: int = 0o755
     root_uid: int = 0
     root_gid: int = 0
+    cluster: bool = False  # nodes register over the network (else one embedded local node)
+    dead_after_s: float = 2.5  # a node silent this long is dead (heartbeats every 0.5 s)
 
 
 class MetadataService:
@@ -43,7 +46,13 @@ class MetadataService:
         self.settings = settings
         self.ns = Namespace(clock.wall_ns(), settings.root_mode, settings.root_uid, settings.root_gid)
         self.objects = ObjectDirectory()
+        self.registry = Registry(settings.dead_after_s)
+        if not settings.cluster:
+            self.registry.add_local()
         self._temp_files: set[int] = set()
+        self._caller = LOCAL_NODE  # the node whose request is being handled
+        self._opens: dict[int, dict[tuple[int, bool], int]] = {}  # node -> (version, writer) -> handles
+        self._removed_names: list[tuple[int, bytes]] = []  # for the other nodes' kernels to forget
         self._handlers: dict[type, Callable[[Any], Any]] = {
             m.Lookup: self._lookup,
             m.GetAttr: self._getattr,
@@ -71,11 +80,60 @@ class MetadataService:
             m.Restore: self._restore,
             m.CollectOrphans: self._collect_orphans,
             m.Stats: self._stats,
+            m.Register: self._register,
+            m.Report: self._report,
+            m.FinishRegistration: self._finish_registration,
+            m.Heartbeat: self._heartbeat,
+            m.ClusterStatus: self._cluster_status,
         }
 
-    def handle(self, request: m.Request) -> Any:
-        """Answers one request; raises MetadataError with the errno the caller should see."""
-        return self._handlers[type(request)](request)
+    def handle(self, request: m.Request, caller: int = LOCAL_NODE) -> Any:
+        """Answers one request from node `caller`; raises MetadataError with the errno it should see.
+
+        Versions dropped on behalf of other nodes, and names other nodes' kernels may
+        cache, are queued for those nodes and delivered with their next heartbeat."""
+        self._caller = caller
+        try:
+            response = self._handlers[type(request)](request)
+        finally:
+            self._route_outcomes()
+        return response
+
+    def load(self, inodes: list[Inode], versions: list[FileVersion], next_ino: int, next_entry_id: int,
+             next_version: int, nodes: list[tuple[int, str, str]]) -> None:
+        """Saved state after a master restart (see kvfs.cluster.persist); nodes are not alive
+        until they register again, so their files stay hidden until then."""
+        for inode in inodes:
+            if inode.ino == ROOT_INO:
+                inode.refs = -1
+        self.ns.inodes.clear()
+        self.ns.files = 0
+        self.ns.restore(inodes)
+        self.ns.next_ino = max(self.ns.next_ino, next_ino)
+        self.ns.next_entry_id = max(self.ns.next_entry_id, next_entry_id)
+        self.objects.load(versions, next_version)
+        self.registry.load(nodes)
+        now = self.clock.monotonic()
+        for inode in sorted((i for i in inodes if not i.is_dir), key=lambda i: i.mtime_ns):
+            version = self.objects.versions.get(inode.version)
+            if self._is_temp(inode.name):
+                self._temp_files.add(inode.ino)
+            if version is not None and version.sealed:
+                self.policy.insert(inode.ino, version.size, now)
+
+    def _route_outcomes(self) -> None:
+        log = self.objects.dropped_log
+        if log:
+            for version in log:
+                node = self.registry.nodes.get(version.node)
+                if node is not None and version.node != self._caller and (node.live or node.registering):
+                    node.outbox_dropped.append(version.version)
+            log.clear()
+        if self._removed_names:
+            for node in self.registry.nodes.values():
+                if node.live and node.node_id != self._caller:
+                    node.outbox_forget.extend(self._removed_names)
+            self._removed_names.clear()
 
     # Helpers ---------------------------------------------------------------------------
 
@@ -89,9 +147,38 @@ class MetadataService:
                       inode.atime_ns, inode.mtime_ns, inode.ctime_ns, inode.version, sealed)
 
     def _referenced(self, inode: Inode) -> m.Attr:
-        """The attributes of an inode the node's kernel now holds a reference to."""
-        inode.referenced = True
+        """The attributes of an inode the caller's kernel now holds a reference to."""
+        inode.refs |= 1 << self._caller
         return self.attr(inode)
+
+    def _visible(self, inode: Inode | None) -> Inode | None:
+        """None for a file whose only copy is on a node that is down (it reappears when
+        the node registers again); lookups, listings and opens treat it as absent."""
+        if inode is None or inode.children is not None:
+            return inode
+        version = self.objects.versions.get(inode.version)
+        if version is not None and not self.registry.is_live(version.node):
+            return None
+        return inode
+
+    def _entry(self, parent: int, name: bytes) -> Inode | None:
+        return self._visible(self.ns.lookup(parent, name))
+
+    def _claim(self, parent: int, name: bytes) -> None:
+        """A new entry replaces a hidden file of the same name (the newer one wins anyway)."""
+        inode = self.ns.lookup(parent, name)
+        if inode is not None and self._visible(inode) is None:
+            dropped: list[int] = []
+            self._remove_file(inode, self.clock.wall_ns(), dropped)
+
+    def _count_open(self, version: int, writer: bool, delta: int) -> None:
+        opens = self._opens.setdefault(self._caller, {})
+        key = (version, writer)
+        count = opens.get(key, 0) + delta
+        if count > 0:
+            opens[key] = count
+        else:
+            opens.pop(key, None)
 
     def _file(self, ino: int) -> Inode:
         inode = self.ns.get(ino)
@@ -112,6 +199,7 @@ class MetadataService:
 
     def _new_entry(self, parent: int, name: bytes) -> Inode:
         check_name(name)
+        self._claim(parent, name)
         directory = self.ns.directory(parent)
         if not directory.linked:
             raise MetadataError(errno.ENOENT, f"directory {parent} was removed")
@@ -130,6 +218,7 @@ class MetadataService:
         """Takes a file out of the namespace; its bytes go once nobody has them open."""
         self._temp_files.discard(inode.ino)
         self.policy.remove(inode.ino)
+        self._removed_names.append((inode.parent, inode.name))
         self.ns.unlink(inode, now)
         version = self.objects.versions.get(inode.version)
         if version is not None:
@@ -139,7 +228,7 @@ class MetadataService:
 
     def _lookup(self, req: m.Lookup) -> m.Entry:
         check_name(req.name)
-        inode = self.ns.lookup(req.parent, req.name)
+        inode = self._entry(req.parent, req.name)
         return m.Entry(None if inode is None else self._referenced(inode))
 
     def _getattr(self, req: m.GetAttr) -> m.Attr:
@@ -158,6 +247,7 @@ class MetadataService:
         if req.mtime_ns is not None:
             inode.mtime_ns = req.mtime_ns
         inode.ctime_ns = self.clock.wall_ns()
+        self.ns.dirty.add(inode.ino)
         return self.attr(inode)
 
     def _mkdir(self, req: m.MkDir) -> m.Attr:
@@ -169,7 +259,7 @@ class MetadataService:
 
     def _create(self, req: m.Create) -> m.Opened:
         check_name(req.name)
-        existing = self.ns.lookup(req.parent, req.name)
+        existing = self._entry(req.parent, req.name)
         if existing is not None:
             if req.exclusive:
                 raise MetadataError(errno.EEXIST, f"{req.name!r} exists in directory {req.parent}")
@@ -180,12 +270,19 @@ class MetadataService:
         inode = self.ns.new_inode(stat.S_IFREG | stat.S_IMODE(req.mode), req.uid, req.gid, now, directory=False)
         version = self.objects.create(inode.ino, req.node)
         version.writers = 1
+        self._count_open(version.version, True, 1)
         inode.version = version.version
         self._link(directory, req.name, inode, now)
         return m.Opened(self._referenced(inode), version.version)
 
+    def _existing(self, parent: int, name: bytes) -> Inode:
+        inode = self._entry(parent, name)
+        if inode is None:
+            raise MetadataError(errno.ENOENT, f"no entry {name!r} in directory {parent}")
+        return inode
+
     def _unlink(self, req: m.Unlink) -> m.Done:
-        inode = self.ns.existing(req.parent, req.name)
+        inode = self._existing(req.parent, req.name)
         if inode.is_dir:
             raise MetadataError(errno.EISDIR, f"{req.name!r} in directory {req.parent} is a directory")
         dropped: list[int] = []
@@ -195,18 +292,20 @@ class MetadataService:
     def _rmdir(self, req: m.RmDir) -> m.Done:
         if req.name == b".":
             raise MetadataError(errno.EINVAL, "cannot remove '.'")
-        inode = self.ns.existing(req.parent, req.name)
+        inode = self._existing(req.parent, req.name)
         if not inode.is_dir:
             raise MetadataError(errno.ENOTDIR, f"{req.name!r} in directory {req.parent} is not a directory")
         if inode.children:
             raise MetadataError(errno.ENOTEMPTY, f"directory {req.name!r} is not empty")
+        self._removed_names.append((inode.parent, inode.name))
         self.ns.unlink(inode, self.clock.wall_ns())
         return m.Done()
 
     def _rename(self, req: m.Rename) -> m.Done:
         check_name(req.name_new)
-        source = self.ns.existing(req.parent_old, req.name_old)
+        source = self._existing(req.parent_old, req.name_old)
         new_parent = self.ns.directory(req.parent_new)
+        self._claim(req.parent_new, req.name_new)
         target = self.ns.lookup(req.parent_new, req.name_new)
         if target is source:
             return m.Done()
@@ -224,9 +323,11 @@ class MetadataService:
             if target.is_dir:
                 if target.children:
                     raise MetadataError(errno.ENOTEMPTY, f"directory {req.name_new!r} is not empty")
+                self._removed_names.append((target.parent, target.name))
                 self.ns.unlink(target, now)
             else:
                 self._remove_file(target, now, dropped)
+        self._removed_names.append((source.parent, source.name))
         self.ns.detach(source, now)
         self._link(new_parent, req.name_new, source, now)
         return m.Done(dropped, self._files_on_disk(source))
@@ -248,14 +349,15 @@ class MetadataService:
     def _readdir(self, req: m.ReadDir) -> m.Listing:
         directory = self.ns.directory(req.ino)
         entries = [m.DirEntry(name, self.attr(inode), entry_id)
-                   for name, inode, entry_id in self.ns.listing(directory, req.start_id, req.limit)]
+                   for name, inode, entry_id in self.ns.listing(directory, req.start_id, req.limit)
+                   if self._visible(inode) is not None]
         return m.Listing(entries)
 
     def _forget(self, req: m.Forget) -> m.Done:
         for ino in req.inos:
             inode = self.ns.inodes.get(ino)
             if inode is not None and ino != ROOT_INO:
-                inode.referenced = False
+                inode.refs &= ~(1 << self._caller)
                 self.ns.collect(inode)
         return m.Done()
 
@@ -265,36 +367,58 @@ class MetadataService:
         inode = self._file(req.ino)
         self._check_linked(inode)
         version = self.objects.get(inode.version)
+        if not self.registry.is_live(version.node):
+            raise MetadataError(errno.ENOENT, f"inode {inode.ino}: its only copy is on node {version.node}, "
+                                              "which is down")
         version.readers += 1
+        self._count_open(version.version, False, 1)
         version.hits += 1
         now = self.clock.wall_ns()
         version.last_access_ns = inode.atime_ns = now
         self.policy.touch(inode.ino, self.clock.monotonic())
-        return m.Opened(self.attr(inode), version.version)
+        opened = m.Opened(self.attr(inode), version.version)
+        if version.node != self._caller:
+            opened.node, opened.address = version.node, self.registry.nodes[version.node].address
+            opened.checksums = version.checksums
+        return opened
 
     def _open_write(self, req: m.OpenWrite) -> m.Opened:
         inode = self._file(req.ino)
         self._check_linked(inode)
         current = self.objects.get(inode.version)
+        if not self.registry.is_live(current.node):
+            raise MetadataError(errno.ENOENT, f"inode {inode.ino}: its only copy is on node {current.node}, "
+                                              "which is down")
         if not current.sealed:  # another writer is still at it: share its version
+            if current.node != req.node:
+                raise MetadataError(errno.EBUSY, f"inode {inode.ino} is being written on node {current.node}")
             current.writers += 1
+            self._count_open(current.version, True, 1)
             return m.Opened(self.attr(inode), current.version)
         version = self.objects.create(inode.ino, req.node)
         version.writers = 1
+        self._count_open(version.version, True, 1)
         inode.version = version.version
+        self.ns.dirty.add(inode.ino)
         self.policy.remove(inode.ino)
         copy_from, copy_size = (0, 0) if req.truncate or current.size == 0 else (current.version, current.size)
         if copy_from:  # the node reads the old bytes, then releases them like a reader
             current.readers += 1
+            self._count_open(current.version, False, 1)
             version.size = copy_size
         dropped: list[int] = []
         self.objects.retire(current, dropped)
-        return m.Opened(self.attr(inode), version.version, copy_from, copy_size, dropped)
+        opened = m.Opened(self.attr(inode), version.version, copy_from, copy_size, dropped)
+        if copy_from and current.node != self._caller:
+            opened.node, opened.address = current.node, self.registry.nodes[current.node].address
+            opened.checksums = current.checksums
+        return opened
 
     def _release(self, req: m.Release) -> m.Done:
         version = self.objects.versions.get(req.version)
         dropped: list[int] = []
-        if version is not None:
+        if version is not None and self._opens.get(self._caller, {}).get((req.version, req.writer)):
+            self._count_open(req.version, req.writer, -1)
             self.objects.release(version, req.writer, dropped)
         return m.Done(dropped)
 
@@ -307,6 +431,7 @@ class MetadataService:
         if inode is None:
             return m.Attr(version.ino, stat.S_IFREG, 0, 0, 0, req.size, 0, 0, 0, version.version, True)
         inode.mtime_ns = inode.ctime_ns = req.mtime_ns
+        self.ns.dirty.add(inode.ino)
         if version.current and inode.linked:
             self.policy.insert(inode.ino, req.size, self.clock.monotonic())
         return self.attr(inode)
@@ -337,6 +462,7 @@ class MetadataService:
         inode = self.ns.get(req.ino)
         inode.xattrs[req.name] = req.value
         inode.ctime_ns = self.clock.wall_ns()
+        self.ns.dirty.add(inode.ino)
         return m.Done()
 
     def _listxattr(self, req: m.ListXattr) -> m.XattrNames:
@@ -347,6 +473,7 @@ class MetadataService:
         if inode.xattrs.pop(req.name, None) is None:
             raise MetadataError(errno.ENODATA, f"no xattr {req.name!r} on inode {req.ino}")
         inode.ctime_ns = self.clock.wall_ns()
+        self.ns.dirty.add(inode.ino)
         return m.Done()
 
     # Capacity --------------------------------------------------------------------------
@@ -396,8 +523,9 @@ class MetadataService:
     def _offloaded(self, req: m.Offloaded) -> m.Done:
         for version_id in req.versions:
             version = self.objects.versions.get(version_id)
-            if version is not None:
+            if version is not None and version.node == self._caller:
                 version.on_disk = True
+                self.objects.dirty.add(version_id)
         return m.Done()
 
     def _get_record(self, req: m.GetRecord) -> m.FileRecord:
@@ -449,8 +577,161 @@ class MetadataService:
         inode.version = version.version
         self._link(directory, name, inode, now)
         inode.mtime_ns = inode.ctime_ns = record.mtime_ns
+        self.ns.dirty.add(inode.ino)
         self.policy.insert(inode.ino, record.size, self.clock.monotonic())
         return m.Restored(True, dropped)
 
     def _stats(self, req: m.Stats) -> m.MasterStats:
-        return m.MasterStats(len(self.ns.inodes), self.ns.files, self.objects.sealed_bytes)
+        stats = m.MasterStats(len(self.ns.inodes), self.ns.files, self.objects.sealed_bytes)
+        if self.settings.cluster:  # statfs on any node shows the whole cluster's SSD (or DRAM) tier
+            for node in self.registry.live_nodes():
+                usage = node.usage
+                stats.capacity += usage.ssd_capacity or usage.dram_capacity
+                stats.used += usage.ssd_used if usage.ssd_capacity else usage.dram_used
+        return stats
+
+    # Nodes -------------------------------------------------------------------------------
+
+    def _register(self, req: m.Register) -> m.Registered:
+        """A node joins or rejoins. Whatever a previous incarnation held open or cached is
+        released now; its files stay hidden until it has reported what it still holds."""
+        node = self.registry.nodes.get(self.registry.by_name.get(req.name, 0))
+        if node is not None and (node.live or node.registering):
+            self._node_down(node, forget_dram=False)
+        node = self.registry.register(req.name, req.address, self.clock.monotonic())
+        return m.Registered(node.node_id)
+
+    def _registering(self) -> NodeRecord:
+        node = self.registry.nodes.get(self._caller)
+        if node is None or not node.registering:
+            raise MetadataError(errno.EPROTO, f"node {self._caller} is not registering")
+        return node
+
+    def _report(self, req: m.Report) -> m.Reported:
+        """Reconciles the versions a registering node holds with the directory."""
+        node = self._registering()
+        node.last_seen = self.clock.monotonic()
+        dropped: list[int] = []
+        for held in req.held:
+            version = self.objects.versions.get(held.version)
+            if version is None:
+                if held.record is not None and held.sealed and held.on_disk:  # a file the master lost
+                    restored = self._restore(m.Restore(held.version, node.node_id, held.record, held.checksums))
+                    dropped.extend(restored.dropped)
+                    if restored.kept:
+                        node.reported.add(held.version)
+                        continue
+                dropped.append(held.version)
+                continue
+            if version.node != node.node_id:
+                dropped.append(held.version)
+                continue
+            node.reported.add(held.version)
+            if held.sealed and not version.sealed:  # sealed on the node while the master was away
+                self.objects.seal(version, held.size, held.checksums)
+                inode = self.ns.inodes.get(version.ino)
+                if inode is not None:
+                    inode.mtime_ns = inode.ctime_ns = held.mtime_ns
+                    self.ns.dirty.add(inode.ino)
+                    if version.current and inode.linked:
+                        self.policy.insert(inode.ino, held.size, self.clock.monotonic())
+            if held.on_disk != version.on_disk:
+                version.on_disk = held.on_disk
+                self.objects.dirty.add(version.version)
+        for version_id, writer, count in req.opens:
+            version = self.objects.versions.get(version_id)
+            if version is None or count <= 0:
+                continue
+            self._count_open(version_id, writer, count)
+            if writer:
+                version.writers += count
+            else:
+                version.readers += count
+        return m.Reported(sorted(set(dropped)))
+
+    def _finish_registration(self, req: m.FinishRegistration) -> m.Done:
+        """Versions of this node it did not report are gone: their files leave the namespace."""
+        node = self._registering()
+        gone = [version for version in self.objects.versions.values()
+                if version.node == node.node_id and version.version not in node.reported]
+        self._forget_versions(gone)
+        # Retired versions that were open before a restart and are open no more.
+        unused = [version for version in self.objects.versions.values()
+                  if version.node == node.node_id and not version.current and not version.in_use]
+        for version in unused:
+            self.objects.forget(version)
+        node.registering, node.live, node.reported = False, True, set()
+        node.last_seen = self.clock.monotonic()
+        return m.Done([version.version for version in unused])
+
+    def _forget_versions(self, versions: list[FileVersion]) -> None:
+        now = self.clock.wall_ns()
+        dropped: list[int] = []
+        for version in versions:
+            inode = self.ns.inodes.get(version.ino)
+            if version.current and inode is not None and inode.linked and inode.version == version.version:
+                self._remove_file(inode, now, dropped)
+            if version.version in self.objects.versions:  # retired but held open before
+                version.current = False
+                version.readers = version.writers = 0
+                self.objects.forget(version)
+
+    def _heartbeat(self, req: m.Heartbeat) -> m.Beat:
+        node = self.registry.nodes.get(self._caller)
+        if node is None or not node.live:
+            raise MetadataError(errno.ESTALE, f"node {self._caller} is not registered (declared dead?)")
+        node.last_seen = self.clock.monotonic()
+        node.usage.dram_capacity, node.usage.dram_used = req.dram_capacity, req.dram_used
+        node.usage.ssd_capacity, node.usage.ssd_used = req.ssd_capacity, req.ssd_used
+        beat = m.Beat(node.outbox_dropped, node.outbox_forget)
+        node.outbox_dropped, node.outbox_forget = [], []
+        return beat
+
+    def expire_nodes(self) -> list[int]:
+        """Declares nodes that stopped heartbeating dead; returns their ids (called periodically)."""
+        dead = self.registry.expired(self.clock.monotonic())
+        for node in dead:
+            self._caller = 0
+            self._node_down(node, forget_dram=True)
+            node.deaths += 1
+            self._route_outcomes()
+        return [node.node_id for node in dead]
+
+    def _node_down(self, node: NodeRecord, forget_dram: bool) -> None:
+        """The node is gone (dead, or restarting): its open handles and kernel references
+        go; with `forget_dram` so do the files whose only copy was in its memory, while
+        its files on SSD stay, hidden, until it registers again."""
+        node.live = node.registering = False
+        node.outbox_dropped, node.outbox_forget = [], []
+        dropped: list[int] = []
+        for (version_id, writer), count in self._opens.pop(node.node_id, {}).items():
+            version = self.objects.versions.get(version_id)
+            if version is not None:
+                for _ in range(count):
+                    self.objects.release(version, writer, dropped)
+        bit = 1 << node.node_id
+        for inode in list(self.ns.inodes.values()):
+            if inode.refs & bit and inode.ino != ROOT_INO:
+                inode.refs &= ~bit
+                self.ns.collect(inode)
+        if forget_dram:
+            self._forget_versions([version for version in self.objects.versions.values()
+                                   if version.node == node.node_id and (not version.on_disk or not version.sealed)])
+
+    def _cluster_status(self, req: m.ClusterStatus) -> m.ClusterInfo:
+        now = self.clock.monotonic()
+        counts: dict[int, list[int]] = {}
+        for version in self.objects.versions.values():
+            if version.current:
+                entry = counts.setdefault(version.node, [0, 0, 0, 0])
+                entry[0] += 1
+                entry[1 if not version.on_disk else 2] += 1
+                entry[3] += version.size
+        nodes = []
+        for node in sorted(self.registry.nodes.values(), key=lambda n: n.node_id):
+            files, dram_only, ssd, nbytes = counts.get(node.node_id, [0, 0, 0, 0])
+            u = node.usage
+            nodes.append(m.NodeStatus(node.node_id, node.name, node.address, node.live,
+                                      round(now - node.last_seen, 3), u.dram_capacity, u.dram_used,
+                                      u.ssd_capacity, u.ssd_used, files, dram_only, ssd, nbytes))
+        return m.ClusterInfo(nodes, len(self.ns.inodes), self.ns.files, self.objects.sealed_bytes)

@@ -226,6 +226,45 @@ class Stats(Request):
     pass
 
 
+class Held(msgspec.Struct):
+    """One version a node holds, as it reports it when (re-)registering."""
+
+    version: int
+    size: int
+    sealed: bool
+    on_disk: bool
+    mtime_ns: int = 0
+    checksums: list[int] = []
+    record: FileRecord | None = None  # from the SSD index: how to restore a file the master forgot
+
+
+class Register(Request):
+    """A node (re)joins: it gets its id, then reports what it holds, then finishes."""
+
+    name: str
+    address: str  # host:port of its peer server
+
+
+class Report(Request):
+    held: list[Held]
+    opens: list[tuple[int, bool, int]] = []  # (version, writer, handles) the node has open, wherever stored
+
+
+class FinishRegistration(Request):
+    pass
+
+
+class Heartbeat(Request):
+    dram_capacity: int
+    dram_used: int
+    ssd_capacity: int = 0
+    ssd_used: int = 0
+
+
+class ClusterStatus(Request):
+    pass
+
+
 # Responses --------------------------------------------------------------------------
 
 
@@ -249,6 +288,11 @@ class Opened(msgspec.Struct):
     copy_from: int = 0
     copy_size: int = 0
     dropped: list[int] = []
+    # Where the bytes are when another node stores them: its id and peer address, and
+    # the chunk checksums to verify what it sends.
+    node: int = 0
+    address: str = ""
+    checksums: list[int] = []
 
 
 class Removed(msgspec.Struct):
@@ -280,6 +324,48 @@ class MasterStats(msgspec.Struct):
     inodes: int
     files: int
     sealed_bytes: int
+    capacity: int = 0  # cluster-wide (live nodes); 0 in single-node mode
+    used: int = 0
+
+
+class Registered(msgspec.Struct):
+    node: int
+
+
+class Reported(msgspec.Struct):
+    """Reported versions the node must free (the master knows better ones, or none)."""
+
+    dropped: list[int]
+
+
+class Beat(msgspec.Struct):
+    """What happened elsewhere that the node must act on."""
+
+    dropped: list[int]  # versions it stores whose files are gone
+    forget: list[tuple[int, bytes]]  # names its kernel may still cache
+
+
+class NodeStatus(msgspec.Struct):
+    node: int
+    name: str
+    address: str
+    live: bool
+    seconds_since_heartbeat: float
+    dram_capacity: int
+    dram_used: int
+    ssd_capacity: int
+    ssd_used: int
+    files: int
+    dram_only_files: int
+    ssd_files: int
+    bytes: int
+
+
+class ClusterInfo(msgspec.Struct):
+    nodes: list[NodeStatus]
+    inodes: int
+    files: int
+    sealed_bytes: int
 
 
 # What each request is answered with (the RPC client decodes responses by it).
@@ -288,5 +374,6 @@ RESPONSE_TYPES: dict[type, type] = {
     Rename: Done, ReadDir: Listing, Forget: Done, OpenRead: Opened, OpenWrite: Opened, Release: Done,
     Seal: Attr, GetXattr: XattrValue, SetXattr: Done, ListXattr: XattrNames, RemoveXattr: Done,
     GetVersion: VersionInfo, Reclaim: Removed, Offloaded: Done, GetRecord: FileRecord, Lost: Removed,
-    Restore: Restored, CollectOrphans: Removed, Stats: MasterStats,
+    Restore: Restored, CollectOrphans: Removed, Stats: MasterStats, Register: Registered, Report: Reported,
+    FinishRegistration: Done, Heartbeat: Beat, ClusterStatus: ClusterInfo,
 }

@@ -28,7 +28,12 @@ class Inode:
     children: dict[bytes, tuple[int, int]] | None = None
     xattrs: dict[bytes, bytes] = field(default_factory=dict)
     version: int = 0  # the file's current version
-    referenced: bool = False  # the node's kernel holds a lookup reference
+    entry_id: int = 0  # position in its parent's listing
+    refs: int = 0  # bit n set: node n's kernel holds a lookup reference
+
+    @property
+    def referenced(self) -> bool:
+        return self.refs != 0
 
     @property
     def is_dir(self) -> bool:
@@ -51,11 +56,13 @@ class Namespace:
 
     def __init__(self, now_ns: int, root_mode: int = 0o755, root_uid: int = 0, root_gid: int = 0) -> None:
         root = Inode(ROOT_INO, stat.S_IFDIR | root_mode, root_uid, root_gid, now_ns, now_ns, now_ns, children={})
-        root.referenced = True
+        root.refs = -1  # every node references the root, always
         self.inodes: dict[int, Inode] = {ROOT_INO: root}
-        self._next_ino = ROOT_INO + 1
-        self._next_entry_id = 1
+        self.next_ino = ROOT_INO + 1
+        self.next_entry_id = 1
         self.files = 0
+        # Inodes whose persistent fields changed since the owner last saved them.
+        self.dirty: set[int] = {ROOT_INO}
 
     def get(self, ino: int) -> Inode:
         inode = self.inodes.get(ino)
@@ -85,19 +92,22 @@ class Namespace:
         return inode
 
     def new_inode(self, mode: int, uid: int, gid: int, now_ns: int, directory: bool) -> Inode:
-        inode = Inode(self._next_ino, mode, uid, gid, now_ns, now_ns, now_ns, children={} if directory else None)
-        self._next_ino += 1
+        inode = Inode(self.next_ino, mode, uid, gid, now_ns, now_ns, now_ns, children={} if directory else None)
+        self.next_ino += 1
         self.inodes[inode.ino] = inode
+        self.dirty.add(inode.ino)
         if not directory:
             self.files += 1
         return inode
 
     def link(self, parent: Inode, name: bytes, inode: Inode, now_ns: int) -> None:
         assert parent.children is not None and name not in parent.children
-        parent.children[name] = (inode.ino, self._next_entry_id)
-        self._next_entry_id += 1
+        parent.children[name] = (inode.ino, self.next_entry_id)
+        inode.entry_id = self.next_entry_id
+        self.next_entry_id += 1
         inode.parent, inode.name = parent.ino, name
         parent.mtime_ns = parent.ctime_ns = now_ns
+        self.dirty.update((parent.ino, inode.ino))
 
     def unlink(self, inode: Inode, now_ns: int) -> None:
         """Removes the inode's entry; the inode goes too unless the kernel still references it."""
@@ -111,13 +121,28 @@ class Namespace:
         parent.mtime_ns = parent.ctime_ns = now_ns
         inode.parent = 0
         inode.ctime_ns = now_ns
+        self.dirty.update((parent.ino, inode.ino))
 
     def collect(self, inode: Inode) -> None:
         """Frees an inode that no entry and no kernel reference points at."""
         if not inode.linked and not inode.referenced and inode.ino in self.inodes:
             del self.inodes[inode.ino]
+            self.dirty.add(inode.ino)
             if not inode.is_dir:
                 self.files -= 1
+
+    def restore(self, inodes: list[Inode]) -> None:
+        """Rebuilds the tree from saved inodes (each knows its parent, name and entry id)."""
+        for inode in inodes:
+            self.inodes[inode.ino] = inode
+            self.next_ino = max(self.next_ino, inode.ino + 1)
+            self.next_entry_id = max(self.next_entry_id, inode.entry_id + 1)
+            if not inode.is_dir:
+                self.files += 1
+        for inode in sorted(inodes, key=lambda i: i.entry_id):
+            if inode.parent:
+                self.inodes[inode.parent].children[inode.name] = (inode.ino, inode.entry_id)  # type: ignore[index]
+        self.dirty.clear()
 
     def is_ancestor(self, ancestor: int, ino: int) -> bool:
         while ino != ROOT_INO and ino != 0:

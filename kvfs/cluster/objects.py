@@ -36,8 +36,11 @@ class FileVersion:
 class ObjectDirectory:
     def __init__(self) -> None:
         self.versions: dict[int, FileVersion] = {}
-        self._next_version = 1
+        self.next_version = 1
         self.sealed_bytes = 0
+        self.dirty: set[int] = set()  # versions changed since the owner last saved them
+        # Versions dropped since the master last routed them to the nodes that store them.
+        self.dropped_log: list[FileVersion] = []
 
     def get(self, version: int) -> FileVersion:
         found = self.versions.get(version)
@@ -46,26 +49,38 @@ class ObjectDirectory:
         return found
 
     def create(self, ino: int, node: int) -> FileVersion:
-        version = FileVersion(self._next_version, ino, node)
-        self._next_version += 1
+        version = FileVersion(self.next_version, ino, node)
+        self.next_version += 1
         self.versions[version.version] = version
+        self.dirty.add(version.version)
         return version
 
     def restore(self, version_id: int, ino: int, node: int, size: int, checksums: list[int]) -> FileVersion:
         """A sealed version found on a node's SSD after a restart keeps its id."""
         version = FileVersion(version_id, ino, node, on_disk=True)
         self.versions[version_id] = version
-        self._next_version = max(self._next_version, version_id + 1)
+        self.next_version = max(self.next_version, version_id + 1)
         self.seal(version, size, checksums)
         return version
+
+    def load(self, versions: list[FileVersion], next_version: int) -> None:
+        """Saved versions after a master restart (no open handles yet: nodes report theirs)."""
+        for version in versions:
+            self.versions[version.version] = version
+            if version.sealed:
+                self.sealed_bytes += version.size
+        self.next_version = max([next_version] + [v.version + 1 for v in versions])
+        self.dirty.clear()
 
     def seal(self, version: FileVersion, size: int, checksums: list[int]) -> None:
         version.sealed, version.size, version.checksums = True, size, checksums
         self.sealed_bytes += size
+        self.dirty.add(version.version)
 
     def retire(self, version: FileVersion, dropped: list[int]) -> None:
         """The version is no longer its file's content; drop it once nobody has it open."""
         version.current = False
+        self.dirty.add(version.version)
         self._drop_if_unused(version, dropped)
 
     def release(self, version: FileVersion, writer: bool, dropped: list[int]) -> None:
@@ -77,7 +92,13 @@ class ObjectDirectory:
 
     def _drop_if_unused(self, version: FileVersion, dropped: list[int]) -> None:
         if not version.current and not version.in_use and version.version in self.versions:
-            del self.versions[version.version]
-            if version.sealed:
-                self.sealed_bytes -= version.size
+            self.forget(version)
             dropped.append(version.version)
+
+    def forget(self, version: FileVersion) -> None:
+        """Removes a version from the directory; its node is told to free the bytes."""
+        del self.versions[version.version]
+        if version.sealed:
+            self.sealed_bytes -= version.size
+        self.dirty.add(version.version)
+        self.dropped_log.append(version)

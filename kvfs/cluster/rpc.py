@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import typing
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import trio
@@ -79,9 +80,12 @@ async def handshake(frames: FrameStream, secret: bytes, role: str) -> str:
 
 
 class MetadataServer:
-    """Serves metadata requests to authenticated nodes and clients."""
+    """Serves metadata requests to authenticated nodes and clients.
 
-    def __init__(self, handle: Callable[[m.Request], Any], secret: bytes) -> None:
+    `handle(request, caller)` answers one request; `caller` is the node id that
+    registered on this connection (0 for a client that did not register)."""
+
+    def __init__(self, handle: Callable[[m.Request, int], Any], secret: bytes) -> None:
         self.handle = handle
         self.secret = secret
         self._requests = HeaderDecoder(_ANY_REQUEST)
@@ -106,6 +110,7 @@ class MetadataServer:
                 log.warning("refused connection from %s: %s", peer, error or type(error).__name__)
                 return
             log.info("%s connected from %s", role, peer)
+            caller = 0
             try:
                 while True:
                     prefix, header, payload = await frames.receive()
@@ -113,7 +118,10 @@ class MetadataServer:
                         raise ProtocolError(f"unexpected {prefix.kind.name} frame with {len(payload)} payload bytes")
                     request = self._requests.decode(header)
                     try:
-                        response = self.handle(request)
+                        response = self.handle(request, caller)
+                        if isinstance(response, m.Registered):  # this connection now speaks for that node
+                            caller = response.node
+                            log.info("%s at %s registered as node %d", role, peer, caller)
                         await frames.send(FrameKind.RESPONSE, prefix.request_id, response)
                     except KvfsError as error:
                         await frames.send(FrameKind.ERROR, prefix.request_id, ErrorReply(error.errno, str(error)))
@@ -123,18 +131,39 @@ class MetadataServer:
                 log.info("%s at %s disconnected", role, peer)
 
 
+class MasterUnavailable(MetadataError):
+    """The connection to the master broke; the request may or may not have been applied."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EIO, message)
+
+
+@dataclass(eq=False)
+class _Pending:
+    request: m.Request
+    done: trio.Event = field(default_factory=trio.Event)
+    response: Any = None
+    error: Exception | None = None
+
+
 class RemoteMaster:
-    """A `MasterClient` for a master in another process (one request at a time per connection)."""
+    """A `MasterClient` for a master in another process: requests are pipelined on one
+    connection and matched to their responses by id by a receiver task."""
 
     def __init__(self, frames: FrameStream) -> None:
         self._frames = frames
-        self._lock = trio.Lock()
+        self._send_lock = trio.Lock()
         self._next_id = 1
+        self._pending: dict[int, _Pending] = {}
         self._decoders = {request: HeaderDecoder(response) for request, response in m.RESPONSE_TYPES.items()}
         self._errors = HeaderDecoder(ErrorReply)
+        self.broken: Exception | None = None
+        self.closed = trio.Event()
 
     @classmethod
-    async def connect(cls, host: str, port: int, secret: bytes, role: str = "node") -> "RemoteMaster":
+    async def connect(cls, host: str, port: int, secret: bytes, nursery: trio.Nursery,
+                      role: str = "node") -> "RemoteMaster":
+        """Connects, authenticates, and starts the receiver task in `nursery`."""
         stream = await trio.open_tcp_stream(host, port)
         frames = FrameStream(stream)
         try:
@@ -142,22 +171,59 @@ class RemoteMaster:
         except BaseException:
             await stream.aclose()
             raise
-        return cls(frames)
+        master = cls(frames)
+        nursery.start_soon(master._receive_forever)
+        return master
+
+    async def _receive_forever(self) -> None:
+        try:
+            while True:
+                prefix, header, _ = await self._frames.receive()
+                pending = self._pending.pop(prefix.request_id, None)
+                if pending is None:
+                    raise ProtocolError(f"response to unknown request {prefix.request_id}")
+                if prefix.kind == FrameKind.ERROR:
+                    reply = self._errors.decode(header)
+                    pending.error = MetadataError(reply.errno or errno.EIO, reply.message)
+                elif prefix.kind == FrameKind.RESPONSE:
+                    pending.response = self._decoders[type(pending.request)].decode(header)
+                else:
+                    raise ProtocolError(f"unexpected {prefix.kind.name} frame")
+                pending.done.set()
+        except (ProtocolError, EOFError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+            self._fail(error)
+        finally:
+            self._fail(EOFError("connection closed"))
+            with trio.CancelScope(shield=True):
+                await self._frames.stream.aclose()
+
+    def _fail(self, error: Exception) -> None:
+        if self.broken is None:
+            self.broken = error
+        for pending in self._pending.values():
+            pending.error = MasterUnavailable(f"lost the connection to the master: {self.broken}")
+            pending.done.set()
+        self._pending.clear()
+        self.closed.set()
 
     async def call(self, request: m.Request) -> Any:
-        async with self._lock:
-            request_id = self._next_id
-            self._next_id += 1
-            await self._frames.send(FrameKind.REQUEST, request_id, request)
-            prefix, header, _ = await self._frames.receive()
-        if prefix.request_id != request_id:
-            raise ProtocolError(f"response to request {prefix.request_id}, expected {request_id}")
-        if prefix.kind == FrameKind.ERROR:
-            error = self._errors.decode(header)
-            raise MetadataError(error.errno or errno.EIO, error.message)
-        if prefix.kind != FrameKind.RESPONSE:
-            raise ProtocolError(f"unexpected {prefix.kind.name} frame")
-        return self._decoders[type(request)].decode(header)
+        if self.broken is not None:
+            raise MasterUnavailable(f"no connection to the master: {self.broken}")
+        request_id = self._next_id
+        self._next_id += 1
+        pending = self._pending[request_id] = _Pending(request)
+        try:
+            async with self._send_lock:
+                await self._frames.send(FrameKind.REQUEST, request_id, request)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+            self._pending.pop(request_id, None)
+            self._fail(error)
+            raise MasterUnavailable(f"cannot reach the master: {error}") from None
+        await pending.done.wait()
+        if pending.error is not None:
+            raise pending.error
+        return pending.response
 
     async def aclose(self) -> None:
+        self._fail(EOFError("closed"))
         await self._frames.stream.aclose()

@@ -7,6 +7,7 @@ import faulthandler
 import logging
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -19,11 +20,13 @@ import trio
 
 from kvfs.clock import SystemClock
 from kvfs.cluster.embedded import EmbeddedMaster
+from kvfs.cluster.link import MasterLink
 from kvfs.cluster.master import MasterSettings, MetadataService
+from kvfs.cluster.transport import PeerServer, TcpTransport, split_address
 from kvfs.config import MountConfig, format_size
 from kvfs.errors import KvfsError
 from kvfs.fuse.operations import KvfsOperations
-from kvfs.node import Node
+from kvfs.node import HEARTBEAT_S, Node
 from kvfs.policy import make_policy
 from kvfs.disk.engine import AlignedIo, open_engine
 from kvfs.disk.tier import SsdTier
@@ -129,9 +132,15 @@ class Daemon:
                      self.engine.kind, config.offload)
         tier_settings = TierSettings(config.offload, config.high_watermark, config.low_watermark,
                                      config.backpressure_timeout_s, config.eviction_policy)
+        if config.master is not None and read_buffers is None:  # remote reads land in read buffers
+            read_buffers = ReadBufferPool(READ_BUFFERS, self.dram.chunk_size)
         self.store = TieredStore(self.dram, ssd, tier_settings, read_buffers)
-        self.node = Node(EmbeddedMaster(self.service), self.store, clock, forget_entries=self._forget_entries)
+        transport = TcpTransport(config.secret) if config.master is not None else None
+        self.node = Node(EmbeddedMaster(self.service), self.store, clock, forget_entries=self._forget_entries,
+                         transport=transport)
         self.operations = KvfsOperations(self.node, config)
+        self.link: MasterLink | None = None
+        self._mounted = False
 
     @staticmethod
     def _forget_entries(entries: list[tuple[int, bytes]]) -> None:
@@ -141,10 +150,20 @@ class Daemon:
             pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
 
     def run(self, on_ready: Callable[[], None] = lambda: None) -> None:
+        prepare_mountpoint(self.config.mountpoint)
+        try:
+            trio.run(self._main, on_ready)
+        finally:
+            if self._mounted:
+                pyfuse3.close(unmount=True)
+                log.info("unmounted %s", self.config.mountpoint)
+            if self.store.ssd is not None:
+                self.store.ssd.close()
+            if self.engine is not None:
+                self.engine.close()
+
+    def _mount(self) -> None:
         mountpoint = self.config.mountpoint
-        prepare_mountpoint(mountpoint)
-        if self.store.ssd is not None:
-            trio.run(self.node.recover, self.config.temp_suffix.encode())
         options = set(pyfuse3.default_options) | {"fsname=kvfs", "subtype=kvfs", "noatime"}
         if self.config.allow_other and os.getuid() == 0:
             options.add("allow_other")
@@ -152,26 +171,54 @@ class Daemon:
             pyfuse3.init(self.operations, mountpoint, options)
         except RuntimeError as error:  # libfuse refused the mount; its reason is on stderr
             raise KvfsError(errno.EIO, f"cannot mount {mountpoint}: {error}") from None
+        self._mounted = True
         log.info("mounted kvfs on %s: DRAM tier %s, eviction %s", mountpoint,
                  format_size(self.dram.capacity), self.config.eviction_policy)
-        try:
-            trio.run(self._serve, on_ready)
-        finally:
-            pyfuse3.close(unmount=True)
-            log.info("unmounted %s", mountpoint)
-            if self.store.ssd is not None:
-                self.store.ssd.close()
+
+    async def _main(self, on_ready: Callable[[], None]) -> None:
+        async with trio.open_nursery() as nursery:
             if self.engine is not None:
-                self.engine.close()
+                await nursery.start(self.engine.run)
+            nursery.start_soon(self.store.run)
+            if self.config.master is not None:
+                await self._join_cluster(nursery)
+            elif self.store.ssd is not None:
+                await self.node.recover(self.config.temp_suffix.encode())
+            self._mount()
+            await self._serve(on_ready)
+            nursery.cancel_scope.cancel()
+
+    async def _join_cluster(self, nursery: trio.Nursery) -> None:
+        """Starts the peer server, then registers with the master (reporting the SSD's files)."""
+        config = self.config
+        host, port = split_address(config.listen)
+        bound = await nursery.start(PeerServer(self.store, config.secret).serve, host, port)
+        advertised = config.advertise or (host if host not in ("0.0.0.0", "::", "") else socket.gethostname())
+        address = f"{advertised}:{bound}"
+        name = config.node_name or f"{socket.gethostname()}:{config.mountpoint}"
+        self.node.adopt_disk()
+        self.link = MasterLink(config.master, config.secret, lambda remote: self.node.join(remote, name, address),
+                               config.master_wait_s)
+        self.node.master = self.link
+        log.info("peer server on %s; joining master %s as %r", address, config.master, name)
+        await nursery.start(self.link.run)
+        nursery.start_soon(self._heartbeats)
+
+    async def _heartbeats(self) -> None:
+        assert self.link is not None
+        while True:
+            await trio.sleep(HEARTBEAT_S)
+            try:
+                if not await self.node.heartbeat():
+                    await self.link.reconnect()
+            except Exception:
+                log.exception("heartbeat failed")
 
     async def _serve(self, on_ready: Callable[[], None]) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_on_signal)
             nursery.start_soon(self.operations.run_forgetter)
             nursery.start_soon(self._collect_orphans)
-            if self.engine is not None:
-                await nursery.start(self.engine.run)
-                nursery.start_soon(self.store.run)
             nursery.start_soon(trio.to_thread.run_sync, self._confirm_mounted, on_ready, trio.lowlevel.current_trio_token())
             await pyfuse3.main(max_tasks=self.config.max_tasks)
             await self._flush_to_disk()

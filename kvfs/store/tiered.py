@@ -19,7 +19,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Awaitable, Callable, Protocol
 
 import trio
 
@@ -135,6 +135,17 @@ class TieredStore:
 
     # Queries --------------------------------------------------------------------------
 
+    def disk_records(self) -> dict[int, DiskRecord]:
+        """The SSD index's records (for re-registration: how to restore files the master lost)."""
+        if self.ssd is None:
+            return {}
+        return {record.version: record for record in self.ssd.index.records() if isinstance(record, DiskRecord)}
+
+    def holdings(self) -> list[tuple[int, int, list[int], bool]]:
+        """(version, size, checksums, on SSD) of every sealed version stored here."""
+        return [(version, sealed.size, sealed.checksums, self.on_disk(version) and version not in self._unsettled)
+                for version, sealed in self._sealed.items()]
+
     def __contains__(self, version: int) -> bool:
         return version in self.dram or (self.ssd is not None and version in self.ssd)
 
@@ -160,10 +171,12 @@ class TieredStore:
     def truncate(self, version: int, size: int) -> None:
         self.dram.truncate(version, size)
 
-    async def copy(self, source: int, target: int, size: int) -> None:
-        """Copies a version's bytes into a new one (copy-on-write), from whichever tier has them."""
+    async def copy(self, source: int, target: int, size: int, reader: ReadSource | None = None) -> None:
+        """Copies a version's bytes into a new one (copy-on-write), from whichever tier has
+        them, or from `reader` (a version stored on another node)."""
         self.dram.create(target)
-        reader = await self.open_read(source)
+        if reader is None:
+            reader = await self.open_read(source)
         try:
             for start in range(0, size, self.chunk_size):
                 length = min(self.chunk_size, size - start)
@@ -299,6 +312,80 @@ class TieredStore:
         self.stats.ssd_reads += 1
         self.stats.ssd_read_bytes += sealed.size
         return source
+
+    # Chunks for and from other nodes ------------------------------------------------------
+
+    async def serve_chunks(self, version: int, first: int, count: int,
+                           send: Callable[[int, memoryview | bytes], Awaitable[None]]) -> None:
+        """Hands chunks of a sealed version to `send` in order (the peer server's source).
+        A whole-file request counts as a read (it may promote the version into DRAM); a
+        partial one from SSD reads just its chunks."""
+        sealed = self._sealed.get(version)
+        if sealed is None:
+            raise StorageError(errno.ENOENT, f"version {version} is not stored on this node")
+        lengths = sealed.lengths(self.chunk_size)
+        if first + count > len(lengths):
+            raise StorageError(errno.EINVAL, f"version {version} has {len(lengths)} chunks, not {first + count}")
+        if version in self.dram or version in self._promoting or (first == 0 and count == len(lengths)):
+            source = await self.open_read(version)
+            try:
+                for index in range(first, first + count):
+                    await send(index, await self.read(source, index * self.chunk_size, lengths[index]))
+            finally:
+                self.close_read(source)
+            return
+        buffer = self.read_buffers.take()
+        try:
+            for index in range(first, first + count):
+                await self._read_from_disk(version, [buffer], first_index=index)
+                await send(index, buffer[: lengths[index]])
+        finally:
+            self.read_buffers.give_back(buffer)
+
+    async def open_remote(self, version: int, size: int,
+                          fetch: Callable[[ReadSource, int, int], Awaitable[None]], streams: int) -> ReadSource:
+        """A reader of a version stored on another node: its chunks stream into read buffers
+        (in `streams` parallel runs) while the reader is served. `fetch(source, start, stop)`
+        fills chunks start..stop-1 and sets each one's ready event."""
+        lengths = Sealed(size, []).lengths(self.chunk_size)
+        source = ReadSource(version, False, [self.read_buffers.take() for _ in lengths],
+                            [trio.Event() for _ in lengths])
+        if not lengths:
+            return source
+        assert self._nursery is not None, "the store is not running"
+        source.streaming = True
+        self._nursery.start_soon(self._stream_remote, source, fetch, max(1, min(streams, len(lengths))))
+        await source.ready[0].wait()
+        if 0 in source.failures:
+            self.close_read(source)
+            raise source.failures[0]
+        return source
+
+    async def _stream_remote(self, source: ReadSource, fetch: Callable[[ReadSource, int, int], Awaitable[None]],
+                             streams: int) -> None:
+        count = len(source.chunks)
+        bounds = [count * i // streams for i in range(streams + 1)]
+
+        async def run(start: int, stop: int) -> None:
+            try:
+                await fetch(source, start, stop)
+            except Exception as error:
+                if not isinstance(error, StorageError):
+                    log.exception("fetching chunks %d-%d of version %d failed", start, stop - 1, source.version)
+                for index in range(start, stop):
+                    if not source.ready[index].is_set():  # chunk 0 keeps the errno; later reads see EIO
+                        code = error.errno if isinstance(error, StorageError) and index == 0 else errno.EIO
+                        source.failures[index] = StorageError(code, str(error))
+                        source.ready[index].set()
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for start, stop in zip(bounds, bounds[1:]):
+                    nursery.start_soon(run, start, stop)
+        finally:
+            source.streaming = False
+            if source.closed:
+                self._release_buffers(source)
 
     async def _stream_chunks(self, source: ReadSource) -> None:
         async def one(index: int) -> None:
@@ -452,11 +539,11 @@ class TieredStore:
     # The offloader --------------------------------------------------------------------
 
     async def run(self) -> None:
-        """The offloader and disk reaper (a background task while mounted)."""
-        if self.ssd is None:
-            return
+        """Background work while mounted: streaming reads, and the offloader and disk reaper."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            if self.ssd is None:
+                await trio.sleep_forever()
             await self._offload_forever()
 
     async def _offload_forever(self) -> None:

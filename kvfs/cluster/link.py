@@ -1,0 +1,90 @@
+"""A node's connection to the master: connect, register, reconnect after a failure.
+
+Requests wait (bounded) while the link is down, so a master restart of a few
+seconds is invisible to writers; a request in flight when the connection broke
+fails with EIO (it may or may not have been applied, and only the node's
+re-registration, which reports everything it holds, settles that).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Awaitable, Callable
+
+import trio
+
+from kvfs.cluster import messages as m
+from kvfs.cluster.rpc import MasterUnavailable, RemoteMaster
+from kvfs.cluster.transport import split_address
+
+log = logging.getLogger(__name__)
+
+RECONNECT_MIN_S = 0.05
+RECONNECT_MAX_S = 1.0
+
+
+class MasterLink:
+    """A `MasterClient` that survives master restarts.
+
+    `join(remote)` runs on every new connection before any other request is let
+    through: the node registers and reports what it holds."""
+
+    def __init__(self, address: str, secret: bytes, join: Callable[[RemoteMaster], Awaitable[None]],
+                 wait_s: float = 10.0) -> None:
+        self.host, self.port = split_address(address)
+        self.address = address
+        self.secret = secret
+        self.join = join
+        self.wait_s = wait_s
+        self._remote: RemoteMaster | None = None
+        self._up = trio.Event()
+        self.connections = 0
+
+    @property
+    def up(self) -> bool:
+        return self._up.is_set()
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keeps the link up; reports started after the first successful registration."""
+        delay = RECONNECT_MIN_S
+        started = False
+        async with trio.open_nursery() as nursery:
+            while True:
+                try:
+                    remote = await RemoteMaster.connect(self.host, self.port, self.secret, nursery, role="node")
+                    await self.join(remote)
+                except (OSError, EOFError, trio.BrokenResourceError, MasterUnavailable) as error:
+                    if delay >= RECONNECT_MAX_S or not started:
+                        log.warning("master %s unreachable (%s); retrying", self.address, error)
+                    await trio.sleep(delay)
+                    delay = min(RECONNECT_MAX_S, delay * 2)
+                    continue
+                self._remote = remote
+                self.connections += 1
+                delay = RECONNECT_MIN_S
+                self._up.set()
+                if not started:
+                    started = True
+                    task_status.started()
+                else:
+                    log.info("reconnected to master %s", self.address)
+                await remote.closed.wait()
+                self._up = trio.Event()
+                self._remote = None
+                log.warning("lost the connection to master %s: %s", self.address, remote.broken)
+
+    async def reconnect(self) -> None:
+        """Drops the connection (the master no longer knows this node): register again."""
+        if self._remote is not None:
+            await self._remote.aclose()
+
+    async def call(self, request: m.Request, wait_s: float | None = None) -> Any:
+        timeout = self.wait_s if wait_s is None else wait_s
+        if not self._up.is_set():
+            if timeout > 0:
+                with trio.move_on_after(timeout):
+                    await self._up.wait()
+            if not self._up.is_set():
+                raise MasterUnavailable(f"master {self.address} is unreachable")
+        assert self._remote is not None
+        return await self._remote.call(request)

@@ -1,0 +1,92 @@
+"""`kvfs master`: the metadata service as a process, with its state in lmdb.
+
+Every request is answered by the pure `MetadataService` and what it changed is
+written to lmdb before the answer goes out. A timer declares nodes that stopped
+heartbeating dead; another syncs the state to disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from kvfs.clock import SystemClock
+from kvfs.cluster import messages as m
+from kvfs.cluster.master import MasterSettings, MetadataService
+from kvfs.cluster.persist import MasterState
+from kvfs.cluster.rpc import MetadataServer
+from kvfs.cluster.transport import split_address
+from kvfs.policy import make_policy
+
+log = logging.getLogger("kvfs.master")
+
+EXPIRE_INTERVAL_S = 0.25
+SYNC_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class MasterConfig:
+    listen: str  # HOST:PORT
+    data_dir: str
+    secret: bytes
+    eviction_policy: str = "lru"
+    temp_suffix: str = ".tmp"
+    temp_grace_s: float = 300.0
+    dead_after_s: float = 2.5
+
+
+class MasterProcess:
+    def __init__(self, config: MasterConfig) -> None:
+        self.config = config
+        settings = MasterSettings(temp_suffix=config.temp_suffix.encode(), temp_grace_s=config.temp_grace_s,
+                                  cluster=True, dead_after_s=config.dead_after_s)
+        self.service = MetadataService(SystemClock(), make_policy(config.eviction_policy), settings)
+        self.state = MasterState(Path(config.data_dir))
+        started = time.monotonic()
+        files = self.state.load(self.service)
+        log.info("loaded %d files, %d nodes from %s in %.2f s", files, len(self.service.registry.nodes),
+                 config.data_dir, time.monotonic() - started)
+        self.server = MetadataServer(self.handle, config.secret)
+
+    def handle(self, request: m.Request, caller: int) -> Any:
+        try:
+            return self.service.handle(request, caller)
+        finally:  # before the answer leaves: an acknowledged change is never forgotten
+            self.state.save(self.service)
+
+    async def run(self, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        host, port = split_address(self.config.listen)
+        try:
+            async with trio.open_nursery() as nursery:
+                bound = await nursery.start(self.server.serve, host, port)
+                log.info("master listening on %s:%d", host, bound)
+                nursery.start_soon(self._expire_forever)
+                nursery.start_soon(self._sync_forever)
+                task_status.started(bound)
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for signum in signals:
+                        log.info("received %s, stopping", signal.Signals(signum).name)
+                        break
+                nursery.cancel_scope.cancel()
+        finally:
+            self.state.save(self.service)
+            self.state.close()
+
+    async def _expire_forever(self) -> None:
+        while True:
+            await trio.sleep(EXPIRE_INTERVAL_S)
+            for node_id in self.service.expire_nodes():
+                node = self.service.registry.nodes[node_id]
+                log.warning("node %d (%s) stopped heartbeating: declared dead", node_id, node.name)
+            self.state.save(self.service)
+
+    async def _sync_forever(self) -> None:
+        while True:
+            await trio.sleep(SYNC_INTERVAL_S)
+            await trio.to_thread.run_sync(self.state.sync)

@@ -1,0 +1,89 @@
+"""The node registry: which nodes exist, where they listen, whether they are alive (pure).
+
+A node registers under a stable name and keeps the same id across restarts (its
+SSD index refers to it). It is alive while it heartbeats; one that misses
+heartbeats for `dead_after_s` is declared dead by `expire`. After a master
+restart every known node starts out not alive until it registers again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LOCAL_NODE = 1  # the only node of a single-node (embedded) mount
+
+
+@dataclass(slots=True)
+class Usage:
+    """Capacity and use of a node's tiers, as its last heartbeat reported them."""
+
+    dram_capacity: int = 0
+    dram_used: int = 0
+    ssd_capacity: int = 0
+    ssd_used: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class NodeRecord:
+    node_id: int
+    name: str
+    address: str  # host:port of its peer server ("" for the embedded node)
+    live: bool = False
+    registering: bool = False  # reporting its holdings; its files stay hidden until done
+    last_seen: float = 0.0
+    usage: Usage = field(default_factory=Usage)
+    reported: set[int] = field(default_factory=set)  # versions reported during registration
+    outbox_dropped: list[int] = field(default_factory=list)  # versions it must free
+    outbox_forget: list[tuple[int, bytes]] = field(default_factory=list)  # names its kernel must forget
+    deaths: int = 0
+
+
+class Registry:
+    def __init__(self, dead_after_s: float) -> None:
+        self.dead_after_s = dead_after_s
+        self.nodes: dict[int, NodeRecord] = {}
+        self.by_name: dict[str, int] = {}
+        self.next_id = LOCAL_NODE
+        self.dirty = False  # names or addresses changed since the owner last saved them
+        self.permanent: set[int] = set()  # nodes that never expire (the embedded node)
+
+    def add_local(self) -> None:
+        node = self.register("local", "", now=0.0)
+        node.live, node.registering = True, False
+        self.permanent.add(node.node_id)
+
+    def register(self, name: str, address: str, now: float) -> NodeRecord:
+        node_id = self.by_name.get(name)
+        if node_id is None:
+            node_id = self.next_id
+            self.next_id += 1
+            self.by_name[name] = node_id
+            self.nodes[node_id] = NodeRecord(node_id, name, address)
+        node = self.nodes[node_id]
+        if node.address != address:
+            node.address = address
+        self.dirty = True
+        node.registering, node.live, node.last_seen = True, False, now
+        node.reported = set()
+        node.outbox_dropped, node.outbox_forget = [], []
+        return node
+
+    def load(self, records: list[tuple[int, str, str]]) -> None:
+        """Nodes known before a restart: not alive until they register again."""
+        for node_id, name, address in records:
+            self.nodes[node_id] = NodeRecord(node_id, name, address)
+            self.by_name[name] = node_id
+            self.next_id = max(self.next_id, node_id + 1)
+
+    def is_live(self, node_id: int) -> bool:
+        node = self.nodes.get(node_id)
+        return node is not None and node.live
+
+    def live_nodes(self) -> list[NodeRecord]:
+        return [node for node in self.nodes.values() if node.live]
+
+    def expired(self, now: float) -> list[NodeRecord]:
+        """Live or registering nodes whose last heartbeat is older than the deadline."""
+        return [node for node in self.nodes.values()
+                if (node.live or node.registering) and node.node_id not in self.permanent
+                and now - node.last_seen > self.dead_after_s]

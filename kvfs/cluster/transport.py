@@ -1,0 +1,251 @@
+"""Chunk transfer between nodes: the peer server and the TCP transport.
+
+A reader's node asks the node that stores a version for a run of its chunks
+(`FetchChunks`); the owner answers with one frame per chunk, its payload sent
+straight from the DRAM arena (or from the SSD read buffer), and the reader
+receives each payload straight into a read buffer with `recv_into`: no copy in
+Python on either side. A connection carries one fetch at a time; a node keeps
+a few connections per peer, so that a file's chunk runs and different files are
+fetched in parallel.
+
+`Transport` is what the node calls; an RDMA transport (one-sided reads from the
+registered arena) implements the same method.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from typing import Awaitable, Callable, Protocol
+
+import msgspec
+import trio
+
+from kvfs.checksum import chunk_checksum
+from kvfs.cluster.auth import AuthError
+from kvfs.cluster.protocol import (PREFIX_SIZE, ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame,
+                                   parse_prefix)
+from kvfs.cluster.rpc import FrameStream, handshake
+from kvfs.errors import KvfsError, StorageError
+
+log = logging.getLogger(__name__)
+
+SOCKET_BUFFER = 4 << 20
+CONNECT_TIMEOUT_S = 1.0
+STREAMS_PER_PEER = 4
+
+
+class FetchChunks(msgspec.Struct, tag=True):
+    version: int
+    first: int  # chunk index
+    count: int
+
+
+class ChunkData(msgspec.Struct, tag=True):
+    index: int
+    length: int
+
+
+class ChunkSource(Protocol):
+    """What the peer server serves from: the node's tiered store."""
+
+    chunk_size: int
+
+    async def serve_chunks(self, version: int, first: int, count: int,
+                           send: Callable[[int, memoryview | bytes], Awaitable[None]]) -> None:
+        """Calls `send(index, data)` for each chunk in order; raises StorageError."""
+
+
+class Transport(Protocol):
+    async def fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
+                    checksums: list[int], on_chunk: Callable[[int], None]) -> None:
+        """Fills `targets` with chunks first, first+1, ... of `version` stored at `address`,
+        verifying each against its checksum and calling `on_chunk(index)` as each arrives.
+        Raises StorageError: ENOENT if the peer is unreachable or no longer has the version."""
+
+
+def _tune(sock: trio.socket.SocketType) -> None:
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+        except OSError:
+            pass
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"address {address!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+class PeerServer:
+    """Serves chunk reads of this node's versions to authenticated peers."""
+
+    def __init__(self, store: ChunkSource, secret: bytes) -> None:
+        self.store = store
+        self.secret = secret
+        self._requests = HeaderDecoder(FetchChunks)
+        self.refused = 0
+        self.served_bytes = 0
+
+    async def serve(self, host: str, port: int, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        task_status.started(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(self._connection, listeners)
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        try:
+            peer = stream.socket.getpeername()
+        except OSError:
+            peer = "?"
+        _tune(stream.socket)
+        frames = FrameStream(stream)
+        async with stream:
+            try:
+                await handshake(frames, self.secret, "peer")
+            except (AuthError, ProtocolError, trio.TooSlowError, EOFError, trio.BrokenResourceError) as error:
+                self.refused += 1
+                log.warning("refused peer connection from %s: %s", peer, error or type(error).__name__)
+                return
+            try:
+                while True:
+                    prefix, header, payload = await frames.receive()
+                    if prefix.kind != FrameKind.REQUEST or payload:
+                        raise ProtocolError(f"unexpected {prefix.kind.name} frame with {len(payload)} payload bytes")
+                    await self._fetch(stream, prefix.request_id, self._requests.decode(header))
+            except ProtocolError as error:
+                log.warning("closing peer connection from %s: %s", peer, error)
+            except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+    async def _fetch(self, stream: trio.SocketStream, request_id: int, request: FetchChunks) -> None:
+        async def send(index: int, data: memoryview | bytes) -> None:
+            await stream.send_all(encode_frame(FrameKind.RESPONSE, request_id, ChunkData(index, len(data)), len(data)))
+            await stream.send_all(data)
+            self.served_bytes += len(data)
+
+        try:
+            if request.count < 0 or request.first < 0:
+                raise StorageError(errno.EINVAL, f"bad chunk range {request.first}+{request.count}")
+            await self.store.serve_chunks(request.version, request.first, request.count, send)
+        except KvfsError as error:
+            await stream.send_all(encode_frame(FrameKind.ERROR, request_id, ErrorReply(error.errno, str(error))))
+
+
+class _PeerConnection:
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.sock = stream.socket
+        self.prefix = bytearray(PREFIX_SIZE)
+
+    async def receive_exactly(self, target: memoryview) -> None:
+        got = 0
+        while got < len(target):
+            count = await self.sock.recv_into(target[got:])
+            if count == 0:
+                raise EOFError("the peer closed the connection")
+            got += count
+
+
+class TcpTransport:
+    """Fetches chunks from peers over persistent, authenticated TCP connections."""
+
+    def __init__(self, secret: bytes, streams_per_peer: int = STREAMS_PER_PEER) -> None:
+        self.secret = secret
+        self.streams_per_peer = streams_per_peer
+        self._idle: dict[str, list[_PeerConnection]] = {}
+        self._chunks = HeaderDecoder(ChunkData)
+        self._errors = HeaderDecoder(ErrorReply)
+        self._next_id = 1
+        self.fetched_bytes = 0
+
+    async def _connect(self, address: str) -> _PeerConnection:
+        idle = self._idle.get(address)
+        if idle:
+            return idle.pop()
+        host, port = split_address(address)
+        with trio.move_on_after(CONNECT_TIMEOUT_S):
+            stream = await trio.open_tcp_stream(host, port)
+            _tune(stream.socket)
+            frames = FrameStream(stream)
+            try:
+                await handshake(frames, self.secret, "node")
+            except BaseException:
+                await stream.aclose()
+                raise
+            return _PeerConnection(stream)
+        raise OSError(errno.ETIMEDOUT, f"connecting to {address} took over {CONNECT_TIMEOUT_S} s")
+
+    def _give_back(self, address: str, connection: _PeerConnection) -> None:
+        idle = self._idle.setdefault(address, [])
+        if len(idle) < self.streams_per_peer:
+            idle.append(connection)
+        else:
+            trio.lowlevel.spawn_system_task(connection.stream.aclose)
+
+    async def fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
+                    checksums: list[int], on_chunk: Callable[[int], None]) -> None:
+        try:
+            connection = await self._connect(address)
+        except (OSError, AuthError, ProtocolError, EOFError, trio.BrokenResourceError, ValueError) as error:
+            raise StorageError(errno.ENOENT, f"version {version}: peer {address} is unreachable ({error})") from None
+        reusable = False
+        try:
+            await self._exchange(connection, address, version, first, targets, lengths, checksums, on_chunk)
+            reusable = True
+        except _RemoteError:
+            reusable = True  # the peer answered; the connection is in step
+            raise
+        except (OSError, EOFError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
+            raise StorageError(errno.ENOENT, f"version {version}: lost peer {address} ({error})") from None
+        except ProtocolError as error:
+            raise StorageError(errno.EIO, f"version {version}: peer {address} sent a bad frame ({error})") from None
+        finally:
+            if reusable:
+                self._give_back(address, connection)
+            else:
+                with trio.CancelScope(shield=True):
+                    await connection.stream.aclose()
+
+    async def _exchange(self, connection: _PeerConnection, address: str, version: int, first: int,
+                        targets: list[memoryview], lengths: list[int], checksums: list[int],
+                        on_chunk: Callable[[int], None]) -> None:
+        request_id = self._next_id
+        self._next_id += 1
+        await connection.stream.send_all(encode_frame(FrameKind.REQUEST, request_id,
+                                                      FetchChunks(version, first, len(targets))))
+        prefix_view = memoryview(connection.prefix)
+        for offset, (target, length) in enumerate(zip(targets, lengths)):
+            index = first + offset
+            await connection.receive_exactly(prefix_view)
+            prefix = parse_prefix(prefix_view)
+            header = bytearray(prefix.header_length)
+            await connection.receive_exactly(memoryview(header))
+            if prefix.request_id != request_id:
+                raise ProtocolError(f"reply to request {prefix.request_id}, expected {request_id}")
+            if prefix.kind == FrameKind.ERROR:
+                error = self._errors.decode(header)
+                raise _RemoteError(error.errno, f"peer {address}: {error.message}")
+            if prefix.kind != FrameKind.RESPONSE:
+                raise ProtocolError(f"unexpected {prefix.kind.name} frame")
+            reply = self._chunks.decode(header)
+            if reply.index != index or reply.length != length or prefix.payload_length != length:
+                raise ProtocolError(f"chunk {reply.index} of {reply.length} bytes, expected chunk {index} of {length}")
+            await connection.receive_exactly(target[:length])
+            if index < len(checksums) and chunk_checksum(target[:length]) != checksums[index]:
+                raise StorageError(errno.EIO, f"version {version} chunk {index} from {address} fails its checksum")
+            self.fetched_bytes += length
+            on_chunk(index)
+
+    async def aclose(self) -> None:
+        for connections in self._idle.values():
+            for connection in connections:
+                await connection.stream.aclose()
+        self._idle.clear()
+
+
+class _RemoteError(StorageError):
+    """The peer answered with an error: the connection itself is still good."""
