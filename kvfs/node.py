@@ -14,6 +14,7 @@ import errno
 import json
 import logging
 import os
+import stat
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
@@ -37,7 +38,7 @@ VIRTUAL_XATTRS = (b"user.kvfs.tier", b"user.kvfs.size", b"user.kvfs.version", b"
                   b"user.kvfs.node", b"user.kvfs.ssd_extents")
 VIRTUAL_PREFIX = b"user.kvfs."
 ROOT_STATS = b"user.kvfs.stats"  # JSON counters of the node's store, on the root directory
-ROOT_CONTROL = b"user.kvfs.control"  # write "sync" (wait for offload) or "drop-dram" (demote all)
+ROOT_CONTROL = b"user.kvfs.control"  # write "sync" (offload all to SSD) or "drop-dram" (demote all)
 
 
 @dataclass(slots=True, eq=False)
@@ -67,6 +68,7 @@ class NodeStats:
     files: int
 
 
+DIR_ATTR_CACHE = 65536
 REPORT_BATCH = 2000  # versions per registration report
 HEARTBEAT_S = 0.5
 REMOTE_STREAMS = 2  # parallel chunk runs per remote file
@@ -87,10 +89,12 @@ class Node:
         self.transport = transport  # chunk fetches from other nodes (cluster mode)
         self._writing: dict[int, WriteState] = {}
         self._cached_version: dict[int, int] = {}  # ino -> version the kernel page cache holds
-        self._local: dict[int, tuple[int, int]] = {}  # ino -> (version, size) stored here, for reads without the master
+        # Files stored here, for reads while the master is unreachable: ino -> (version, last attributes).
+        self._local: dict[int, tuple[int, m.Attr]] = {}
         self._local_inos: dict[int, int] = {}  # version -> ino, the reverse of _local
         self._opens: dict[tuple[int, bool], int] = {}  # (version, writer) -> open handles (reported on registration)
-        self._unreported_seals: dict[int, int] = {}  # version -> mtime of seals the master did not get
+        self._unreported_seals: dict[int, int] = {}
+        self._dir_attrs: dict[int, m.Attr] = {}  # last known directory attributes (for a master outage)  # version -> mtime of seals the master did not get
         self.evicted_files = 0
         self.remote_reads = 0
         self.degraded_reads = 0
@@ -110,10 +114,34 @@ class Node:
 
     async def lookup(self, parent: int, name: bytes) -> m.Attr | None:
         attr = (await self.master.call(m.Lookup(parent, name))).attr
-        return None if attr is None else self._current(attr)
+        if attr is None:
+            return None
+        self._remember_dir(attr)
+        return self._current(attr)
 
     async def getattr(self, ino: int) -> m.Attr:
-        return self._current(await self.master.call(m.GetAttr(ino)))
+        # The kernel re-reads a directory's attributes after every change in it (to check
+        # permissions on path walks): while the master is unreachable the last known ones
+        # do, so that files stored here stay readable.
+        cached = self._dir_attrs.get(ino)
+        if cached is None and ino in self._local:
+            cached = self._local[ino][1]
+        try:
+            attr = await self.master.call(m.GetAttr(ino), wait_s=0 if cached is not None else None)
+        except MasterUnavailable:
+            if cached is None:
+                raise
+            return cached
+        self._remember_dir(attr)
+        if ino in self._local and self._local[ino][0] == attr.version:
+            self._local[ino] = (attr.version, attr)
+        return self._current(attr)
+
+    def _remember_dir(self, attr: m.Attr) -> None:
+        if stat.S_ISDIR(attr.mode):
+            if len(self._dir_attrs) >= DIR_ATTR_CACHE and attr.ino not in self._dir_attrs:
+                self._dir_attrs.pop(next(iter(self._dir_attrs)))
+            self._dir_attrs[attr.ino] = attr
 
     async def setattr(self, ino: int, size: int | None, mode: int | None, uid: int | None, gid: int | None,
                       atime_ns: int | None, mtime_ns: int | None, handle: OpenFile | None) -> m.Attr:
@@ -151,7 +179,9 @@ class Node:
     # Namespace -----------------------------------------------------------------------------
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> m.Attr:
-        return await self.master.call(m.MkDir(parent, name, mode, uid, gid))
+        attr = await self.master.call(m.MkDir(parent, name, mode, uid, gid))
+        self._remember_dir(attr)
+        return attr
 
     async def unlink(self, parent: int, name: bytes) -> None:
         self._drop((await self.master.call(m.Unlink(parent, name))).dropped)
@@ -187,7 +217,7 @@ class Node:
         """Opens a file; returns the handle and whether the kernel may keep its cached pages."""
         if flags & os.O_ACCMODE == os.O_RDONLY:
             try:
-                opened = await self._call(m.OpenRead(ino), wait_s=0)
+                opened = await self.master.call(m.OpenRead(ino), wait_s=0)
             except MasterUnavailable:
                 return await self._open_without_master(ino)
             try:
@@ -198,7 +228,7 @@ class Node:
             self._count_open(opened.version, False, 1)
             handle = OpenFile(ino, opened.version, False, opened.attr.size, source)
             if opened.attr.sealed and not opened.node:
-                self._remember_local(ino, opened.version, opened.attr.size)
+                self._remember_local(ino, opened.version, opened.attr)
             keep_cache = opened.attr.sealed and self._cached_version.get(ino) == opened.version
             if opened.attr.sealed:
                 self._cached_version[ino] = opened.version
@@ -207,11 +237,6 @@ class Node:
             return handle, keep_cache
         self._cached_version.pop(ino, None)
         return await self._open_version(ino, truncate=bool(flags & os.O_TRUNC)), False
-
-    async def _call(self, request: m.Request, wait_s: float | None = None):
-        if wait_s is None:
-            return await self.master.call(request)
-        return await self.master.call(request, wait_s=wait_s)  # type: ignore[call-arg]
 
     async def _open_source(self, opened: m.Opened) -> ReadSource:
         """Where a reader's bytes come from: this node's tiers, or the node that stores them."""
@@ -238,16 +263,16 @@ class Node:
         known = self._local.get(ino)
         if known is None or known[0] not in self.store:
             raise MasterUnavailable(f"inode {ino}: the master is unreachable and this node does not store the file")
-        version, size = known
+        version, attr = known
         source = await self.store.open_read(version)
         self.degraded_reads += 1
-        return OpenFile(ino, version, False, size, source, leased=False), self._cached_version.get(ino) == version
+        return OpenFile(ino, version, False, attr.size, source, leased=False), self._cached_version.get(ino) == version
 
-    def _remember_local(self, ino: int, version: int, size: int) -> None:
+    def _remember_local(self, ino: int, version: int, attr: m.Attr) -> None:
         previous = self._local.get(ino)
         if previous is not None:
             self._local_inos.pop(previous[0], None)
-        self._local[ino] = (version, size)
+        self._local[ino] = (version, attr)
         self._local_inos[version] = ino
 
     def _count_open(self, version: int, writer: bool, delta: int) -> None:
@@ -323,9 +348,9 @@ class Node:
                 if state.writers == 0:  # the last writer closed: the bytes are final
                     del self._writing[handle.version]
                     checksums = self.store.seal(handle.version, state.size)
-                    self._remember_local(handle.ino, handle.version, state.size)
                     try:
-                        await self.master.call(m.Seal(handle.version, state.size, state.mtime_ns, checksums))
+                        attr = await self.master.call(m.Seal(handle.version, state.size, state.mtime_ns, checksums))
+                        self._remember_local(handle.ino, handle.version, attr)
                     except MasterUnavailable:  # sealed here; the next registration reports it
                         self._unreported_seals[handle.version] = state.mtime_ns
                         log.warning("inode %d: the master is unreachable; its seal is reported on reconnection",
@@ -410,7 +435,10 @@ class Node:
     # Capacity ------------------------------------------------------------------------------
 
     async def collect_orphans(self) -> int:
-        removed = await self.master.call(m.CollectOrphans())
+        try:
+            removed = await self.master.call(m.CollectOrphans(), wait_s=0)
+        except MasterUnavailable:
+            return 0  # next time
         if removed.dropped:
             log.info("collected %d orphaned temp files (%d bytes)", len(removed.dropped), removed.freed_bytes)
         self._apply_removed(removed)
@@ -468,7 +496,7 @@ class Node:
         False if the master no longer knows this node (it must register again)."""
         ssd = self.store.ssd
         try:
-            beat = await self._call(m.Heartbeat(self.store.dram.capacity, self.store.dram.used,
+            beat = await self.master.call(m.Heartbeat(self.store.dram.capacity, self.store.dram.used,
                                                 ssd.capacity if ssd else 0, ssd.used if ssd else 0), wait_s=0)
         except MasterUnavailable:
             return True  # the link reconnects and registers again by itself
@@ -517,7 +545,8 @@ class Node:
             await self.store.refresh_record(attr.version)
 
     async def _control(self, command: str) -> None:
-        if command == "sync":
+        if command == "sync":  # everything sealed is on SSD when this returns (also in watermark mode)
+            self.store.queue_all_dram_only()
             await self.store.wait_offloaded()
         elif command == "drop-dram":
             demoted = self.store.demote_all()
@@ -528,7 +557,10 @@ class Node:
     def store_stats(self) -> dict[str, float]:
         stats = asdict(self.store.stats)
         stats.update(dram_capacity=self.store.dram.capacity, dram_used=self.store.dram.used,
-                     evicted_files=self.evicted_files, read_buffer_misses=self.store.read_buffers.misses)
+                     evicted_files=self.evicted_files, read_buffer_misses=self.store.read_buffers.misses,
+                     node=self.node_id, remote_reads=self.remote_reads, degraded_reads=self.degraded_reads)
+        if self.transport is not None:
+            stats.update(fetched_bytes=self.transport.fetched_bytes)
         if self.store.ssd is not None:
             stats.update(ssd_capacity=self.store.ssd.capacity, ssd_used=self.store.ssd.used)
         return stats

@@ -11,13 +11,14 @@ from kvfs.cluster.messages import Request
 class MasterClient(Protocol):
     """How a node talks to the master, in-process or (later) over the network."""
 
-    async def call(self, request: Request) -> Any:
-        """Sends one request, returns its response or raises MetadataError."""
+    async def call(self, request: Request, wait_s: float | None = None) -> Any:
+        """Sends one request, returns its response or raises MetadataError. A remote client
+        waits up to `wait_s` (None: its default) for an unreachable master."""
 
 
 class EmbeddedMaster:
     def __init__(self, service: MetadataService) -> None:
         self.service = service
 
-    async def call(self, request: Request) -> Any:
+    async def call(self, request: Request, wait_s: float | None = None) -> Any:
         return self.service.handle(request)

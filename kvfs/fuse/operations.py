@@ -16,6 +16,7 @@ import pyfuse3
 import trio
 
 from kvfs.cluster import messages as m
+from kvfs.cluster.rpc import MasterUnavailable
 from kvfs.config import MountConfig
 from kvfs.errors import KvfsError
 from kvfs.fuse.errors import fuse_handler
@@ -98,6 +99,8 @@ class KvfsOperations(pyfuse3.Operations):
             if gone:
                 try:
                     await self.node.forget(gone)
+                except MasterUnavailable:  # a new master knows no kernel references anyway
+                    log.warning("could not tell the master to forget %d inodes: it is unreachable", len(gone))
                 except Exception:
                     log.exception("telling the master to forget %d inodes failed", len(gone))
 

@@ -1,0 +1,294 @@
+"""A real cluster on loopback: `kvfs master` and `kvfs node` processes, each node a real mount."""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import CLUSTER_SECRET, Cluster, KvfsMount, is_stored
+from test_consumers import MiB, fill, key_path, vllm_load, vllm_store
+
+SIZES = [0, 1, 4095, 4 * MiB, 4 * MiB + 1, 10 * MiB + 12345]
+
+
+def stats(node: KvfsMount) -> dict:
+    return json.loads(os.getxattr(node.path, "user.kvfs.stats"))
+
+
+def wait_until(condition, timeout: float = 15.0, what: str = "condition") -> None:
+    """Polls for something another process does asynchronously (a heartbeat, a restart)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def kvfs_status(cluster: Cluster) -> dict:
+    result = subprocess.run([sys.executable, "-m", "kvfs", "status", "--master", cluster.master.address, "--json"],
+                            capture_output=True, text=True, timeout=30, env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_written_on_one_node_read_cold_on_the_others(cluster: Cluster) -> None:
+    a, b, c = cluster.add_node(), cluster.add_node(), cluster.add_node()
+    contents = {size: os.urandom(size) for size in SIZES}
+    (a.path / "d").mkdir()
+    for size, data in contents.items():
+        (a.path / "d" / f"f{size}.bin").write_bytes(data)
+    os.setxattr(a.path / "d" / f"f{SIZES[-1]}.bin", "user.model", b"llama")
+    for reader in (b, c):
+        assert sorted(os.listdir(reader.path / "d")) == sorted(f"f{size}.bin" for size in SIZES)
+        for size, data in contents.items():
+            path = reader.path / "d" / f"f{size}.bin"
+            assert path.stat().st_size == size
+            assert path.read_bytes() == data, f"{reader.root.name}: f{size}.bin differs"
+        assert os.getxattr(reader.path / "d" / f"f{SIZES[-1]}.bin", "user.model") == b"llama"
+        assert os.getxattr(reader.path / "d" / f"f{SIZES[-1]}.bin", "user.kvfs.node") == b"1"
+    assert stats(b)["remote_reads"] >= len(SIZES) - 1
+    # Written on B, read on A and C; overwritten on C (copy-on-write from B's bytes), read on A.
+    (b.path / "d" / "g.bin").write_bytes(contents[SIZES[-1]])
+    with open(c.path / "d" / "g.bin", "r+b") as f:
+        f.seek(5)
+        f.write(b"CHANGED")
+    expected = bytearray(contents[SIZES[-1]])
+    expected[5:12] = b"CHANGED"
+    assert (a.path / "d" / "g.bin").read_bytes() == bytes(expected)
+    # Unlinked on C: gone everywhere, and A frees the bytes (told by its next heartbeat).
+    used = stats(a)["dram_used"]
+    os.unlink(c.path / "d" / f"f{SIZES[-1]}.bin")
+    assert not is_stored(a.path / "d" / f"f{SIZES[-1]}.bin")
+    assert not is_stored(b.path / "d" / f"f{SIZES[-1]}.bin")
+    wait_until(lambda: stats(a)["dram_used"] < used, what="node A to free an unlinked file's bytes")
+    status = kvfs_status(cluster)
+    assert [n["live"] for n in status["nodes"]] == [True, True, True]
+    assert status["files"] == len(SIZES)  # five left in d/ plus g.bin
+
+
+def test_vllm_pattern_writers_and_readers_on_different_nodes(cluster: Cluster) -> None:
+    writers_node, readers_node = cluster.add_node("512M"), cluster.add_node("512M")
+    size = 2 * MiB
+    base = os.urandom(size)
+    keys = list(range(64))
+    published: list[int] = []
+    lock = threading.Lock()
+    failures: list[str] = []
+    loaded = [0]
+    done = threading.Event()
+
+    def writer(worker: int) -> None:
+        buffer = mmap.mmap(-1, size)
+        try:
+            for key in keys[worker::8]:
+                fill(buffer, base, key)
+                vllm_store(key_path(writers_node.path, key), buffer, direct=True)
+                with lock:
+                    published.append(key)
+        except Exception as error:
+            failures.append(f"writer {worker}: {error!r}")
+
+    def reader(worker: int) -> None:
+        rng = random.Random(worker)
+        buffer, expected = mmap.mmap(-1, size), mmap.mmap(-1, size)
+        try:
+            while True:
+                finished = done.is_set()
+                with lock:
+                    key = rng.choice(published) if published else None
+                if os.access(key_path(readers_node.path, rng.randrange(10**6, 10**7)), os.F_OK):
+                    failures.append("a key that was never stored exists")
+                if key is not None:
+                    try:
+                        count = vllm_load(key_path(readers_node.path, key), buffer, direct=True)
+                    except FileNotFoundError:
+                        count = -1  # published a moment ago: the reader's kernel may cache the miss for 1 s
+                    if count >= 0:
+                        fill(expected, base, key)
+                        if count != size or buffer[:] != expected[:]:
+                            failures.append(f"key {key}: {count} bytes, content {'ok' if buffer[:] == expected[:] else 'wrong'}")
+                        else:
+                            loaded[0] += 1
+                if finished:
+                    break
+        except Exception as error:
+            failures.append(f"reader {worker}: {error!r}")
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    threads += [threading.Thread(target=reader, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads[:8]:
+        thread.join()
+    done.set()
+    for thread in threads[8:]:
+        thread.join()
+    assert not failures, failures[:10]
+    assert loaded[0] > 0
+    buffer, expected = mmap.mmap(-1, size), mmap.mmap(-1, size)
+    for key in keys:  # every key, cold on the readers' node (after its kernel's 1 s negative entries expire)
+        wait_until(lambda: is_stored(key_path(readers_node.path, key)), timeout=5, what=f"key {key} on the reader")
+        assert vllm_load(key_path(readers_node.path, key), buffer, direct=True) == size
+        fill(expected, base, key)
+        assert buffer[:] == expected[:], f"key {key}"
+
+
+def read_outcome(path: Path, expected: bytes) -> tuple[str, float]:
+    """Opens and reads a file; returns what happened and how long the open took."""
+    started = time.monotonic()
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as error:
+        return errno.errorcode[error.errno], time.monotonic() - started
+    opened = time.monotonic() - started
+    try:
+        data = b""
+        while chunk := os.read(fd, 1 << 20):
+            data += chunk
+        return ("ok" if data == expected else "WRONG BYTES"), opened
+    except OSError as error:
+        return f"read {errno.errorcode[error.errno]}", opened
+    finally:
+        os.close(fd)
+
+
+def test_node_killed_during_reads_then_restarted(cluster: Cluster, tmp_path: Path) -> None:
+    owner = cluster.add_node("256M", "--disk", str(tmp_path / "owner-disk"), "--disk-size", "512M",
+                             "--offload", "watermark", name="owner")
+    readers = [cluster.add_node("256M"), cluster.add_node("256M")]
+    on_ssd = {f"ssd{i}.bin": os.urandom(3 * MiB + i) for i in range(8)}
+    dram_only = {f"dram{i}.bin": os.urandom(2 * MiB + i) for i in range(8)}
+    for name, data in on_ssd.items():
+        (owner.path / name).write_bytes(data)
+    os.setxattr(owner.path, "user.kvfs.control", b"sync")  # these are on SSD now
+    for name, data in dram_only.items():
+        (owner.path / name).write_bytes(data)
+    everything = {**on_ssd, **dram_only}
+
+    outcomes: list[tuple[float, float, str, float]] = []  # (started, finished, outcome, open seconds)
+    stop = threading.Event()
+
+    def read_forever(node: KvfsMount, seed: int) -> None:
+        rng = random.Random(seed)
+        while not stop.is_set():
+            name = rng.choice(sorted(everything))
+            started = time.monotonic()
+            outcome, open_s = read_outcome(node.path / name, everything[name])
+            outcomes.append((started, time.monotonic(), outcome, open_s))
+
+    threads = [threading.Thread(target=read_forever, args=(node, i)) for i in range(4) for node in readers]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)  # let the readers get going on the live owner
+    killed_at = time.monotonic()
+    owner.kill()
+    wait_until(lambda: not any(name in os.listdir(readers[0].path) for name in everything),
+               what="the dead node's files to leave the namespace")
+    declared_dead_s = time.monotonic() - killed_at
+    time.sleep(0.3)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "a reader hung"
+    before = [outcome for _, finished, outcome, _ in outcomes if finished < killed_at]
+    after = [(outcome, open_s) for started, _, outcome, open_s in outcomes if started > killed_at + 0.01]
+    assert before and all(outcome == "ok" for outcome in before), set(before)
+    assert after, "no reads after the kill"
+    assert {outcome for outcome, _ in after} <= {"ok", "ENOENT", "read EIO"}, {outcome for outcome, _ in after}
+    failed_opens = sorted(open_s for outcome, open_s in after if outcome == "ENOENT")
+    assert failed_opens and failed_opens[-1] < 2.0, "a failed open took long"
+    print(f"\nnode declared dead after {declared_dead_s:.2f} s; {len(failed_opens)} opens failed with ENOENT, "
+          f"median {failed_opens[len(failed_opens) // 2] * 1000:.1f} ms, max {failed_opens[-1] * 1000:.1f} ms")
+    assert [node["live"] for node in kvfs_status(cluster)["nodes"]] == [False, True, True]
+
+    owner.allowed_errors.append("stale mount")
+    owner.start()  # same name, same SSD: its files on SSD come back, those only in its DRAM do not
+    for reader in readers:
+        wait_until(lambda: is_stored(reader.path / "ssd0.bin"), what="the restarted node's SSD files")
+        for name, data in on_ssd.items():
+            assert (reader.path / name).read_bytes() == data
+        for name in dram_only:
+            assert not is_stored(reader.path / name)
+    assert sorted(os.listdir(readers[1].path)) == sorted(on_ssd)
+
+
+def test_master_killed_during_write_load(cluster: Cluster) -> None:
+    writer_node, reader_node = cluster.add_node("512M"), cluster.add_node("512M")
+    size = MiB
+    base = os.urandom(size)
+    stored: list[int] = []
+    write_errors: list[str] = []
+    local_reads = {"ok": 0, "failed": 0}
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def writer(worker: int) -> None:
+        buffer = mmap.mmap(-1, size)
+        key = worker
+        while not stop.is_set():
+            fill(buffer, base, key)
+            try:
+                if vllm_store(key_path(writer_node.path, key), buffer, direct=False):
+                    with lock:
+                        stored.append(key)
+            except OSError as error:
+                write_errors.append(f"key {key}: {error}")
+            key += 4
+
+    def local_reader() -> None:
+        buffer, expected = mmap.mmap(-1, size), mmap.mmap(-1, size)
+        rng = random.Random(1)
+        while not stop.is_set():
+            with lock:
+                key = rng.choice(stored) if stored else None
+            if key is None:
+                continue
+            try:
+                count = vllm_load(key_path(writer_node.path, key), buffer, direct=False)
+                fill(expected, base, key)
+                assert count == size and buffer[:] == expected[:], f"key {key} read wrong"
+                local_reads["ok"] += 1
+            except OSError:
+                local_reads["failed"] += 1
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)] + [threading.Thread(target=local_reader)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: len(stored) >= 40, what="writes before the kill")
+    cluster.master.kill()
+    killed_at = time.monotonic()
+    reads_before = local_reads["ok"]
+    time.sleep(1.0)  # the master is down for a second; the writer node keeps serving its own files
+    served_without_master = local_reads["ok"] - reads_before
+    cluster.master.start(port=cluster.master.port)
+    restarted_at = time.monotonic()
+    wait_until(lambda: len(stored) >= 80, what="writes after the master came back")
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    with lock:
+        acknowledged = list(stored)
+    buffer, expected = mmap.mmap(-1, size), mmap.mmap(-1, size)
+    wait_until(lambda: is_stored(key_path(reader_node.path, acknowledged[0])), what="the namespace after restart")
+    back_s = time.monotonic() - restarted_at
+    for key in acknowledged:  # no acknowledged file is lost, and each reads back on the other node
+        wait_until(lambda: is_stored(key_path(reader_node.path, key)), timeout=5, what=f"key {key}")
+        assert vllm_load(key_path(reader_node.path, key), buffer, direct=False) == size
+        fill(expected, base, key)
+        assert buffer[:] == expected[:], f"key {key}"
+    print(f"\nmaster down {restarted_at - killed_at:.2f} s; {served_without_master} local reads served meanwhile; "
+          f"namespace back {back_s:.2f} s after restart; {len(acknowledged)} files kept, "
+          f"{len(write_errors)} writes failed")
+    assert served_without_master > 0
+    for node in cluster.nodes:
+        node.allowed_errors.append("master")
