@@ -38,7 +38,7 @@ VIRTUAL_XATTRS = (b"user.kvfs.tier", b"user.kvfs.size", b"user.kvfs.version", b"
                   b"user.kvfs.node", b"user.kvfs.ssd_extents")
 VIRTUAL_PREFIX = b"user.kvfs."
 ROOT_STATS = b"user.kvfs.stats"  # JSON counters of the node's store, on the root directory
-ROOT_CONTROL = b"user.kvfs.control"  # write "sync" (offload all to SSD) or "drop-dram" (demote all)
+ROOT_CONTROL = b"user.kvfs.control"  # "sync" (wait for offload), "flush" (offload all), "drop-dram"
 
 
 @dataclass(slots=True, eq=False)
@@ -545,14 +545,16 @@ class Node:
             await self.store.refresh_record(attr.version)
 
     async def _control(self, command: str) -> None:
-        if command == "sync":  # everything sealed is on SSD when this returns (also in watermark mode)
+        if command == "sync":  # what the offloader has queued is on SSD when this returns
+            await self.store.wait_offloaded()
+        elif command == "flush":  # everything sealed is on SSD when this returns (also in watermark mode)
             self.store.queue_all_dram_only()
             await self.store.wait_offloaded()
         elif command == "drop-dram":
             demoted = self.store.demote_all()
             log.info("control: dropped the DRAM copies of %d files already on SSD", demoted)
         else:
-            raise StorageError(errno.EINVAL, f"unknown control command {command!r} (sync, drop-dram)")
+            raise StorageError(errno.EINVAL, f"unknown control command {command!r} (sync, flush, drop-dram)")
 
     def store_stats(self) -> dict[str, float]:
         stats = asdict(self.store.stats)

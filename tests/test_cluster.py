@@ -169,7 +169,7 @@ def test_node_killed_during_reads_then_restarted(cluster: Cluster, tmp_path: Pat
     dram_only = {f"dram{i}.bin": os.urandom(2 * MiB + i) for i in range(8)}
     for name, data in on_ssd.items():
         (owner.path / name).write_bytes(data)
-    os.setxattr(owner.path, "user.kvfs.control", b"sync")  # these are on SSD now
+    os.setxattr(owner.path, "user.kvfs.control", b"flush")  # these are on SSD now
     for name, data in dram_only.items():
         (owner.path / name).write_bytes(data)
     everything = {**on_ssd, **dram_only}
