@@ -477,6 +477,7 @@ class Node:
         dropped.extend((await master.call(m.FinishRegistration())).dropped)
         self._unreported_seals.clear()
         self._drop(dropped)
+        self._apply_beat(await master.call(self._heartbeat_request()))  # the master learns capacity and use now
         log.info("registered as node %d: %d files kept, %d dropped, in %.2f s", self.node_id,
                  len(held) - len(set(dropped)), len(set(dropped)), time.monotonic() - started)
 
@@ -494,10 +495,8 @@ class Node:
     async def heartbeat(self) -> bool:
         """One heartbeat: tells the master this node lives and applies what happened elsewhere.
         False if the master no longer knows this node (it must register again)."""
-        ssd = self.store.ssd
         try:
-            beat = await self.master.call(m.Heartbeat(self.store.dram.capacity, self.store.dram.used,
-                                                ssd.capacity if ssd else 0, ssd.used if ssd else 0), wait_s=0)
+            beat = await self.master.call(self._heartbeat_request(), wait_s=0)
         except MasterUnavailable:
             return True  # the link reconnects and registers again by itself
         except KvfsError as error:
@@ -505,10 +504,18 @@ class Node:
                 log.warning("the master declared this node dead; registering again")
                 return False
             raise
+        self._apply_beat(beat)
+        return True
+
+    def _heartbeat_request(self) -> m.Heartbeat:
+        ssd = self.store.ssd
+        return m.Heartbeat(self.store.dram.capacity, self.store.dram.used, ssd.capacity if ssd else 0,
+                           ssd.used if ssd else 0)
+
+    def _apply_beat(self, beat: m.Beat) -> None:
         self._drop(beat.dropped)
         if beat.forget:
             self.forget_entries(beat.forget)
-        return True
 
     async def stats(self) -> NodeStats:
         """Capacity as statfs reports it: the largest tier that holds every file (SSD when present)."""

@@ -292,3 +292,93 @@ def test_master_killed_during_write_load(cluster: Cluster) -> None:
     assert served_without_master > 0
     for node in cluster.nodes:
         node.allowed_errors.append("master")
+
+
+def test_eviction_across_the_cluster_under_pressure(cluster: Cluster) -> None:
+    nodes = [cluster.add_node("64M") for _ in range(3)]
+    size = 2 * MiB
+    base = os.urandom(size)
+    per_node = 48  # 3 x 48 x 2 MiB = 288 MiB written into 192 MiB of DRAM
+    failures: list[str] = []
+    served = [0]
+    done = threading.Event()
+
+    def writer(index: int) -> None:
+        node = nodes[index]
+        buffer = mmap.mmap(-1, size)
+        try:
+            for key in range(index, 3 * per_node, 3):
+                fill(buffer, base, key)
+                vllm_store(key_path(node.path, key), buffer, direct=False)
+        except Exception as error:
+            failures.append(f"writer on node {index + 1}: {error!r}")
+
+    def reader(index: int) -> None:
+        node = nodes[index]
+        rng = random.Random(index)
+        buffer, expected = mmap.mmap(-1, size), mmap.mmap(-1, size)
+        while not done.is_set():
+            key = rng.randrange(3 * per_node)
+            if key % 3 == index:
+                continue  # read what the other nodes wrote
+            try:
+                count = vllm_load(key_path(node.path, key), buffer, direct=False)
+            except FileNotFoundError:
+                continue  # not written yet, or evicted: a miss
+            except OSError as error:
+                failures.append(f"reader on node {index + 1}, key {key}: {error!r}")
+                continue
+            fill(expected, base, key)
+            if count != size or buffer[:] != expected[:]:
+                failures.append(f"reader on node {index + 1}: key {key} served wrong ({count} bytes)")
+            served[0] += 1
+
+    writers = [threading.Thread(target=writer, args=(i,)) for i in range(3)]
+    readers = [threading.Thread(target=reader, args=(i,)) for i in range(3)]
+    for thread in writers + readers:
+        thread.start()
+    for thread in writers:
+        thread.join()
+    done.set()
+    for thread in readers:
+        thread.join()
+    assert not failures, failures[:10]
+    assert served[0] > 0
+    status = kvfs_status(cluster)
+    for node in status["nodes"]:  # each node evicted its own files to stay within its DRAM
+        assert node["dram_used"] <= node["dram_capacity"]
+        assert 0 < node["files"] < per_node
+    assert sum(stats(node)["evicted_files"] for node in nodes) > 0
+    # What is left is exactly what the namespace lists, and it reads back right on every node.
+    buffer, expected = mmap.mmap(-1, size), mmap.mmap(-1, size)
+    for key in range(3 * per_node):
+        path = key_path(nodes[(key + 1) % 3].path, key)
+        if is_stored(path):
+            assert vllm_load(path, buffer, direct=False) == size
+            fill(expected, base, key)
+            assert buffer[:] == expected[:]
+
+
+def test_status_and_config_file(cluster: Cluster, tmp_path: Path) -> None:
+    config = tmp_path / "kvfs.toml"
+    config.write_text(f'[node]\nmaster = "{cluster.master.address}"\ndram = "64M"\nname = "from-toml"\n')
+    (tmp_path / "toml-node").mkdir()
+    node = KvfsMount(tmp_path / "toml-node", "64M")
+    node.args = [sys.executable, "-m", "kvfs", "node", "--config", str(config), "--mount", str(node.path),
+                 "--foreground", "--log-level", "debug"]
+    node.start()
+    cluster.nodes.append(node)
+    (node.path / "f").write_bytes(b"x" * 5000)
+    result = subprocess.run([sys.executable, "-m", "kvfs", "status", "--master", cluster.master.address],
+                            capture_output=True, text=True, timeout=30, env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
+    assert result.returncode == 0, result.stderr
+    assert "from-toml" in result.stdout and " up " in result.stdout and "64.0 MiB" in result.stdout
+    wrong = subprocess.run([sys.executable, "-m", "kvfs", "status", "--master", cluster.master.address],
+                           capture_output=True, text=True, timeout=30,
+                           env={**os.environ, "KVFS_SECRET": "not-the-cluster-secret"})
+    assert wrong.returncode != 0
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[node]\nmaster = "127.0.0.1:1"\ndramm = "64M"\n')
+    result = subprocess.run([sys.executable, "-m", "kvfs", "node", "--config", str(bad), "--mount", str(tmp_path / "x")],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1 and "has no setting 'dramm'" in result.stderr
