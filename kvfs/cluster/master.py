@@ -95,6 +95,9 @@ class MetadataService:
         self._caller = caller
         try:
             response = self._handlers[type(request)](request)
+            others = {v.version for v in self.objects.dropped_log if v.node != caller}
+            if others and isinstance(getattr(response, "dropped", None), list):
+                response.dropped = [v for v in response.dropped if v not in others]  # theirs, not the caller's
         finally:
             self._route_outcomes()
         return response

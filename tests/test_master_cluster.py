@@ -1,0 +1,190 @@
+"""The master's cluster decisions, driven with plain requests and a manual clock: registration,
+heartbeats and death, hidden files, leases across nodes, routing of drops, and its lmdb state."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+
+from kvfs.clock import ManualClock
+from kvfs.cluster import messages as m
+from kvfs.cluster.master import MasterSettings, MetadataService
+from kvfs.cluster.namespace import ROOT_INO
+from kvfs.cluster.persist import MasterState
+from kvfs.errors import MetadataError
+from kvfs.policy import LruPolicy
+
+
+class Cluster:
+    def __init__(self, clock: ManualClock) -> None:
+        self.clock = clock
+        self.master = MetadataService(clock, LruPolicy(), MasterSettings(cluster=True, dead_after_s=2.5))
+
+    def join(self, name: str, held: list[m.Held] = ()) -> tuple[int, list[int]]:
+        node = self.master.handle(m.Register(name, f"{name}:1"), 0).node
+        dropped = self.master.handle(m.Report(list(held)), node).dropped
+        dropped += self.master.handle(m.FinishRegistration(), node).dropped
+        return node, dropped
+
+    def store(self, node: int, name: bytes, size: int = 100, parent: int = ROOT_INO) -> m.Attr:
+        opened = self.master.handle(m.Create(parent, name, 0o644, 0, 0, node, True), node)
+        self.master.handle(m.Seal(opened.version, size, self.clock.wall_ns(), [11]), node)
+        self.master.handle(m.Release(opened.version, True), node)
+        return self.master.handle(m.GetAttr(opened.attr.ino), node)
+
+    def lookup(self, node: int, name: bytes) -> m.Attr | None:
+        return self.master.handle(m.Lookup(ROOT_INO, name), node).attr
+
+    def beat(self, node: int) -> m.Beat:
+        return self.master.handle(m.Heartbeat(1 << 30, 0), node)
+
+    def silence(self, seconds: float, *alive: int) -> list[int]:
+        """Time passes; only `alive` nodes heartbeat meanwhile."""
+        dead: list[int] = []
+        for _ in range(int(seconds * 4)):
+            self.clock.advance(0.25)
+            for node in alive:
+                self.beat(node)
+            dead += self.master.expire_nodes()
+        return dead
+
+
+@pytest.fixture
+def cluster() -> Cluster:
+    return Cluster(ManualClock())
+
+
+def fails(call, code: int) -> None:
+    with pytest.raises(MetadataError) as raised:
+        call()
+    assert raised.value.errno == code
+
+
+def test_reads_are_directed_to_the_node_that_stores_the_bytes(cluster: Cluster) -> None:
+    a, _ = cluster.join("a")
+    b, _ = cluster.join("b")
+    attr = cluster.store(a, b"x.bin")
+    opened = cluster.master.handle(m.OpenRead(attr.ino), b)
+    assert (opened.node, opened.address, opened.checksums) == (a, "a:1", [11])
+    assert cluster.master.handle(m.OpenRead(attr.ino), a).address == ""  # local to the writer
+    # The reader's lease keeps the file from eviction on its node.
+    assert cluster.master.handle(m.Reclaim(a, 1 << 30), a).dropped == []
+    cluster.master.handle(m.Release(opened.version, False), b)
+    cluster.master.handle(m.Release(opened.version, False), a)
+    assert cluster.master.handle(m.Reclaim(a, 1 << 30), a).dropped == [opened.version]
+
+
+def test_drops_and_removed_names_reach_the_other_nodes_with_their_heartbeat(cluster: Cluster) -> None:
+    a, _ = cluster.join("a")
+    b, _ = cluster.join("b")
+    attr = cluster.store(a, b"x.bin")
+    assert cluster.master.handle(m.Unlink(ROOT_INO, b"x.bin"), b).dropped == []  # b does not store it
+    beat = cluster.beat(a)
+    assert beat.dropped == [attr.version] and beat.forget == [(ROOT_INO, b"x.bin")]
+    assert cluster.beat(a) == m.Beat([], [])
+    assert cluster.beat(b) == m.Beat([], [])  # its own kernel saw the unlink
+
+
+def test_a_silent_node_is_declared_dead_within_three_seconds(cluster: Cluster) -> None:
+    a, _ = cluster.join("a")
+    b, _ = cluster.join("b")
+    dram_only = cluster.store(a, b"dram.bin")
+    on_ssd = cluster.store(a, b"ssd.bin")
+    cluster.master.handle(m.Offloaded([on_ssd.version]), a)
+    reader = cluster.master.handle(m.OpenRead(dram_only.ino), b)
+    assert cluster.silence(2.0, a, b) == []
+    assert cluster.silence(3.0, b) == [a]
+    # Its DRAM-only file is gone for good; the one on its SSD is hidden until it returns.
+    assert cluster.lookup(b, b"dram.bin") is None and cluster.lookup(b, b"ssd.bin") is None
+    assert cluster.master.handle(m.ReadDir(ROOT_INO, 0, 10), b).entries == []
+    fails(lambda: cluster.master.handle(m.OpenRead(on_ssd.ino), b), errno.ENOENT)
+    fails(lambda: cluster.beat(a), errno.ESTALE)  # a late heartbeat: register again
+    cluster.master.handle(m.Release(reader.version, False), b)
+    node, dropped = cluster.join("a", [m.Held(on_ssd.version, 100, True, True)])
+    assert node == a and dropped == []
+    assert cluster.lookup(b, b"ssd.bin").version == on_ssd.version
+    assert cluster.lookup(b, b"dram.bin") is None
+
+
+def test_a_name_taken_while_its_node_was_down_keeps_the_newer_file(cluster: Cluster) -> None:
+    a, _ = cluster.join("a")
+    b, _ = cluster.join("b")
+    old = cluster.store(a, b"k.bin")
+    cluster.master.handle(m.Offloaded([old.version]), a)
+    cluster.silence(3.0, b)
+    new = cluster.store(b, b"k.bin", size=200)  # exclusive create: the hidden file does not count
+    _, dropped = cluster.join("a", [m.Held(old.version, 100, True, True)])
+    assert dropped == [old.version]
+    assert cluster.lookup(a, b"k.bin").version == new.version
+
+
+def test_a_restarted_node_reports_what_it_holds_and_the_rest_goes(cluster: Cluster) -> None:
+    a, _ = cluster.join("a")
+    kept = cluster.store(a, b"kept.bin")
+    lost = cluster.store(a, b"lost.bin")
+    writing = cluster.master.handle(m.Create(ROOT_INO, b"w.tmp", 0o644, 0, 0, a, True), a)
+    # Restart before the death was noticed: a new registration replaces the old incarnation.
+    _, dropped = cluster.join("a", [m.Held(kept.version, 100, True, True),
+                                    m.Held(writing.version, 5, True, False, mtime_ns=42, checksums=[3])])
+    assert dropped == []
+    assert cluster.lookup(a, b"kept.bin") is not None and cluster.lookup(a, b"lost.bin") is None
+    sealed = cluster.lookup(a, b"w.tmp")  # sealed on the node while the master did not hear it
+    assert sealed.sealed and sealed.size == 5 and sealed.mtime_ns == 42
+    assert lost.version not in cluster.master.objects.versions
+    # A version the master never knew, with its SSD record, comes back as a file.
+    record = m.FileRecord([b"d", b"restored.bin"], 7, 0o100644, 0, 0, 5, {b"user.k": b"v"})
+    _, dropped = cluster.join("a", [m.Held(kept.version, 100, True, True),
+                                    m.Held(999, 7, True, True, checksums=[1], record=record)])
+    restored = cluster.master.handle(m.Lookup(cluster.lookup(a, b"d").ino, b"restored.bin"), a).attr
+    assert restored.version == 999 and restored.size == 7
+
+
+def test_requests_need_a_registered_node(cluster: Cluster) -> None:
+    fails(lambda: cluster.master.handle(m.Report([]), 5), errno.EPROTO)
+    fails(lambda: cluster.master.handle(m.Heartbeat(1, 0), 5), errno.ESTALE)
+    a, _ = cluster.join("a")
+    info = cluster.master.handle(m.ClusterStatus(), 0)
+    assert [(n.node, n.name, n.live) for n in info.nodes] == [(a, "a", True)]
+
+
+def test_state_survives_a_restart_and_nodes_bring_their_files_back(cluster: Cluster, tmp_path: Path) -> None:
+    state = MasterState(tmp_path / "state")
+    master = cluster.master
+    a, _ = cluster.join("a")
+    state.save(master)
+    d = master.handle(m.MkDir(ROOT_INO, b"dir", 0o755, 0, 0), a)
+    state.save(master)
+    files = {}
+    for name in (b"one.bin", b"two.bin", b"gone.bin"):
+        files[name] = cluster.store(a, name, parent=d.ino)
+        state.save(master)
+    master.handle(m.SetXattr(files[b"one.bin"].ino, b"user.model", b"llama"), a)
+    master.handle(m.Rename(d.ino, b"two.bin", ROOT_INO, b"moved.bin"), a)
+    master.handle(m.Unlink(d.ino, b"gone.bin"), a)
+    state.save(master)
+    before = master.handle(m.ReadDir(d.ino, 0, 100), a).entries
+    state.close()
+
+    restarted = MetadataService(cluster.clock, LruPolicy(), MasterSettings(cluster=True))
+    state = MasterState(tmp_path / "state")
+    assert state.load(restarted) == 2
+    assert restarted.handle(m.Lookup(ROOT_INO, b"dir"), 0).attr.ino == d.ino
+    assert restarted.handle(m.Lookup(ROOT_INO, b"moved.bin"), 0).attr is None  # hidden: node a not back yet
+    node = restarted.handle(m.Register("a", "a:1"), 0).node
+    assert node == a
+    held = [m.Held(files[n].version, 100, True, False) for n in (b"one.bin", b"two.bin")]
+    restarted.handle(m.Report(held), a)
+    restarted.handle(m.FinishRegistration(), a)
+    after = restarted.handle(m.ReadDir(d.ino, 0, 100), a).entries
+    assert [(e.name, e.attr.ino, e.attr.size, e.next_id) for e in after] == \
+        [(e.name, e.attr.ino, e.attr.size, e.next_id) for e in before]
+    assert restarted.handle(m.GetXattr(files[b"one.bin"].ino, b"user.model"), a).value == b"llama"
+    assert restarted.handle(m.Lookup(ROOT_INO, b"moved.bin"), a).attr.version == files[b"two.bin"].version
+    # New inodes and versions never reuse old numbers.
+    fresh = Cluster(cluster.clock)
+    fresh.master = restarted
+    attr = fresh.store(a, b"new.bin")
+    assert attr.ino > max(f.ino for f in files.values()) and attr.version > files[b"gone.bin"].version
+    state.close()

@@ -1,0 +1,168 @@
+"""Chunk transfer between nodes over real loopback TCP: a peer server on a real DRAM store."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvfs.checksum import chunk_checksum
+from kvfs.cluster.protocol import PREFIX, FrameKind, encode_frame
+from kvfs.cluster.transport import FetchChunks, PeerServer, TcpTransport
+from kvfs.errors import StorageError
+from kvfs.store.buffers import ReadBufferPool
+from kvfs.store.dram import DramTier
+from kvfs.store.tiered import TieredStore
+
+SECRET = b"a-cluster-secret-for-tests"
+CHUNK = 1 << 20
+VERSION = 7
+
+
+def make_store(data: bytes) -> TieredStore:
+    store = TieredStore(DramTier(32 * CHUNK, chunk_size=CHUNK), None, read_buffers=ReadBufferPool(8, CHUNK))
+    store.create(VERSION)
+    store.dram.write(VERSION, 0, data)
+    store.seal(VERSION, len(data))
+    return store
+
+
+def lengths(size: int) -> list[int]:
+    return [min(CHUNK, size - start) for start in range(0, size, CHUNK)]
+
+
+def with_server(data: bytes, test) -> PeerServer:
+    store = make_store(data)
+    server = PeerServer(store, SECRET)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(store.run)
+            port = await nursery.start(server.serve, "127.0.0.1", 0)
+            with trio.fail_after(20):
+                await test(f"127.0.0.1:{port}")
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return server
+
+
+async def fetch_all(transport: TcpTransport, address: str, size: int, checksums: list[int]) -> bytes:
+    targets = [memoryview(bytearray(CHUNK)) for _ in lengths(size)]
+    arrived: list[int] = []
+    await transport.fetch(address, VERSION, 0, targets, lengths(size), checksums, arrived.append)
+    assert arrived == list(range(len(targets)))
+    return b"".join(bytes(t[:n]) for t, n in zip(targets, lengths(size)))
+
+
+def test_chunks_arrive_exact_and_connections_are_reused() -> None:
+    data = os.urandom(3 * CHUNK + 1234)
+    checksums = [chunk_checksum(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)]
+
+    async def test(address: str) -> None:
+        transport = TcpTransport(SECRET)
+        for _ in range(3):
+            assert await fetch_all(transport, address, len(data), checksums) == data
+        targets = [memoryview(bytearray(CHUNK)) for _ in range(2)]  # a run in the middle
+        await transport.fetch(address, VERSION, 1, targets, [CHUNK, CHUNK], checksums, lambda index: None)
+        assert bytes(targets[0]) + bytes(targets[1]) == data[CHUNK : 3 * CHUNK]
+        with pytest.raises(StorageError) as raised:  # a version the peer does not hold
+            await transport.fetch(address, VERSION + 1, 0, targets[:1], [CHUNK], [], lambda index: None)
+        assert raised.value.errno == errno.ENOENT
+        assert await fetch_all(transport, address, len(data), checksums) == data  # still in step
+        assert len(transport._idle[address]) == 1  # one connection did all of it, one fetch at a time
+        await transport.aclose()
+
+    server = with_server(data, test)
+    assert server.served_bytes == 4 * len(data) + 2 * CHUNK
+
+
+def test_a_wrong_checksum_is_eio_and_an_unreachable_peer_enoent() -> None:
+    data = os.urandom(CHUNK)
+
+    async def test(address: str) -> None:
+        transport = TcpTransport(SECRET)
+        with pytest.raises(StorageError) as raised:
+            await fetch_all(transport, address, len(data), [12345])
+        assert raised.value.errno == errno.EIO and "checksum" in str(raised.value)
+        listener = trio.socket.socket()
+        await listener.bind(("127.0.0.1", 0))
+        free_port = listener.getsockname()[1]
+        listener.close()  # nothing listens there now
+        with pytest.raises(StorageError) as raised:
+            await fetch_all(transport, f"127.0.0.1:{free_port}", len(data), [])
+        assert raised.value.errno == errno.ENOENT and "unreachable" in str(raised.value)
+        wrong = TcpTransport(b"not-the-secret-at-all")
+        with pytest.raises(StorageError) as raised:
+            await fetch_all(wrong, address, len(data), [])
+        assert raised.value.errno == errno.ENOENT
+
+    server = with_server(data, test)
+    assert server.refused == 1
+
+
+async def _handshaken(address: str) -> trio.SocketStream:
+    from kvfs.cluster.rpc import FrameStream, handshake
+
+    host, port = address.rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    await handshake(FrameStream(stream), SECRET, "node")
+    return stream
+
+
+BAD_FRAMES = [
+    PREFIX.pack(b"KV", 9, FrameKind.REQUEST, 10, 0, 1),  # wrong version
+    PREFIX.pack(b"KV", 1, FrameKind.REQUEST, 1 << 30, 0, 1),  # oversized header
+    PREFIX.pack(b"KV", 1, FrameKind.REQUEST, 1000, 0, 1) + b"\x01" * 10,  # truncated, then closed
+    encode_frame(FrameKind.RESPONSE, 1, FetchChunks(VERSION, 0, 1)),  # a response where a request belongs
+    encode_frame(FrameKind.REQUEST, 1, FetchChunks(VERSION, 0, 99)),  # beyond the file: an error reply
+]
+
+
+@pytest.mark.parametrize("garbage", BAD_FRAMES)
+def test_bad_frames_are_refused_and_the_server_keeps_serving(garbage: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    data = os.urandom(2 * CHUNK)
+    checksums = [chunk_checksum(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)]
+
+    async def test(address: str) -> None:
+        stream = await _handshaken(address)
+        await stream.send_all(garbage)
+        await stream.send_eof()
+        with trio.fail_after(5):  # the server answers with an error or hangs up; it never stalls
+            while await stream.receive_some(65536):
+                pass
+        await stream.aclose()
+        assert await fetch_all(TcpTransport(SECRET), address, len(data), checksums) == data
+
+    with_server(data, test)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(garbage=st.binary(min_size=1, max_size=300), authenticate=st.booleans())
+def test_random_bytes_never_take_the_server_down(garbage: bytes, authenticate: bool) -> None:
+    data = os.urandom(CHUNK)
+
+    async def test(address: str) -> None:
+        if authenticate:
+            stream = await _handshaken(address)
+        else:
+            host, port = address.rsplit(":", 1)
+            stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(garbage)
+        await stream.send_eof()
+        with trio.fail_after(10):
+            try:
+                while await stream.receive_some(65536):
+                    pass
+            except trio.BrokenResourceError:
+                pass
+        await stream.aclose()
+        assert await fetch_all(TcpTransport(SECRET), address, len(data), [chunk_checksum(data)]) == data
+
+    with_server(data, test)
