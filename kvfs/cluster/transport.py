@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 SOCKET_BUFFER = 4 << 20
 CONNECT_TIMEOUT_S = 1.0
+FETCH_TIMEOUT_S = 10.0  # a peer silent this long mid-transfer is treated as gone
 STREAMS_PER_PEER = 4
 
 
@@ -136,18 +137,26 @@ class PeerServer:
 
 
 class _PeerConnection:
-    def __init__(self, stream: trio.SocketStream) -> None:
-        self.stream = stream
-        self.sock = stream.socket
+    """An authenticated connection, used in blocking mode from a worker thread: a blocking
+    recv_into with MSG_WAITALL takes a whole chunk in one system call, where a non-blocking
+    socket in the event loop would wake up for every few hundred KiB."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(True)
+        sock.settimeout(FETCH_TIMEOUT_S)
+        self.sock = sock
         self.prefix = bytearray(PREFIX_SIZE)
 
-    async def receive_exactly(self, target: memoryview) -> None:
+    def receive_exactly(self, target: memoryview) -> None:
         got = 0
         while got < len(target):
-            count = await self.sock.recv_into(target[got:])
+            count = self.sock.recv_into(target[got:], len(target) - got, socket.MSG_WAITALL)
             if count == 0:
                 raise EOFError("the peer closed the connection")
             got += count
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 class TcpTransport:
@@ -176,7 +185,7 @@ class TcpTransport:
             except BaseException:
                 await stream.aclose()
                 raise
-            return _PeerConnection(stream)
+            return _PeerConnection(socket.socket(fileno=stream.socket.detach()))
         raise OSError(errno.ETIMEDOUT, f"connecting to {address} took over {CONNECT_TIMEOUT_S} s")
 
     def _give_back(self, address: str, connection: _PeerConnection) -> None:
@@ -184,7 +193,7 @@ class TcpTransport:
         if len(idle) < self.streams_per_peer:
             idle.append(connection)
         else:
-            trio.lowlevel.spawn_system_task(connection.stream.aclose)
+            connection.close()
 
     async def fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
                     checksums: list[int], on_chunk: Callable[[int], None]) -> None:
@@ -192,14 +201,22 @@ class TcpTransport:
             connection = await self._connect(address)
         except (OSError, AuthError, ProtocolError, EOFError, trio.BrokenResourceError, ValueError) as error:
             raise StorageError(errno.ENOENT, f"version {version}: peer {address} is unreachable ({error})") from None
+        request_id = self._next_id
+        self._next_id += 1
+        token = trio.lowlevel.current_trio_token()
+
+        def arrived(index: int) -> None:
+            trio.from_thread.run_sync(on_chunk, index, trio_token=token)
+
         reusable = False
         try:
-            await self._exchange(connection, address, version, first, targets, lengths, checksums, on_chunk)
+            await trio.to_thread.run_sync(self._exchange, connection, request_id, address, version, first, targets,
+                                          lengths, checksums, arrived)
             reusable = True
         except _RemoteError:
             reusable = True  # the peer answered; the connection is in step
             raise
-        except (OSError, EOFError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
+        except (OSError, EOFError) as error:
             raise StorageError(errno.ENOENT, f"version {version}: lost peer {address} ({error})") from None
         except ProtocolError as error:
             raise StorageError(errno.EIO, f"version {version}: peer {address} sent a bad frame ({error})") from None
@@ -207,23 +224,20 @@ class TcpTransport:
             if reusable:
                 self._give_back(address, connection)
             else:
-                with trio.CancelScope(shield=True):
-                    await connection.stream.aclose()
+                connection.close()
 
-    async def _exchange(self, connection: _PeerConnection, address: str, version: int, first: int,
-                        targets: list[memoryview], lengths: list[int], checksums: list[int],
-                        on_chunk: Callable[[int], None]) -> None:
-        request_id = self._next_id
-        self._next_id += 1
-        await connection.stream.send_all(encode_frame(FrameKind.REQUEST, request_id,
-                                                      FetchChunks(version, first, len(targets))))
+    def _exchange(self, connection: _PeerConnection, request_id: int, address: str, version: int, first: int,
+                  targets: list[memoryview], lengths: list[int], checksums: list[int],
+                  arrived: Callable[[int], None]) -> None:
+        """One fetch, in a worker thread: the request, then a frame per chunk into its target."""
+        connection.sock.sendall(encode_frame(FrameKind.REQUEST, request_id, FetchChunks(version, first, len(targets))))
         prefix_view = memoryview(connection.prefix)
         for offset, (target, length) in enumerate(zip(targets, lengths)):
             index = first + offset
-            await connection.receive_exactly(prefix_view)
+            connection.receive_exactly(prefix_view)
             prefix = parse_prefix(prefix_view)
             header = bytearray(prefix.header_length)
-            await connection.receive_exactly(memoryview(header))
+            connection.receive_exactly(memoryview(header))
             if prefix.request_id != request_id:
                 raise ProtocolError(f"reply to request {prefix.request_id}, expected {request_id}")
             if prefix.kind == FrameKind.ERROR:
@@ -234,16 +248,16 @@ class TcpTransport:
             reply = self._chunks.decode(header)
             if reply.index != index or reply.length != length or prefix.payload_length != length:
                 raise ProtocolError(f"chunk {reply.index} of {reply.length} bytes, expected chunk {index} of {length}")
-            await connection.receive_exactly(target[:length])
+            connection.receive_exactly(target[:length])
             if index < len(checksums) and chunk_checksum(target[:length]) != checksums[index]:
                 raise StorageError(errno.EIO, f"version {version} chunk {index} from {address} fails its checksum")
             self.fetched_bytes += length
-            on_chunk(index)
+            arrived(index)
 
     async def aclose(self) -> None:
         for connections in self._idle.values():
             for connection in connections:
-                await connection.stream.aclose()
+                connection.close()
         self._idle.clear()
 
 

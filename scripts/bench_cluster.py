@@ -1,0 +1,183 @@
+"""Benchmark cross-node reads against raw Python TCP on loopback, side by side in one run.
+
+Starts `kvfs master` and two `kvfs node` processes (A and B) on loopback. For each
+file size, files are written through A's mount; B reads them cold (its page cache
+dropped, so the bytes come from A's DRAM over TCP) with vLLM's load pattern (open,
+one read of the whole file, close). The baseline moves the same bytes, in the
+same per-file requests, from a Python sender process to a receiver that reads
+them with recv_into into a preallocated buffer: the best a Python TCP transfer
+does here. Also measured: distinct absent-name lookups per second through B's
+mount (the master answering from another process), next to the same lookups on a
+single-node mount with its embedded master. Rounds interleave the two transfers;
+the table shows medians.
+
+Usage (as root): python scripts/bench_cluster.py [--sizes 2,32] [--total 512M] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing import Process
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import drop_page_cache, lookups_per_second, prepare_machine, start_daemon, store_files  # noqa: E402
+from kvfs.config import parse_size  # noqa: E402
+
+MiB = 1 << 20
+REPO = Path(__file__).resolve().parent.parent
+MOONCAKE_TCP_GBS = 0.7  # Mooncake Store's remote get over TCP on this machine (../shared/ANCHORS.md)
+SECRET = "kvfs-benchmark-secret-0123456789"
+
+
+def raw_sender(port_holder: int, size: int) -> None:
+    """Serves `size`-byte replies to 8-byte requests, from one preallocated buffer."""
+    payload = memoryview(mmap.mmap(-1, size))
+    listener = socket.create_server(("127.0.0.1", port_holder))
+    connection, _ = listener.accept()
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    request = bytearray(8)
+    while True:
+        got = connection.recv_into(request)
+        if got == 0:
+            return
+        connection.sendall(payload)
+
+
+def raw_tcp(size: int, count: int) -> float:
+    """GB/s of `count` request/reply transfers of `size` bytes received with recv_into."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    sender = Process(target=raw_sender, args=(port, size), daemon=True)
+    sender.start()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client = socket.create_connection(("127.0.0.1", port))
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    target = memoryview(mmap.mmap(-1, size))
+    start = time.perf_counter()
+    for _ in range(count):
+        client.sendall(b"\0" * 8)
+        got = 0
+        while got < size:
+            got += client.recv_into(target[got:])
+    elapsed = time.perf_counter() - start
+    client.close()
+    sender.join(timeout=10)
+    return count * size / elapsed / 1e9
+
+
+def cold_load(root: Path, prefix: str, count: int, buffer: mmap.mmap) -> float:
+    drop_page_cache()
+    start = time.perf_counter()
+    for i in range(count):
+        fd = os.open(root / f"{prefix}{i}.bin", os.O_RDONLY)
+        got = os.readv(fd, [buffer])
+        os.close(fd)
+        assert got == len(buffer), f"short read: {got}"
+    return count * len(buffer) / (time.perf_counter() - start) / 1e9
+
+
+def start_master(base: Path) -> tuple[subprocess.Popen, str]:
+    log_path = base / "master.log"
+    log = open(log_path, "wb")
+    process = subprocess.Popen([sys.executable, "-m", "kvfs", "master", "--listen", "127.0.0.1:0", "--data",
+                                str(base / "master-data"), "--log-level", "info"], stdout=log,
+                               stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "KVFS_SECRET": SECRET})
+    deadline = time.monotonic() + 30
+    while not (found := re.search(r"master listening on (\S+)", log_path.read_text())):
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the master did not start; see {log_path}")
+        time.sleep(0.05)
+    return process, found.group(1)
+
+
+def node_command(name: str, master: str, mountpoint: Path, dram: str) -> list[str]:
+    return [sys.executable, "-m", "kvfs", "node", "--master", master, "--mount", str(mountpoint), "--name", name,
+            "-f", "--dram", dram, "--log-level", "warning"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="2,32", help="file sizes in MiB, comma-separated")
+    parser.add_argument("--total", default="512M", help="bytes per size and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dram", default="2G", help="each node's DRAM tier")
+    parser.add_argument("--lookups", type=int, default=20000, help="distinct absent names per round")
+    args = parser.parse_args()
+    prepare_machine()
+    os.environ["KVFS_SECRET"] = SECRET
+    sizes = [int(s) * MiB for s in args.sizes.split(",")]
+    total = parse_size(args.total)
+    results: dict[str, list[float]] = {}
+
+    def record(metric: str, value: float) -> None:
+        results.setdefault(metric, []).append(value)
+
+    with tempfile.TemporaryDirectory(prefix="kvfs-bench-cluster-") as scratch:
+        base = Path(scratch)
+        master, address = start_master(base)
+        processes = [master]
+        try:
+            a = start_daemon("node-a", node_command("a", address, base / "a", args.dram), base / "a")
+            b = start_daemon("node-b", node_command("b", address, base / "b", args.dram), base / "b")
+            single = start_daemon("single", [sys.executable, "-m", "kvfs", "mount", str(base / "single"), "-f",
+                                             "--dram", "256M", "--log-level", "warning"], base / "single")
+            processes += [a.process, b.process, single.process]
+            for round_ in range(args.rounds):
+                print(f"round {round_ + 1}/{args.rounds}", file=sys.stderr, flush=True)
+                for size in sizes:
+                    count = max(4, total // size)
+                    label = f"{size // MiB}MiB"
+                    buffer = mmap.mmap(-1, size)
+                    buffer.write(os.urandom(size))
+                    prefix = f"r{round_}-{label}-"
+                    store_files(a.path, prefix, count, buffer)
+                    record(f"raw TCP {label}", raw_tcp(size, count))
+                    record(f"cross-node {label}", cold_load(b.path, prefix, count, buffer))
+                    for i in range(count):
+                        os.unlink(a.path / f"{prefix}{i}.bin")
+                for name, target in (("node", b), ("single", single)):
+                    misses = [target.path / f"{round_}-{i:062x}.miss" for i in range(args.lookups)]
+                    record(f"absent lookups/s {name}", lookups_per_second(misses, 1))
+        finally:
+            for process in reversed(processes):
+                if process is not None:
+                    process.terminate()
+                    process.wait(timeout=60)
+    report(results, sizes)
+
+
+def report(results: dict[str, list[float]], sizes: list[int]) -> None:
+    print(f"{'transfer':<12}{'raw TCP GB/s':>14}{'kvfs B<-A GB/s':>16}{'kvfs/raw':>10}{'kvfs/Mooncake':>15}")
+    for size in sizes:
+        label = f"{size // MiB}MiB"
+        raw, kvfs = statistics.median(results[f"raw TCP {label}"]), statistics.median(results[f"cross-node {label}"])
+        print(f"{label:<12}{raw:>14.2f}{kvfs:>16.2f}{kvfs / raw:>10.2f}{kvfs / MOONCAKE_TCP_GBS:>15.2f}")
+    node, single = (statistics.median(results[f"absent lookups/s {n}"]) for n in ("node", "single"))
+    print()
+    print(f"absent lookups/s: cluster node {node:,.0f} (master in another process), "
+          f"single-node mount {single:,.0f}, ratio {node / single:.2f}")
+    print(f"targets: kvfs/raw >= 0.70, kvfs/Mooncake >= 1.5 (Mooncake TCP = {MOONCAKE_TCP_GBS} GB/s, "
+          "measured here earlier), absent lookups >= 20000/s")
+
+
+if __name__ == "__main__":
+    main()
