@@ -22,6 +22,7 @@ from typing import Callable, Iterable
 from kvfs.checksum import format_checksum
 from kvfs.clock import Clock
 from kvfs.cluster import messages as m
+from kvfs.cluster.dircache import DirectoryCache
 from kvfs.cluster.embedded import MasterClient
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.cluster.rpc import MasterUnavailable
@@ -69,6 +70,7 @@ class NodeStats:
 
 
 DIR_ATTR_CACHE = 65536
+DIRECTORY_CACHE_NAMES = 2_000_000  # names of watched directories kept per node (~100 B each)
 REPORT_BATCH = 2000  # versions per registration report
 HEARTBEAT_S = 0.5
 REMOTE_STREAMS = 2  # parallel chunk runs per remote file
@@ -87,6 +89,9 @@ class Node:
         self.node_id = node_id
         self.forget_entries = forget_entries  # tells the kernel that names were removed behind its back
         self.transport = transport  # chunk fetches from other nodes (cluster mode)
+        # Copies of directories' names, for misses without the master (cluster mode).
+        self.dircache = DirectoryCache(DIRECTORY_CACHE_NAMES) if transport is not None else None
+        self._fetching: dict[int, list[tuple[int, bytes, bool]]] = {}
         self._writing: dict[int, WriteState] = {}
         self._cached_version: dict[int, int] = {}  # ino -> version the kernel page cache holds
         # Files stored here, for reads while the master is unreachable: ino -> (version, last attributes).
@@ -113,8 +118,12 @@ class Node:
         return attr
 
     async def lookup(self, parent: int, name: bytes) -> m.Attr | None:
+        if self.dircache is not None and self.dircache.absent(parent, name):
+            return None
         attr = (await self.master.call(m.Lookup(parent, name))).attr
         if attr is None:
+            if self.dircache is not None and self.dircache.missed(parent):
+                await self._copy_directory(parent)
             return None
         self._remember_dir(attr)
         return self._current(attr)
@@ -136,6 +145,41 @@ class Node:
         if ino in self._local and self._local[ino][0] == attr.version:
             self._local[ino] = (attr.version, attr)
         return self._current(attr)
+
+    async def _copy_directory(self, ino: int) -> None:
+        """Fetches a directory's names and watches it (see kvfs.cluster.dircache). Changes
+        pushed while the answer is on its way are applied after it."""
+        assert self.dircache is not None
+        if ino in self._fetching:
+            return
+        self._fetching[ino] = pending = []
+        try:
+            names = await self.master.call(m.WatchNames(ino, self.dircache.max_names), wait_s=0)
+            if not names.complete:
+                self.dircache.too_large(ino)
+                return
+            unwatch = self.dircache.store(ino, names.names)
+            for parent, name, added in pending:
+                (self.dircache.added if added else self.dircache.removed)(parent, name)
+            if unwatch:
+                await self.master.call(m.Unwatch(unwatch), wait_s=0)
+        except KvfsError as error:
+            log.debug("cannot copy the names of directory %d: %s", ino, error)
+        finally:
+            del self._fetching[ino]
+
+    def names_changed(self, changes: m.NameChanges) -> None:
+        """Name changes the master pushes for watched directories."""
+        if self.dircache is None:
+            return
+        for parent, name, added in changes.changes:
+            pending = self._fetching.get(parent)
+            if pending is not None:
+                pending.append((parent, name, added))
+            elif added:
+                self.dircache.added(parent, name)
+            else:
+                self.dircache.removed(parent, name)
 
     def _remember_dir(self, attr: m.Attr) -> None:
         if stat.S_ISDIR(attr.mode):
@@ -464,6 +508,9 @@ class Node:
         handle, so that the master keeps exactly the files that still exist (after a node
         or a master restart alike); what it answers to drop is freed."""
         started = time.monotonic()
+        if self.dircache is not None:  # pushes may have been missed while disconnected
+            self.dircache.clear()
+            self._fetching.clear()
         self.node_id = (await master.call(m.Register(name, address))).node
         held = self._held()
         opens = [(version, writer, count) for (version, writer), count in self._opens.items()]
@@ -568,6 +615,9 @@ class Node:
         stats.update(dram_capacity=self.store.dram.capacity, dram_used=self.store.dram.used,
                      evicted_files=self.evicted_files, read_buffer_misses=self.store.read_buffers.misses,
                      node=self.node_id, remote_reads=self.remote_reads, degraded_reads=self.degraded_reads)
+        if self.dircache is not None:
+            stats.update(cached_directories=len(self.dircache), cached_names=self.dircache.total,
+                         misses_answered_locally=self.dircache.answered)
         if self.transport is not None:
             stats.update(fetched_bytes=self.transport.fetched_bytes)
         if self.store.ssd is not None:

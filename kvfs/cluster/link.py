@@ -30,11 +30,12 @@ class MasterLink:
     through: the node registers and reports what it holds."""
 
     def __init__(self, address: str, secret: bytes, join: Callable[[RemoteMaster], Awaitable[None]],
-                 wait_s: float = 10.0) -> None:
+                 wait_s: float = 10.0, on_notify: Callable[[m.NameChanges], None] | None = None) -> None:
         self.host, self.port = split_address(address)
         self.address = address
         self.secret = secret
         self.join = join
+        self.on_notify = on_notify
         self.wait_s = wait_s
         self._remote: RemoteMaster | None = None
         self._up = trio.Event()
@@ -51,7 +52,8 @@ class MasterLink:
         async with trio.open_nursery() as nursery:
             while True:
                 try:
-                    remote = await RemoteMaster.connect(self.host, self.port, self.secret, nursery, role="node")
+                    remote = await RemoteMaster.connect(self.host, self.port, self.secret, nursery, role="node",
+                                                        on_notify=self.on_notify)
                     await self.join(remote)
                 except (OSError, EOFError, trio.BrokenResourceError, MasterUnavailable) as error:
                     if delay >= RECONNECT_MAX_S or not started:

@@ -85,7 +85,10 @@ class MetadataService:
             m.FinishRegistration: self._finish_registration,
             m.Heartbeat: self._heartbeat,
             m.ClusterStatus: self._cluster_status,
+            m.WatchNames: self._watch_names,
+            m.Unwatch: self._unwatch,
         }
+        self.notify: set[int] = set()  # nodes with name changes to push
 
     def handle(self, request: m.Request, caller: int = LOCAL_NODE) -> Any:
         """Answers one request from node `caller`; raises MetadataError with the errno it should see.
@@ -132,6 +135,13 @@ class MetadataService:
                 if node is not None and version.node != self._caller and (node.live or node.registering):
                     node.outbox_dropped.append(version.version)
             log.clear()
+        if self.ns.changes:
+            for watchers, parent, name, added in self.ns.changes:
+                for node in self.registry.nodes.values():
+                    if watchers & (1 << node.node_id) and (node.live or node.registering):
+                        node.outbox_names.append((parent, name, added))
+                        self.notify.add(node.node_id)
+            self.ns.changes.clear()
         if self._removed_names:
             for node in self.registry.nodes.values():
                 if node.live and node.node_id != self._caller:
@@ -713,13 +723,37 @@ class MetadataService:
                 for _ in range(count):
                     self.objects.release(version, writer, dropped)
         bit = 1 << node.node_id
+        node.outbox_names = []
         for inode in list(self.ns.inodes.values()):
+            inode.watchers &= ~bit
             if inode.refs & bit and inode.ino != ROOT_INO:
                 inode.refs &= ~bit
                 self.ns.collect(inode)
         if forget_dram:
             self._forget_versions([version for version in self.objects.versions.values()
                                    if version.node == node.node_id and (not version.on_disk or not version.sealed)])
+
+    def _watch_names(self, req: m.WatchNames) -> m.Names:
+        directory = self.ns.directory(req.ino)
+        names = directory.children  # every name, hidden files too: a copy only answers misses
+        if len(names) > req.limit:  # type: ignore[arg-type]
+            return m.Names([], False)
+        directory.watchers |= 1 << self._caller
+        return m.Names(list(names), True)  # type: ignore[arg-type]
+
+    def _unwatch(self, req: m.Unwatch) -> m.Done:
+        for ino in req.inos:
+            inode = self.ns.inodes.get(ino)
+            if inode is not None:
+                inode.watchers &= ~(1 << self._caller)
+        return m.Done()
+
+    def take_notifications(self, node_id: int) -> list[tuple[int, bytes, bool]]:
+        node = self.registry.nodes.get(node_id)
+        if node is None:
+            return []
+        changes, node.outbox_names = node.outbox_names, []
+        return changes
 
     def _cluster_status(self, req: m.ClusterStatus) -> m.ClusterInfo:
         now = self.clock.monotonic()

@@ -52,7 +52,7 @@ class MasterProcess:
         files = self.state.load(self.service)
         log.info("loaded %d files, %d nodes from %s in %.2f s", files, len(self.service.registry.nodes),
                  config.data_dir, time.monotonic() - started)
-        self.server = MetadataServer(self.handle, config.secret)
+        self.server = MetadataServer(self.handle, config.secret, self.service)
 
     def handle(self, request: m.Request, caller: int) -> Any:
         try:

@@ -265,6 +265,18 @@ class ClusterStatus(Request):
     pass
 
 
+class WatchNames(Request):
+    """The directory's complete name set, and from now on a push of each name added or
+    removed there (unless it holds more than `limit` names: then nothing)."""
+
+    ino: int
+    limit: int
+
+
+class Unwatch(Request):
+    inos: list[int]
+
+
 # Responses --------------------------------------------------------------------------
 
 
@@ -345,6 +357,17 @@ class Beat(msgspec.Struct):
     forget: list[tuple[int, bytes]]  # names its kernel may still cache
 
 
+class Names(msgspec.Struct):
+    names: list[bytes]
+    complete: bool  # False: the directory is larger than asked for, and is not watched
+
+
+class NameChanges(msgspec.Struct):
+    """Pushed to nodes watching directories: (directory, name, added) in order."""
+
+    changes: list[tuple[int, bytes, bool]]
+
+
 class NodeStatus(msgspec.Struct):
     node: int
     name: str
@@ -375,5 +398,5 @@ RESPONSE_TYPES: dict[type, type] = {
     Seal: Attr, GetXattr: XattrValue, SetXattr: Done, ListXattr: XattrNames, RemoveXattr: Done,
     GetVersion: VersionInfo, Reclaim: Removed, Offloaded: Done, GetRecord: FileRecord, Lost: Removed,
     Restore: Restored, CollectOrphans: Removed, Stats: MasterStats, Register: Registered, Report: Reported,
-    FinishRegistration: Done, Heartbeat: Beat, ClusterStatus: ClusterInfo,
+    FinishRegistration: Done, Heartbeat: Beat, ClusterStatus: ClusterInfo, WatchNames: Names, Unwatch: Done,
 }

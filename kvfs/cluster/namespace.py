@@ -30,6 +30,7 @@ class Inode:
     version: int = 0  # the file's current version
     entry_id: int = 0  # position in its parent's listing
     refs: int = 0  # bit n set: node n's kernel holds a lookup reference
+    watchers: int = 0  # bit n set: node n keeps a copy of this directory's names
 
     @property
     def referenced(self) -> bool:
@@ -63,6 +64,8 @@ class Namespace:
         self.files = 0
         # Inodes whose persistent fields changed since the owner last saved them.
         self.dirty: set[int] = {ROOT_INO}
+        # Entries added or removed in watched directories: (watchers, directory, name, added).
+        self.changes: list[tuple[int, int, bytes, bool]] = []
 
     def get(self, ino: int) -> Inode:
         inode = self.inodes.get(ino)
@@ -108,6 +111,8 @@ class Namespace:
         inode.parent, inode.name = parent.ino, name
         parent.mtime_ns = parent.ctime_ns = now_ns
         self.dirty.update((parent.ino, inode.ino))
+        if parent.watchers:
+            self.changes.append((parent.watchers, parent.ino, name, True))
 
     def unlink(self, inode: Inode, now_ns: int) -> None:
         """Removes the inode's entry; the inode goes too unless the kernel still references it."""
@@ -119,6 +124,8 @@ class Namespace:
         parent = self.inodes[inode.parent]
         del parent.children[inode.name]  # type: ignore[union-attr]
         parent.mtime_ns = parent.ctime_ns = now_ns
+        if parent.watchers:
+            self.changes.append((parent.watchers, parent.ino, inode.name, False))
         inode.parent = 0
         inode.ctime_ns = now_ns
         self.dirty.update((parent.ino, inode.ino))

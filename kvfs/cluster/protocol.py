@@ -34,6 +34,7 @@ class FrameKind(enum.IntEnum):
     REQUEST = 2
     RESPONSE = 3
     ERROR = 4
+    NOTIFY = 5  # pushed by the master, unasked (request id 0)
 
 
 class ProtocolError(Exception):

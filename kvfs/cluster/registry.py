@@ -35,6 +35,7 @@ class NodeRecord:
     reported: set[int] = field(default_factory=set)  # versions reported during registration
     outbox_dropped: list[int] = field(default_factory=list)  # versions it must free
     outbox_forget: list[tuple[int, bytes]] = field(default_factory=list)  # names its kernel must forget
+    outbox_names: list[tuple[int, bytes, bool]] = field(default_factory=list)  # changes in watched directories
     deaths: int = 0
 
 
@@ -65,7 +66,7 @@ class Registry:
         self.dirty = True
         node.registering, node.live, node.last_seen = True, False, now
         node.reported = set()
-        node.outbox_dropped, node.outbox_forget = [], []
+        node.outbox_dropped, node.outbox_forget, node.outbox_names = [], [], []
         return node
 
     def load(self, records: list[tuple[int, str, str]]) -> None:

@@ -13,7 +13,7 @@ import errno
 import logging
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import trio
 
@@ -79,17 +79,52 @@ async def handshake(frames: FrameStream, secret: bytes, role: str) -> str:
     return hello.role
 
 
+class Notifier(Protocol):
+    """Name changes waiting to be pushed to nodes (the metadata service)."""
+
+    notify: set[int]  # nodes with changes waiting
+
+    def take_notifications(self, node_id: int) -> list[tuple[int, bytes, bool]]:
+        """The node's waiting changes, which are then no longer waiting."""
+
+
 class MetadataServer:
-    """Serves metadata requests to authenticated nodes and clients.
+    """Serves metadata requests to authenticated nodes and clients, and pushes name
+    changes to the nodes that watch directories.
 
     `handle(request, caller)` answers one request; `caller` is the node id that
     registered on this connection (0 for a client that did not register)."""
 
-    def __init__(self, handle: Callable[[m.Request, int], Any], secret: bytes) -> None:
+    def __init__(self, handle: Callable[[m.Request, int], Any], secret: bytes, notifier: Notifier | None = None) -> None:
         self.handle = handle
         self.secret = secret
+        self.notifier = notifier
         self._requests = HeaderDecoder(_ANY_REQUEST)
+        self._wake: dict[int, trio.Event] = {}  # node -> its pusher's wake-up
         self.refused = 0
+
+    def wake_pushers(self) -> None:
+        """Lets the connections of nodes with waiting name changes push them."""
+        if self.notifier is None or not self.notifier.notify:
+            return
+        for node in self.notifier.notify:
+            event = self._wake.get(node)
+            if event is not None:
+                event.set()
+        self.notifier.notify.clear()
+
+    async def _push_forever(self, frames: FrameStream, send_lock: trio.Lock, node: int) -> None:
+        assert self.notifier is not None
+        while True:
+            event = self._wake[node] = trio.Event()
+            await event.wait()
+            changes = self.notifier.take_notifications(node)
+            if changes:
+                try:
+                    async with send_lock:
+                        await frames.send(FrameKind.NOTIFY, 0, m.NameChanges(changes))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return  # the request loop sees the connection go, too
 
     async def serve(self, host: str, port: int, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(port, host=host)
@@ -110,25 +145,43 @@ class MetadataServer:
                 log.warning("refused connection from %s: %s", peer, error or type(error).__name__)
                 return
             log.info("%s connected from %s", role, peer)
-            caller = 0
             try:
-                while True:
-                    prefix, header, payload = await frames.receive()
-                    if prefix.kind != FrameKind.REQUEST or payload:
-                        raise ProtocolError(f"unexpected {prefix.kind.name} frame with {len(payload)} payload bytes")
-                    request = self._requests.decode(header)
-                    try:
-                        response = self.handle(request, caller)
-                        if isinstance(response, m.Registered):  # this connection now speaks for that node
-                            caller = response.node
-                            log.info("%s at %s registered as node %d", role, peer, caller)
-                        await frames.send(FrameKind.RESPONSE, prefix.request_id, response)
-                    except KvfsError as error:
-                        await frames.send(FrameKind.ERROR, prefix.request_id, ErrorReply(error.errno, str(error)))
-            except ProtocolError as error:
-                log.warning("closing connection from %s: %s", peer, error)
-            except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
-                log.info("%s at %s disconnected", role, peer)
+                async with trio.open_nursery() as nursery:  # the request loop and, once registered, the pusher
+                    await self._requests_until_closed(frames, nursery, role, peer)
+                    nursery.cancel_scope.cancel()
+            except Exception:  # never let one connection take the server down
+                log.exception("connection from %s failed", peer)
+
+    async def _requests_until_closed(self, frames: FrameStream, nursery: trio.Nursery, role: str, peer: Any) -> None:
+        caller = 0
+        send_lock = trio.Lock()
+        try:
+            while True:
+                prefix, header, payload = await frames.receive()
+                if prefix.kind != FrameKind.REQUEST or payload:
+                    raise ProtocolError(f"unexpected {prefix.kind.name} frame with {len(payload)} payload bytes")
+                request = self._requests.decode(header)
+                try:
+                    response = self.handle(request, caller)
+                    if isinstance(response, m.Registered):  # this connection now speaks for that node
+                        caller = response.node
+                        log.info("%s at %s registered as node %d", role, peer, caller)
+                        if self.notifier is not None:
+                            self._wake[caller] = trio.Event()
+                            nursery.start_soon(self._push_forever, frames, send_lock, caller)
+                    reply: tuple[FrameKind, Any] = (FrameKind.RESPONSE, response)
+                except KvfsError as error:
+                    reply = (FrameKind.ERROR, ErrorReply(error.errno, str(error)))
+                except Exception as error:  # a bug answers EIO; the master keeps serving everyone
+                    log.exception("%s from %s failed", type(request).__name__, peer)
+                    reply = (FrameKind.ERROR, ErrorReply(errno.EIO, f"{type(request).__name__} failed: {error!r}"))
+                self.wake_pushers()
+                async with send_lock:
+                    await frames.send(reply[0], prefix.request_id, reply[1])
+        except ProtocolError as error:
+            log.warning("closing connection from %s: %s", peer, error)
+        except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
+            log.info("%s at %s disconnected", role, peer)
 
 
 class MasterUnavailable(MetadataError):
@@ -150,8 +203,11 @@ class RemoteMaster:
     """A `MasterClient` for a master in another process: requests are pipelined on one
     connection and matched to their responses by id by a receiver task."""
 
-    def __init__(self, frames: FrameStream) -> None:
+    def __init__(self, frames: FrameStream,
+                 on_notify: Callable[[m.NameChanges], None] | None = None) -> None:
         self._frames = frames
+        self._on_notify = on_notify
+        self._notifications = HeaderDecoder(m.NameChanges)
         self._send_lock = trio.Lock()
         self._next_id = 1
         self._pending: dict[int, _Pending] = {}
@@ -161,8 +217,8 @@ class RemoteMaster:
         self.closed = trio.Event()
 
     @classmethod
-    async def connect(cls, host: str, port: int, secret: bytes, nursery: trio.Nursery,
-                      role: str = "node") -> "RemoteMaster":
+    async def connect(cls, host: str, port: int, secret: bytes, nursery: trio.Nursery, role: str = "node",
+                      on_notify: Callable[[m.NameChanges], None] | None = None) -> "RemoteMaster":
         """Connects, authenticates, and starts the receiver task in `nursery`."""
         stream = await trio.open_tcp_stream(host, port)
         frames = FrameStream(stream)
@@ -171,7 +227,7 @@ class RemoteMaster:
         except BaseException:
             await stream.aclose()
             raise
-        master = cls(frames)
+        master = cls(frames, on_notify)
         nursery.start_soon(master._receive_forever)
         return master
 
@@ -179,6 +235,11 @@ class RemoteMaster:
         try:
             while True:
                 prefix, header, _ = await self._frames.receive()
+                if prefix.kind == FrameKind.NOTIFY:
+                    changes = self._notifications.decode(header)
+                    if self._on_notify is not None:
+                        self._on_notify(changes)
+                    continue
                 pending = self._pending.pop(prefix.request_id, None)
                 if pending is None:
                     raise ProtocolError(f"response to unknown request {prefix.request_id}")

@@ -121,6 +121,8 @@ class PeerServer:
                 log.warning("closing peer connection from %s: %s", peer, error)
             except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
+            except Exception:  # never let one connection take the server down
+                log.exception("peer connection from %s failed", peer)
 
     async def _fetch(self, stream: trio.SocketStream, request_id: int, request: FetchChunks) -> None:
         async def send(index: int, data: memoryview | bytes) -> None:

@@ -198,7 +198,7 @@ class Daemon:
         name = config.node_name or f"{socket.gethostname()}:{config.mountpoint}"
         self.node.adopt_disk()
         self.link = MasterLink(config.master, config.secret, lambda remote: self.node.join(remote, name, address),
-                               config.master_wait_s)
+                               config.master_wait_s, on_notify=self.node.names_changed)
         self.node.master = self.link
         log.info("peer server on %s; joining master %s as %r", address, config.master, name)
         await nursery.start(self.link.run)
