@@ -17,7 +17,7 @@ import os
 import stat
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable
+from typing import Awaitable, Callable, Iterable
 
 from kvfs.checksum import format_checksum
 from kvfs.clock import Clock
@@ -81,7 +81,8 @@ class Node:
 
     def __init__(self, master: MasterClient, store: TieredStore, clock: Clock, node_id: int = 1,
                  forget_entries: Callable[[list[tuple[int, bytes]]], None] = lambda entries: None,
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | None = None,
+                 invalidate_attrs: Callable[[int], Awaitable[None]] | None = None) -> None:
         self.master = master
         self.store = store
         store.owner = self
@@ -89,6 +90,10 @@ class Node:
         self.node_id = node_id
         self.forget_entries = forget_entries  # tells the kernel that names were removed behind its back
         self.transport = transport  # chunk fetches from other nodes (cluster mode)
+        # Cluster mode: a file written on another node may be cached by this kernel with the
+        # attributes (size) of an older version; opening a newer one drops them first.
+        self.invalidate_attrs = invalidate_attrs
+        self._kernel_versions: dict[int, tuple[int, int]] = {}  # ino -> (version, size) the kernel was told
         # Copies of directories' names, for misses without the master (cluster mode).
         self.dircache = DirectoryCache(DIRECTORY_CACHE_NAMES) if transport is not None else None
         self._fetching: dict[int, list[tuple[int, bytes, bool]]] = {}
@@ -111,10 +116,13 @@ class Node:
     # Attributes --------------------------------------------------------------------------
 
     def _current(self, attr: m.Attr) -> m.Attr:
-        """Overlays what only this node knows: the size of a version it is writing."""
+        """Overlays what only this node knows: the size of a version it is writing. (Every
+        attribute handed to the kernel passes here: it remembers which version they show.)"""
         state = self._writing.get(attr.version)
         if state is not None:
             attr.size, attr.mtime_ns = state.size, state.mtime_ns
+        if self.invalidate_attrs is not None and attr.version:
+            self._kernel_versions[attr.ino] = (attr.version, attr.size)
         return attr
 
     async def lookup(self, parent: int, name: bytes) -> m.Attr | None:
@@ -248,6 +256,7 @@ class Node:
     async def forget(self, inos: list[int]) -> None:
         for ino in inos:
             self._cached_version.pop(ino, None)
+            self._kernel_versions.pop(ino, None)
         await self.master.call(m.Forget(inos))
 
     # Files ---------------------------------------------------------------------------------
@@ -271,6 +280,10 @@ class Node:
                 raise
             self._count_open(opened.version, False, 1)
             handle = OpenFile(ino, opened.version, False, opened.attr.size, source)
+            shown = (opened.version, opened.attr.size)
+            if self.invalidate_attrs is not None and self._kernel_versions.get(ino, shown) != shown:
+                await self.invalidate_attrs(ino)  # the kernel re-reads the size before reading
+                self._kernel_versions[ino] = shown
             if opened.attr.sealed and not opened.node:
                 self._remember_local(ino, opened.version, opened.attr)
             keep_cache = opened.attr.sealed and self._cached_version.get(ino) == opened.version

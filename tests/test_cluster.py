@@ -382,3 +382,23 @@ def test_status_and_config_file(cluster: Cluster, tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "kvfs", "node", "--config", str(bad), "--mount", str(tmp_path / "x")],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 1 and "has no setting 'dramm'" in result.stderr
+
+
+def test_misses_are_answered_on_the_node_and_new_names_still_appear(cluster: Cluster) -> None:
+    writer, reader = cluster.add_node("64M"), cluster.add_node("64M")
+    (writer.path / "keys").mkdir()
+    directory = reader.path / "keys"
+    for i in range(200):  # misses: after the first ones the node keeps the directory's names
+        assert not os.access(directory / f"absent-{i}", os.F_OK)
+    answered = stats(reader)["misses_answered_locally"]
+    assert answered >= 150 and stats(reader)["cached_directories"] >= 1
+    for i in range(20):  # names created on another node are pushed into the copy
+        (writer.path / "keys" / f"k{i}.bin").write_bytes(b"v" * i)
+        wait_until(lambda: is_stored(directory / f"k{i}.bin"), timeout=5, what=f"k{i}.bin on the reader")
+        assert (directory / f"k{i}.bin").read_bytes() == b"v" * i
+    os.unlink(writer.path / "keys" / "k3.bin")
+    os.rename(writer.path / "keys" / "k4.bin", writer.path / "keys" / "k4-moved.bin")
+    wait_until(lambda: not is_stored(directory / "k3.bin") and is_stored(directory / "k4-moved.bin"),
+               timeout=5, what="the unlink and the rename on the reader")
+    assert sorted(os.listdir(directory)) == sorted([f"k{i}.bin" for i in range(20) if i not in (3, 4)] + ["k4-moved.bin"])
+    assert stats(reader)["misses_answered_locally"] > answered

@@ -109,3 +109,16 @@ def test_extending_an_empty_version_then_sealing_gives_zeros() -> None:
     dram.truncate(1, CHUNK + 5)  # growing needs no storage
     assert dram.seal(1, CHUNK + 5) == [xxhash.xxh3_64_intdigest(bytes(CHUNK)), xxhash.xxh3_64_intdigest(bytes(5))]
     assert bytes(dram.read(1, 0, CHUNK + 5)) == bytes(CHUNK + 5)
+
+
+def test_small_files_pack_together_and_leave_whole_chunks_for_writers() -> None:
+    dram = tier(8 * MiB)  # 8 chunks
+    for version in range(1, 201):  # far more small files than chunks
+        dram.create(version)
+        dram.write(version, 0, bytes([version % 256]) * (version * 37))
+        dram.seal(version, version * 37)
+    assert dram.used <= 8 * MiB - 2 * CHUNK  # they fit in a few chunks
+    for version in range(1, 201):
+        assert bytes(dram.read(version, 0, version * 37)) == bytes([version % 256]) * (version * 37)
+    dram.create(999)
+    dram.write(999, 0, b"x" * CHUNK)  # a writer still gets a whole chunk

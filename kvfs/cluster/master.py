@@ -24,6 +24,7 @@ from kvfs.policy import EvictionPolicy
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 65536
 USER_XATTR_PREFIX = b"user."
+RECLAIM_MAX_FILES = 16  # files evicted per reclaim request
 
 
 @dataclass(frozen=True)
@@ -505,7 +506,9 @@ class MetadataService:
         victims: list[Inode] = []
         freed = 0
         for ino in self.policy.candidates():
-            if freed >= req.nbytes:
+            # Bytes of small files free less than their sum (blocks are powers of two, and
+            # a writer needs a whole chunk): a few at a time; the node asks again if needed.
+            if freed >= req.nbytes or len(victims) >= RECLAIM_MAX_FILES:
                 break
             inode = self.ns.inodes.get(ino)
             version = self._evictable(inode, req.node, req.tier)

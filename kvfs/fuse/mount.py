@@ -137,7 +137,8 @@ class Daemon:
         self.store = TieredStore(self.dram, ssd, tier_settings, read_buffers)
         transport = TcpTransport(config.secret) if config.master is not None else None
         self.node = Node(EmbeddedMaster(self.service), self.store, clock, forget_entries=self._forget_entries,
-                         transport=transport)
+                         transport=transport,
+                         invalidate_attrs=self._invalidate_attrs if config.master is not None else None)
         self.operations = KvfsOperations(self.node, config)
         self.link: MasterLink | None = None
         self._mounted = False
@@ -148,6 +149,11 @@ class Daemon:
         # dentries, from pyfuse3's invalidation thread (never inside a handler).
         for parent, name in entries:
             pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+
+    @staticmethod
+    async def _invalidate_attrs(ino: int) -> None:
+        # From a thread: the notification is a write to /dev/fuse that must not block the loop.
+        await trio.to_thread.run_sync(lambda: pyfuse3.invalidate_inode(ino, attr_only=True))
 
     def run(self, on_ready: Callable[[], None] = lambda: None) -> None:
         prepare_mountpoint(self.config.mountpoint)

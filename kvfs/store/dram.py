@@ -152,9 +152,24 @@ class DramTier:
             if extent.filled < length:
                 self.arena.zero(extent.offset + extent.filled, length - extent.filled)
                 extent.filled = length
-            self.arena.shrink(extent.offset, length)
+            self._compact(extent, length)
             checksums.append(chunk_checksum(self.arena.view[extent.offset : extent.offset + length]))
         return checksums
+
+    def _compact(self, extent: Extent, length: int) -> None:
+        """Gives a sealed chunk the smallest block that holds it. A short chunk moves into
+        the free space that earlier short chunks left (so that small files pack together
+        and whole chunks stay free for writers, who always take a whole chunk); if there
+        is none, its block is shrunk in place."""
+        if length <= self.chunk_size // 2:
+            moved = self.arena.allocate(length)
+            if moved is not None:
+                view = self.arena.view
+                view[moved : moved + length] = view[extent.offset : extent.offset + length]
+                self.arena.free(extent.offset)
+                extent.offset = moved
+                return
+        self.arena.shrink(extent.offset, length)
 
     def adopt(self, version: int, lengths: list[int]) -> list[memoryview]:
         """Allocates a sealed version's chunks for bytes that will be read into them

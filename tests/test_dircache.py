@@ -1,0 +1,34 @@
+"""A node's copies of directory name sets: answers, pushed changes, the size bound (pure)."""
+
+from kvfs.cluster.dircache import MISSES_BEFORE_COPY, DirectoryCache
+
+
+def test_misses_are_answered_once_the_names_are_copied() -> None:
+    cache = DirectoryCache(max_names=100)
+    assert not cache.absent(5, b"a")  # nothing copied: ask the master
+    assert [cache.missed(5) for _ in range(MISSES_BEFORE_COPY)][-1]
+    cache.store(5, [b"x", b"y"])
+    assert cache.absent(5, b"a") and not cache.absent(5, b"x")
+    cache.added(5, b"a")
+    cache.removed(5, b"x")
+    assert not cache.absent(5, b"a") and cache.absent(5, b"x")
+    assert cache.total == 2 and cache.answered == 2
+    assert not cache.missed(5)  # already copied
+
+
+def test_the_least_recently_used_directories_go_first() -> None:
+    cache = DirectoryCache(max_names=10)
+    assert cache.store(1, [b"%d" % i for i in range(4)]) == []
+    assert cache.store(2, [b"%d" % i for i in range(4)]) == []
+    cache.absent(1, b"zz")  # directory 1 is now the more recently used
+    assert cache.store(3, [b"%d" % i for i in range(4)]) == [2]
+    assert 2 not in cache and 1 in cache and 3 in cache and cache.total == 8
+
+
+def test_a_directory_over_the_bound_is_not_copied_or_asked_for_again() -> None:
+    cache = DirectoryCache(max_names=3)
+    assert cache.store(7, [b"a", b"b", b"c", b"d"]) == [7]
+    assert 7 not in cache and not cache.missed(7)
+    cache.store(8, [b"a"])
+    cache.clear()
+    assert len(cache) == 0 and cache.total == 0
