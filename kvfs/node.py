@@ -257,7 +257,7 @@ class Node:
         for ino in inos:
             self._cached_version.pop(ino, None)
             self._kernel_versions.pop(ino, None)
-        await self.master.call(m.Forget(inos))
+        self._drop((await self.master.call(m.Forget(inos))).dropped)  # bytes of unlinked files that lingered
 
     # Files ---------------------------------------------------------------------------------
 

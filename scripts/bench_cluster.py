@@ -8,8 +8,9 @@ same per-file requests, from a Python sender process to a receiver that reads
 them with recv_into into a preallocated buffer: the best a Python TCP transfer
 does here. Also measured: distinct absent-name lookups per second through B's
 mount (the master answering from another process), next to the same lookups on a
-single-node mount with its embedded master. Rounds interleave the two transfers;
-the table shows medians.
+single-node mount with its embedded master. For scale, the same cold load from
+a single-node mount's own DRAM (the FUSE path with no network) is shown too.
+Rounds interleave the transfers; the table shows medians.
 
 Usage (as root): python scripts/bench_cluster.py [--sizes 2,32] [--total 512M] [--rounds 3]
 """
@@ -154,6 +155,10 @@ def main() -> None:
                     record(f"cross-node {label}", cold_load(b.path, prefix, count, buffer))
                     for i in range(count):
                         os.unlink(a.path / f"{prefix}{i}.bin")
+                    store_files(single.path, prefix, min(count, 96 * MiB // size), buffer)
+                    record(f"local {label}", cold_load(single.path, prefix, min(count, 96 * MiB // size), buffer))
+                    for i in range(min(count, 96 * MiB // size)):
+                        os.unlink(single.path / f"{prefix}{i}.bin")
                 for name, target in (("node", b), ("single", single)):
                     misses = [target.path / f"{round_}-{i:062x}.miss" for i in range(args.lookups)]
                     record(f"absent lookups/s {name}", lookups_per_second(misses, 1))
@@ -166,11 +171,14 @@ def main() -> None:
 
 
 def report(results: dict[str, list[float]], sizes: list[int]) -> None:
-    print(f"{'transfer':<12}{'raw TCP GB/s':>14}{'kvfs B<-A GB/s':>16}{'kvfs/raw':>10}{'kvfs/Mooncake':>15}")
+    print(f"{'transfer':<10}{'raw TCP':>9}{'kvfs B<-A':>11}{'kvfs local':>12}{'kvfs/raw':>10}{'/Mooncake':>11}"
+          f"{'/local':>8}   (GB/s)")
     for size in sizes:
         label = f"{size // MiB}MiB"
         raw, kvfs = statistics.median(results[f"raw TCP {label}"]), statistics.median(results[f"cross-node {label}"])
-        print(f"{label:<12}{raw:>14.2f}{kvfs:>16.2f}{kvfs / raw:>10.2f}{kvfs / MOONCAKE_TCP_GBS:>15.2f}")
+        local = statistics.median(results[f"local {label}"])
+        print(f"{label:<10}{raw:>9.2f}{kvfs:>11.2f}{local:>12.2f}{kvfs / raw:>10.2f}{kvfs / MOONCAKE_TCP_GBS:>11.2f}"
+              f"{kvfs / local:>8.2f}")
     node, single = (statistics.median(results[f"absent lookups/s {n}"]) for n in ("node", "single"))
     print()
     print(f"absent lookups/s: cluster node {node:,.0f} (master in another process), "

@@ -18,7 +18,6 @@ import argparse
 import mmap
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import drop_page_cache, load_files, prepare_machine, start_daemon, store_files  # noqa: E402
+from bench import drop_page_cache, prepare_machine, start_daemon, store_files  # noqa: E402
 from kvfs.config import parse_size  # noqa: E402
 from kvfs.disk.engine import open_engine  # noqa: E402
 from kvfs.disk.segments import SEGMENT_SIZE  # noqa: E402

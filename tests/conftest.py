@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -100,6 +101,19 @@ def is_stored(path: Path) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def run_writers_then_readers(writers: list, readers: list, done) -> None:
+    """Runs writer and reader threads together; once the writers finish, sets `done` (the
+    readers' signal to do one last round and stop) and waits for the readers."""
+    threads = [threading.Thread(target=w) for w in writers], [threading.Thread(target=r) for r in readers]
+    for thread in threads[0] + threads[1]:
+        thread.start()
+    for thread in threads[0]:
+        thread.join()
+    done.set()
+    for thread in threads[1]:
+        thread.join()
 
 
 def drop_page_cache() -> None:

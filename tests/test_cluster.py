@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import mmap
 import os
@@ -13,8 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-from conftest import CLUSTER_SECRET, Cluster, KvfsMount, is_stored
+from conftest import CLUSTER_SECRET, Cluster, KvfsMount, is_stored, run_writers_then_readers
 from test_consumers import MiB, fill, key_path, vllm_load, vllm_store
 
 SIZES = [0, 1, 4095, 4 * MiB, 4 * MiB + 1, 10 * MiB + 12345]
@@ -123,15 +123,8 @@ def test_vllm_pattern_writers_and_readers_on_different_nodes(cluster: Cluster) -
         except Exception as error:
             failures.append(f"reader {worker}: {error!r}")
 
-    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
-    threads += [threading.Thread(target=reader, args=(i,)) for i in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads[:8]:
-        thread.join()
-    done.set()
-    for thread in threads[8:]:
-        thread.join()
+    run_writers_then_readers([functools.partial(writer, i) for i in range(8)],
+                             [functools.partial(reader, i) for i in range(8)], done)
     assert not failures, failures[:10]
     assert loaded[0] > 0
     buffer, expected = mmap.mmap(-1, size), mmap.mmap(-1, size)
@@ -333,15 +326,8 @@ def test_eviction_across_the_cluster_under_pressure(cluster: Cluster) -> None:
                 failures.append(f"reader on node {index + 1}: key {key} served wrong ({count} bytes)")
             served[0] += 1
 
-    writers = [threading.Thread(target=writer, args=(i,)) for i in range(3)]
-    readers = [threading.Thread(target=reader, args=(i,)) for i in range(3)]
-    for thread in writers + readers:
-        thread.start()
-    for thread in writers:
-        thread.join()
-    done.set()
-    for thread in readers:
-        thread.join()
+    run_writers_then_readers([functools.partial(writer, i) for i in range(3)],
+                             [functools.partial(reader, i) for i in range(3)], done)
     assert not failures, failures[:10]
     assert served[0] > 0
     status = kvfs_status(cluster)

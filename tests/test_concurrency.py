@@ -29,14 +29,17 @@ def test_readers_see_whole_versions_while_the_file_is_replaced(kvfs_dir: Path) -
         stop.set()
 
     def read() -> None:
-        while not stop.is_set():
-            with open(path, "rb") as f:
-                first = f.read(MiB)
-                rest = f.read()  # the file is replaced meanwhile: this handle keeps its version
-            data = first + rest
-            if len(data) != SIZE or data.count(data[:1]) != SIZE:
-                failures.append(f"mixed or short read: {len(data)} bytes, starting {data[:1]!r}")
-            reads[0] += 1
+        try:
+            while not stop.is_set():
+                with open(path, "rb") as f:  # never fails: the name always exists
+                    first = f.read(MiB)
+                    rest = f.read()  # the file is replaced meanwhile: this handle keeps its version
+                data = first + rest
+                if len(data) != SIZE or data.count(data[:1]) != SIZE:
+                    failures.append(f"mixed or short read: {len(data)} bytes, starting {data[:1]!r}")
+                reads[0] += 1
+        except OSError as error:
+            failures.append(f"reader: {error!r}")
 
     threads = [threading.Thread(target=replace)] + [threading.Thread(target=read) for _ in range(4)]
     for thread in threads:

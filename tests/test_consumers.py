@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import hashlib
 import mmap
 import os
@@ -12,7 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import is_stored
+from conftest import is_stored, run_writers_then_readers
 
 libc = ctypes.CDLL(None, use_errno=True)
 MiB = 1 << 20
@@ -137,15 +138,8 @@ def test_vllm_fs_tier_16_writers_16_readers(make_mount, tmp_path: Path, size: in
             failures.append(f"reader {worker}: {error!r}")
 
     done = threading.Event()
-    writers = [threading.Thread(target=writer, args=(i,)) for i in range(16)]
-    readers = [threading.Thread(target=reader, args=(i,)) for i in range(16)]
-    for thread in writers + readers:
-        thread.start()
-    for thread in writers:
-        thread.join()
-    done.set()
-    for thread in readers:
-        thread.join()
+    run_writers_then_readers([functools.partial(writer, i) for i in range(16)],
+                             [functools.partial(reader, i) for i in range(16)], done)
     assert not failures, failures[:10]
     assert loaded[0] > 0
     # Capacity was managed: some keys were evicted (cleanly absent), the newest one

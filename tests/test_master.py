@@ -79,9 +79,10 @@ def test_rename_rules(master: MetadataService) -> None:
     fails(master, m.Rename(ROOT_INO, b"empty", ROOT_INO, b"a"), errno.ENOTEMPTY)
     fails(master, m.Rename(ROOT_INO, b"f", ROOT_INO, b"g", noreplace=True), errno.EEXIST)
     fails(master, m.Rename(ROOT_INO, b"nope", ROOT_INO, b"g"), errno.ENOENT)
-    g_version = master.handle(m.Lookup(ROOT_INO, b"g")).attr.version
+    g = master.handle(m.Lookup(ROOT_INO, b"g")).attr
     done = master.handle(m.Rename(ROOT_INO, b"f", ROOT_INO, b"g"))
-    assert done.dropped == [g_version]  # the replaced file's bytes are freed
+    assert done.dropped == []  # the replaced file's bytes are freed once the kernel forgets it
+    assert master.handle(m.Forget([g.ino])).dropped == [g.version]
     assert master.handle(m.Lookup(ROOT_INO, b"f")).attr is None
     master.handle(m.Rename(ROOT_INO, b"a", ROOT_INO, b"empty"))  # replaces an empty directory
     assert master.handle(m.Lookup(ROOT_INO, b"empty")).attr.ino == a.ino
@@ -195,3 +196,22 @@ def test_messages_encode_for_the_wire(master: MetadataService) -> None:
     any_request = typing.Union[tuple(m.Request.__subclasses__())]  # type: ignore[misc]
     for request in (m.Rename(1, b"a", 2, b"b", True), m.Seal(3, 10, 5, [1, 2]), m.CollectOrphans()):
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=any_request) == request
+
+
+def test_a_replaced_file_stays_readable_while_a_kernel_references_it(master: MetadataService) -> None:
+    old = store(master, ROOT_INO, b"f", 100)
+    master.handle(m.Lookup(ROOT_INO, b"f"))  # the kernel holds the old inode
+    new = store(master, ROOT_INO, b"f.tmp", 200)
+    master.handle(m.Rename(ROOT_INO, b"f.tmp", ROOT_INO, b"f"))
+    # An open that resolved the name before the rename reads the old file, as on a local fs.
+    opened = master.handle(m.OpenRead(old.ino))
+    assert (opened.version, opened.attr.size) == (old.version, 100)
+    fails(master, m.OpenWrite(old.ino, NODE, truncate=False), errno.ESTALE)
+    assert master.handle(m.Release(opened.version, writer=False)).dropped == []
+    # The bytes go when the kernel forgets the inode.
+    assert master.handle(m.Forget([old.ino])).dropped == [old.version]
+    fails(master, m.OpenRead(old.ino), errno.ENOENT)
+    assert master.handle(m.Lookup(ROOT_INO, b"f")).attr.version == new.version
+    # Eviction does not linger: its bytes are freed at once.
+    master.handle(m.Lookup(ROOT_INO, b"f"))
+    assert master.handle(m.Reclaim(NODE, 1)).dropped == [new.version]

@@ -54,6 +54,8 @@ class MetadataService:
         self._caller = LOCAL_NODE  # the node whose request is being handled
         self._opens: dict[int, dict[tuple[int, bool], int]] = {}  # node -> (version, writer) -> handles
         self._removed_names: list[tuple[int, bytes]] = []  # for the other nodes' kernels to forget
+        # Unlinked inode -> (its version, still readable; the node whose kernel holds it).
+        self._lingering: dict[int, tuple[int, int]] = {}
         self._handlers: dict[type, Callable[[Any], Any]] = {
             m.Lookup: self._lookup,
             m.GetAttr: self._getattr,
@@ -228,14 +230,35 @@ class MetadataService:
         else:
             self._temp_files.discard(inode.ino)
 
-    def _remove_file(self, inode: Inode, now: int, dropped: list[int]) -> None:
-        """Takes a file out of the namespace; its bytes go once nobody has them open."""
+    def _remove_file(self, inode: Inode, now: int, dropped: list[int], linger: bool = False) -> None:
+        """Takes a file out of the namespace; its bytes go once nobody has them open.
+
+        With `linger` (a rename over the file; not unlink or eviction, whose space must be
+        free when they return) the bytes also stay until
+        the calling node's kernel forgets the inode: an open that resolved the name just
+        before then reads the old file, as on a local file system, instead of failing.
+        (Only that node's kernel: it saw the unlink, so it forgets the inode at once.)"""
         self._temp_files.discard(inode.ino)
         self.policy.remove(inode.ino)
         self._removed_names.append((inode.parent, inode.name))
         self.ns.unlink(inode, now)
         version = self.objects.versions.get(inode.version)
+        if version is None:
+            return
+        if linger and inode.refs & (1 << self._caller) and version.sealed:
+            version.held = True
+            self._lingering[inode.ino] = (version.version, self._caller)
+        self.objects.retire(version, dropped)
+
+    def _unhold(self, ino: int, node: int, dropped: list[int]) -> None:
+        """The node's kernel forgot an unlinked inode: the bytes that lingered for it go."""
+        held = self._lingering.get(ino)
+        if held is None or held[1] != node:
+            return
+        del self._lingering[ino]
+        version = self.objects.versions.get(held[0])
         if version is not None:
+            version.held = False
             self.objects.retire(version, dropped)
 
     # Namespace -------------------------------------------------------------------------
@@ -340,7 +363,7 @@ class MetadataService:
                 self._removed_names.append((target.parent, target.name))
                 self.ns.unlink(target, now)
             else:
-                self._remove_file(target, now, dropped)
+                self._remove_file(target, now, dropped, linger=True)
         self._removed_names.append((source.parent, source.name))
         self.ns.detach(source, now)
         self._link(new_parent, req.name_new, source, now)
@@ -368,18 +391,21 @@ class MetadataService:
         return m.Listing(entries)
 
     def _forget(self, req: m.Forget) -> m.Done:
+        dropped: list[int] = []
         for ino in req.inos:
             inode = self.ns.inodes.get(ino)
             if inode is not None and ino != ROOT_INO:
                 inode.refs &= ~(1 << self._caller)
+                self._unhold(ino, self._caller, dropped)
                 self.ns.collect(inode)
-        return m.Done()
+        return m.Done(dropped)
 
     # Files and versions ----------------------------------------------------------------
 
     def _open_read(self, req: m.OpenRead) -> m.Opened:
         inode = self._file(req.ino)
-        self._check_linked(inode)
+        if inode.ino not in self._lingering:
+            self._check_linked(inode)
         version = self.objects.get(inode.version)
         if not self.registry.is_live(version.node):
             raise MetadataError(errno.ENOENT, f"inode {inode.ino}: its only copy is on node {version.node}, "
@@ -731,6 +757,7 @@ class MetadataService:
             inode.watchers &= ~bit
             if inode.refs & bit and inode.ino != ROOT_INO:
                 inode.refs &= ~bit
+                self._unhold(inode.ino, node.node_id, dropped)
                 self.ns.collect(inode)
         if forget_dram:
             self._forget_versions([version for version in self.objects.versions.values()

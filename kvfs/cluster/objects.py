@@ -27,6 +27,7 @@ class FileVersion:
     on_disk: bool = False  # a copy is safe on the node's SSD
     hits: int = 0
     last_access_ns: int = 0
+    held: bool = False  # retired, but an inode a kernel references still shows it (see master)
 
     @property
     def in_use(self) -> bool:
@@ -91,7 +92,7 @@ class ObjectDirectory:
         self._drop_if_unused(version, dropped)
 
     def _drop_if_unused(self, version: FileVersion, dropped: list[int]) -> None:
-        if not version.current and not version.in_use and version.version in self.versions:
+        if not version.current and not version.in_use and not version.held and version.version in self.versions:
             self.forget(version)
             dropped.append(version.version)
 

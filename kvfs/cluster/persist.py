@@ -21,7 +21,7 @@ import lmdb
 import msgspec
 
 from kvfs.cluster.master import MetadataService
-from kvfs.cluster.namespace import ROOT_INO, Inode
+from kvfs.cluster.namespace import Inode
 from kvfs.cluster.objects import FileVersion
 
 log = logging.getLogger(__name__)

@@ -61,6 +61,21 @@ class FrameStream:
 _handshake_decoder = HeaderDecoder(HandshakeMessage)
 
 
+async def serve_tcp(handler: Callable[[trio.SocketStream], Any], host: str, port: int,
+                    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serves connections on HOST:PORT; reports the bound port (PORT 0 picks a free one)."""
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    task_status.started(listeners[0].socket.getsockname()[1])
+    await trio.serve_listeners(handler, listeners)
+
+
+def peer_name(stream: trio.SocketStream) -> Any:
+    try:
+        return stream.socket.getpeername()
+    except OSError:
+        return "?"
+
+
 async def handshake(frames: FrameStream, secret: bytes, role: str) -> str:
     """Mutual authentication; returns the peer's role. Raises AuthError or ProtocolError."""
     nonce = new_nonce()
@@ -127,15 +142,10 @@ class MetadataServer:
                     return  # the request loop sees the connection go, too
 
     async def serve(self, host: str, port: int, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(port, host=host)
-        task_status.started(listeners[0].socket.getsockname()[1])
-        await trio.serve_listeners(self._connection, listeners)
+        await serve_tcp(self._connection, host, port, task_status)
 
     async def _connection(self, stream: trio.SocketStream) -> None:
-        try:
-            peer = stream.socket.getpeername()
-        except OSError:
-            peer = "?"
+        peer = peer_name(stream)
         frames = FrameStream(stream)
         async with stream:
             try:

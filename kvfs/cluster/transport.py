@@ -28,7 +28,7 @@ from kvfs.checksum import chunk_checksum
 from kvfs.cluster.auth import AuthError
 from kvfs.cluster.protocol import (PREFIX_SIZE, ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame,
                                    parse_prefix)
-from kvfs.cluster.rpc import FrameStream, handshake
+from kvfs.cluster.rpc import FrameStream, handshake, peer_name, serve_tcp
 from kvfs.errors import KvfsError, StorageError
 
 log = logging.getLogger(__name__)
@@ -95,15 +95,10 @@ class PeerServer:
         self.served_bytes = 0
 
     async def serve(self, host: str, port: int, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(port, host=host)
-        task_status.started(listeners[0].socket.getsockname()[1])
-        await trio.serve_listeners(self._connection, listeners)
+        await serve_tcp(self._connection, host, port, task_status)
 
     async def _connection(self, stream: trio.SocketStream) -> None:
-        try:
-            peer = stream.socket.getpeername()
-        except OSError:
-            peer = "?"
+        peer = peer_name(stream)
         _tune(stream.socket)
         frames = FrameStream(stream)
         async with stream:
