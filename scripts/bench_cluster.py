@@ -41,18 +41,23 @@ MOONCAKE_TCP_GBS = 0.7  # Mooncake Store's remote get over TCP on this machine (
 SECRET = "kvfs-benchmark-secret-0123456789"
 
 
-def raw_sender(port_holder: int, size: int) -> None:
-    """Serves `size`-byte replies to 8-byte requests, from one preallocated buffer."""
-    payload = memoryview(mmap.mmap(-1, size))
+def raw_sender(port_holder: int, size: int, count: int) -> None:
+    """Serves `size`-byte replies to 8-byte requests, each from the next of `count` distinct
+    preallocated buffers: the same bytes kvfs sends (one file each), not one cache-hot buffer."""
+    region = mmap.mmap(-1, size * count)
+    region.write(os.urandom(size) * count)
+    payloads = [memoryview(region)[i * size : (i + 1) * size] for i in range(count)]
     listener = socket.create_server(("127.0.0.1", port_holder))
     connection, _ = listener.accept()
     connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
     request = bytearray(8)
+    sent = 0
     while True:
         got = connection.recv_into(request)
         if got == 0:
             return
-        connection.sendall(payload)
+        connection.sendall(payloads[sent % count])
+        sent += 1
 
 
 def raw_tcp(size: int, count: int) -> float:
@@ -60,7 +65,7 @@ def raw_tcp(size: int, count: int) -> float:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    sender = Process(target=raw_sender, args=(port, size), daemon=True)
+    sender = Process(target=raw_sender, args=(port, size, count), daemon=True)
     sender.start()
     deadline = time.monotonic() + 10
     while True:
@@ -72,7 +77,11 @@ def raw_tcp(size: int, count: int) -> float:
                 raise
             time.sleep(0.01)
     client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-    target = memoryview(mmap.mmap(-1, size))
+    target = memoryview(mmap.mmap(-1, size))  # one buffer, as the kvfs reader below uses
+    client.sendall(b"\0" * 8)  # one warm-up transfer (the sender has faulted its buffers in by now)
+    got = 0
+    while got < size:
+        got += client.recv_into(target[got:])
     start = time.perf_counter()
     for _ in range(count):
         client.sendall(b"\0" * 8)

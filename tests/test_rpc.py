@@ -8,6 +8,8 @@ import os
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvfs.clock import ManualClock
 from kvfs.cluster import messages as m
@@ -15,7 +17,7 @@ from kvfs.cluster.auth import AuthError
 from kvfs.cluster.master import MetadataService
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.cluster.protocol import PREFIX, FrameKind
-from kvfs.cluster.rpc import MetadataServer, RemoteMaster
+from kvfs.cluster.rpc import FrameStream, MetadataServer, RemoteMaster, handshake
 from kvfs.errors import MetadataError
 from kvfs.policy import LruPolicy
 
@@ -24,7 +26,7 @@ SECRET = b"a-cluster-secret-for-tests"
 
 def serve_and(test) -> MetadataServer:
     service = MetadataService(ManualClock(), LruPolicy())
-    server = MetadataServer(service.handle, SECRET)
+    server = MetadataServer(service.handle, SECRET, service)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -109,3 +111,27 @@ def test_invalid_request_after_handshake_closes_the_connection(caplog: pytest.Lo
 
     serve_and(test)
     assert "closing connection" in caplog.text and "invalid header" in caplog.text
+
+
+@settings(max_examples=40, deadline=None)
+@given(frames=st.lists(st.tuples(st.sampled_from(list(FrameKind)), st.binary(max_size=64)), min_size=1, max_size=4))
+def test_random_frames_after_the_handshake_never_take_the_master_down(frames) -> None:
+    async def test(port: int, nursery: trio.Nursery) -> None:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        frame_stream = FrameStream(stream)
+        await handshake(frame_stream, SECRET, "node")
+        try:  # well-formed prefixes around arbitrary headers; the master may hang up at any point
+            for kind, header in frames:
+                await stream.send_all(PREFIX.pack(b"KV", 1, kind, len(header), 0, 1) + header)
+            await stream.send_eof()
+            with trio.fail_after(5):
+                while await stream.receive_some(65536):
+                    pass
+        except trio.BrokenResourceError:
+            pass
+        await stream.aclose()
+        master = await RemoteMaster.connect("127.0.0.1", port, SECRET, nursery)
+        assert (await master.call(m.GetAttr(ROOT_INO))).ino == ROOT_INO
+        await master.aclose()
+
+    serve_and(test)

@@ -81,10 +81,14 @@ class MasterProcess:
     async def _expire_forever(self) -> None:
         while True:
             await trio.sleep(EXPIRE_INTERVAL_S)
-            for node_id in self.service.expire_nodes():
-                node = self.service.registry.nodes[node_id]
-                log.warning("node %d (%s) stopped heartbeating: declared dead", node_id, node.name)
-            self.state.save(self.service)
+            try:
+                for node_id in self.service.expire_nodes():
+                    node = self.service.registry.nodes[node_id]
+                    log.warning("node %d (%s) stopped heartbeating: declared dead", node_id, node.name)
+                self.state.save(self.service)
+                self.server.wake_pushers()
+            except Exception:  # a bug here must not stop the master serving
+                log.exception("declaring silent nodes dead failed")
 
     async def _sync_forever(self) -> None:
         while True:
