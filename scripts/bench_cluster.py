@@ -8,7 +8,8 @@ same per-file requests, from a Python sender process to a receiver that reads
 them with recv_into into a preallocated buffer: the best a Python TCP transfer
 does here. Also measured: distinct absent-name lookups per second through B's
 mount (the master answering from another process), next to the same lookups on a
-single-node mount with its embedded master. For scale, the same cold load from
+single-node mount with its embedded master. Transfers run with one reader and
+with PARALLEL readers at once (and as many raw TCP connections). For scale, the same cold load from
 a single-node mount's own DRAM (the FUSE path with no network) is shown too.
 Rounds interleave the transfers; the table shows medians.
 
@@ -26,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from multiprocessing import Process
 from pathlib import Path
@@ -39,70 +41,93 @@ MiB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent
 MOONCAKE_TCP_GBS = 0.7  # Mooncake Store's remote get over TCP on this machine (../shared/ANCHORS.md)
 SECRET = "kvfs-benchmark-secret-0123456789"
+PARALLEL = 4  # readers (and raw TCP streams) in the parallel rows
 
 
-def raw_sender(port_holder: int, size: int, count: int) -> None:
-    """Serves `size`-byte replies to 8-byte requests, each from the next of `count` distinct
-    preallocated buffers: the same bytes kvfs sends (one file each), not one cache-hot buffer."""
+def raw_sender(port_holder: int, size: int, count: int, streams: int) -> None:
+    """Serves `size`-byte replies to 8-byte requests on `streams` connections, each reply
+    from the next of `count` distinct preallocated buffers: the same bytes kvfs sends
+    (one file each), not one cache-hot buffer."""
     region = mmap.mmap(-1, size * count)
     region.write(os.urandom(size) * count)
     payloads = [memoryview(region)[i * size : (i + 1) * size] for i in range(count)]
     listener = socket.create_server(("127.0.0.1", port_holder))
-    connection, _ = listener.accept()
-    connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-    request = bytearray(8)
-    sent = 0
-    while True:
-        got = connection.recv_into(request)
-        if got == 0:
-            return
-        connection.sendall(payloads[sent % count])
-        sent += 1
+
+    def serve(connection: socket.socket, first: int) -> None:
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        request = bytearray(8)
+        sent = first
+        while connection.recv_into(request):
+            connection.sendall(payloads[sent % count])
+            sent += streams
+
+    threads = [threading.Thread(target=serve, args=(listener.accept()[0], i)) for i in range(streams)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
-def raw_tcp(size: int, count: int) -> float:
-    """GB/s of `count` request/reply transfers of `size` bytes received with recv_into."""
+def raw_tcp(size: int, count: int, streams: int = 1) -> float:
+    """GB/s of `count` request/reply transfers of `size` bytes received with recv_into,
+    spread over `streams` connections each served and read by its own thread."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    sender = Process(target=raw_sender, args=(port, size, count), daemon=True)
+    sender = Process(target=raw_sender, args=(port, size, count, streams), daemon=True)
     sender.start()
+    clients = []
     deadline = time.monotonic() + 10
-    while True:
+    while len(clients) < streams:
         try:
-            client = socket.create_connection(("127.0.0.1", port))
-            break
+            clients.append(socket.create_connection(("127.0.0.1", port)))
         except ConnectionRefusedError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.01)
-    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-    target = memoryview(mmap.mmap(-1, size))  # one buffer, as the kvfs reader below uses
-    client.sendall(b"\0" * 8)  # one warm-up transfer (the sender has faulted its buffers in by now)
-    got = 0
-    while got < size:
-        got += client.recv_into(target[got:])
+
+    def transfer(client: socket.socket, transfers: int) -> None:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        target = memoryview(mmap.mmap(-1, size))  # one buffer, as each kvfs reader below uses
+        for _ in range(transfers):
+            client.sendall(b"\0" * 8)
+            got = 0
+            while got < size:
+                got += client.recv_into(target[got:])
+
+    transfer(clients[0], 1)  # warm-up (the sender has faulted its buffers in by now)
+    threads = [threading.Thread(target=transfer, args=(client, count // streams)) for client in clients]
     start = time.perf_counter()
-    for _ in range(count):
-        client.sendall(b"\0" * 8)
-        got = 0
-        while got < size:
-            got += client.recv_into(target[got:])
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     elapsed = time.perf_counter() - start
-    client.close()
+    for client in clients:
+        client.close()
     sender.join(timeout=10)
-    return count * size / elapsed / 1e9
+    return count // streams * streams * size / elapsed / 1e9
 
 
-def cold_load(root: Path, prefix: str, count: int, buffer: mmap.mmap) -> float:
+def cold_load(root: Path, prefix: str, count: int, size: int, readers: int = 1) -> float:
+    """vLLM's load (open, one read, close) of files 0..count-1 by `readers` threads, cold."""
     drop_page_cache()
+
+    def load(first: int) -> None:
+        buffer = mmap.mmap(-1, size)
+        for i in range(first, count, readers):
+            fd = os.open(root / f"{prefix}{i}.bin", os.O_RDONLY)
+            got = os.readv(fd, [buffer])
+            os.close(fd)
+            assert got == size, f"short read: {got}"
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(readers)]
     start = time.perf_counter()
-    for i in range(count):
-        fd = os.open(root / f"{prefix}{i}.bin", os.O_RDONLY)
-        got = os.readv(fd, [buffer])
-        os.close(fd)
-        assert got == len(buffer), f"short read: {got}"
-    return count * len(buffer) / (time.perf_counter() - start) / 1e9
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return count * size / (time.perf_counter() - start) / 1e9
 
 
 def start_master(base: Path) -> tuple[subprocess.Popen, str]:
@@ -160,13 +185,15 @@ def main() -> None:
                     buffer.write(os.urandom(size))
                     prefix = f"r{round_}-{label}-"
                     store_files(a.path, prefix, count, buffer)
-                    record(f"raw TCP {label}", raw_tcp(size, count))
-                    record(f"cross-node {label}", cold_load(b.path, prefix, count, buffer))
+                    local_count = min(count, 96 * MiB // size)
+                    store_files(single.path, prefix, local_count, buffer)
+                    for streams in (1, PARALLEL):
+                        record(f"raw TCP {label} x{streams}", raw_tcp(size, count, streams))
+                        record(f"cross-node {label} x{streams}", cold_load(b.path, prefix, count, size, streams))
+                        record(f"local {label} x{streams}", cold_load(single.path, prefix, local_count, size, streams))
                     for i in range(count):
                         os.unlink(a.path / f"{prefix}{i}.bin")
-                    store_files(single.path, prefix, min(count, 96 * MiB // size), buffer)
-                    record(f"local {label}", cold_load(single.path, prefix, min(count, 96 * MiB // size), buffer))
-                    for i in range(min(count, 96 * MiB // size)):
+                    for i in range(local_count):
                         os.unlink(single.path / f"{prefix}{i}.bin")
                 for name, target in (("node", b), ("single", single)):
                     misses = [target.path / f"{round_}-{i:062x}.miss" for i in range(args.lookups)]
@@ -180,14 +207,17 @@ def main() -> None:
 
 
 def report(results: dict[str, list[float]], sizes: list[int]) -> None:
-    print(f"{'transfer':<10}{'raw TCP':>9}{'kvfs B<-A':>11}{'kvfs local':>12}{'kvfs/raw':>10}{'/Mooncake':>11}"
+    print(f"{'transfer':<14}{'raw TCP':>9}{'kvfs B<-A':>11}{'kvfs local':>12}{'kvfs/raw':>10}{'/Mooncake':>11}"
           f"{'/local':>8}   (GB/s)")
     for size in sizes:
-        label = f"{size // MiB}MiB"
-        raw, kvfs = statistics.median(results[f"raw TCP {label}"]), statistics.median(results[f"cross-node {label}"])
-        local = statistics.median(results[f"local {label}"])
-        print(f"{label:<10}{raw:>9.2f}{kvfs:>11.2f}{local:>12.2f}{kvfs / raw:>10.2f}{kvfs / MOONCAKE_TCP_GBS:>11.2f}"
-              f"{kvfs / local:>8.2f}")
+        for streams in (1, PARALLEL):
+            label = f"{size // MiB}MiB x{streams}"
+            raw = statistics.median(results[f"raw TCP {label}"])
+            kvfs = statistics.median(results[f"cross-node {label}"])
+            local = statistics.median(results[f"local {label}"])
+            print(f"{label:<14}{raw:>9.2f}{kvfs:>11.2f}{local:>12.2f}{kvfs / raw:>10.2f}"
+                  f"{kvfs / MOONCAKE_TCP_GBS:>11.2f}{kvfs / local:>8.2f}")
+    print("(xN: N readers at once, N connections for raw TCP; vLLM loads with 16 threads)")
     node, single = (statistics.median(results[f"absent lookups/s {n}"]) for n in ("node", "single"))
     print()
     print(f"absent lookups/s: cluster node {node:,.0f} (master in another process), "
