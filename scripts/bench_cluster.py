@@ -9,9 +9,9 @@ them with recv_into into a preallocated buffer: the best a Python TCP transfer
 does here. Also measured: distinct absent-name lookups per second through B's
 mount (the master answering from another process), next to the same lookups on a
 single-node mount with its embedded master. Transfers run with one reader and
-with PARALLEL readers at once (and as many raw TCP connections). For scale, the same cold load from
-a single-node mount's own DRAM (the FUSE path with no network) is shown too.
-Rounds interleave the transfers; the table shows medians.
+with PARALLEL readers at once (and as many raw TCP connections). For scale, the
+same cold load from a single-node mount's own DRAM (the FUSE path with no
+network) is shown too. Rounds interleave the transfers; the table shows medians.
 
 Usage (as root): python scripts/bench_cluster.py [--sizes 2,32] [--total 512M] [--rounds 3]
 """
