@@ -6,8 +6,9 @@ The master asks a policy for candidates and skips those it may not evict
 
 from kvfs.policy.base import EvictionPolicy
 from kvfs.policy.lru import LruPolicy
+from kvfs.policy.reuse import ReusePolicy
 
-POLICIES: dict[str, type] = {"lru": LruPolicy}
+POLICIES: dict[str, type] = {"lru": LruPolicy, "reuse": ReusePolicy}
 
 
 def make_policy(name: str) -> EvictionPolicy:
@@ -17,4 +18,4 @@ def make_policy(name: str) -> EvictionPolicy:
         raise ValueError(f"unknown eviction policy {name!r} (choose from {', '.join(POLICIES)})") from None
 
 
-__all__ = ["EvictionPolicy", "LruPolicy", "POLICIES", "make_policy"]
+__all__ = ["EvictionPolicy", "LruPolicy", "ReusePolicy", "POLICIES", "make_policy"]

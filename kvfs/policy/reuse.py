@@ -1,0 +1,99 @@
+"""Reuse-aware eviction: LRU order, shifted by how likely a block is to be used again.
+
+In KV-cache traces most blocks are used once, and the blocks that are reused
+(shared prefixes) come back minutes later, after LRU has pushed them out for
+one-off blocks. What predicts reuse, measured on the Mooncake conversation
+trace (share of a block's uses that are followed by another use):
+
+- a block used for the first time in a request whose prefix was already cached
+  (the new tail of a continued conversation): 0.11;
+- used for the first time in a request that started cold: 0.27;
+- used once before: 0.42; twice before: 0.47; three or more times: 0.65.
+
+So a block's priority is its last-use time (in accesses, like LRU) plus a
+bonus for its class: `bonus * (-0.5, 0, 1, 1.3, 2)` for those five classes.
+With a bonus of 0 it is exactly LRU. A block that keeps being used keeps being
+refreshed; the bonus only reorders blocks whose last uses are close. Use counts
+are remembered for blocks that were evicted too (a bounded history), so a
+block stored again after eviction is known as reused.
+
+Request boundaries come from time: calls at the same `now` (offline replays) or
+within `burst_s` of each other (a live node, where one request's loads and
+stores come in a burst) belong to one request.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from typing import Iterator
+
+DEFAULT_BONUS = 10_000  # accesses
+CLASS_WEIGHTS = (-0.5, 0.0, 1.0, 1.3, 2.0)  # first use after a hit, first use cold, 2nd, 3rd, later
+HISTORY = 1 << 20  # use counts remembered, including for evicted blocks
+
+
+class ReusePolicy:
+    name = "reuse"
+
+    def __init__(self, bonus: float = DEFAULT_BONUS, burst_s: float = 0.0, history: int = HISTORY) -> None:
+        self.bonus = bonus
+        self.burst_s = burst_s
+        self.history = history
+        # One LRU list per class; within a class, priority grows with the last-use time.
+        self._lists: list[OrderedDict[int, int]] = [OrderedDict() for _ in CLASS_WEIGHTS]
+        self._class: dict[int, int] = {}  # resident key -> its class
+        self._uses: OrderedDict[int, int] = OrderedDict()  # key -> uses so far (bounded)
+        self._clock = 0
+        self._last_call = float("-inf")
+        self._request_hit = False
+
+    def _new_call(self, now: float) -> None:
+        if now > self._last_call + self.burst_s:  # a new request begins
+            self._request_hit = False
+        self._last_call = now
+        self._clock += 1
+
+    def _count_use(self, key: int) -> int:
+        uses = self._uses.pop(key, 0) + 1
+        self._uses[key] = uses
+        if len(self._uses) > self.history:
+            self._uses.popitem(last=False)
+        return uses
+
+    def _place(self, key: int, uses: int, continued: bool) -> None:
+        old = self._class.get(key)
+        if old is not None:
+            del self._lists[old][key]
+        cls = (0 if continued else 1) if uses == 1 else min(uses, 4)
+        self._class[key] = cls
+        self._lists[cls][key] = self._clock
+
+    def insert(self, key: int, size: int, now: float) -> None:
+        self._new_call(now)
+        self._place(key, self._count_use(key), continued=self._request_hit)
+
+    def touch(self, key: int, now: float) -> None:
+        self._new_call(now)
+        self._request_hit = True
+        if key in self._class:
+            self._place(key, self._count_use(key), continued=False)
+
+    def remove(self, key: int) -> None:
+        cls = self._class.pop(key, None)
+        if cls is not None:
+            del self._lists[cls][key]
+
+    def candidates(self) -> Iterator[int]:
+        """Keys by priority (last use + class bonus), lowest first: a lazy merge of the class lists."""
+        streams = [self._by_priority(entries, self.bonus * weight)
+                   for entries, weight in zip(self._lists, CLASS_WEIGHTS)]
+        return (key for _, key in heapq.merge(*streams))
+
+    @staticmethod
+    def _by_priority(entries: OrderedDict[int, int], shift: float) -> Iterator[tuple[float, int]]:
+        return ((time + shift, key) for key, time in entries.items())
+
+    def __len__(self) -> int:
+        return len(self._class)
+
