@@ -30,6 +30,7 @@ from kvfs.cluster.transport import Transport
 from kvfs.config import format_size
 from kvfs.disk.index import DiskRecord
 from kvfs.errors import KvfsError, StorageError
+from kvfs.node_membership import NodeMembership
 from kvfs.store.tiered import ReadSource, TieredStore
 
 log = logging.getLogger(__name__)
@@ -71,13 +72,11 @@ class NodeStats:
 
 DIR_ATTR_CACHE = 65536
 DIRECTORY_CACHE_NAMES = 2_000_000  # names of watched directories kept per node (~100 B each)
-REPORT_BATCH = 2000  # versions per registration report
-HEARTBEAT_S = 0.5
 REMOTE_STREAMS = 2  # parallel chunk runs per remote file
 
 
-class Node:
-    """The POSIX file service of one node."""
+class Node(NodeMembership):
+    """The POSIX file service of one node (its part in a cluster: `kvfs.node_membership`)."""
 
     def __init__(self, master: MasterClient, store: TieredStore, clock: Clock, node_id: int = 1,
                  forget_entries: Callable[[list[tuple[int, bytes]]], None] = lambda entries: None,
@@ -153,41 +152,6 @@ class Node:
         if ino in self._local and self._local[ino][0] == attr.version:
             self._local[ino] = (attr.version, attr)
         return self._current(attr)
-
-    async def _copy_directory(self, ino: int) -> None:
-        """Fetches a directory's names and watches it (see kvfs.cluster.dircache). Changes
-        pushed while the answer is on its way are applied after it."""
-        assert self.dircache is not None
-        if ino in self._fetching:
-            return
-        self._fetching[ino] = pending = []
-        try:
-            names = await self.master.call(m.WatchNames(ino, self.dircache.max_names), wait_s=0)
-            if not names.complete:
-                self.dircache.too_large(ino)
-                return
-            unwatch = self.dircache.store(ino, names.names)
-            for parent, name, added in pending:
-                (self.dircache.added if added else self.dircache.removed)(parent, name)
-            if unwatch:
-                await self.master.call(m.Unwatch(unwatch), wait_s=0)
-        except KvfsError as error:
-            log.debug("cannot copy the names of directory %d: %s", ino, error)
-        finally:
-            del self._fetching[ino]
-
-    def names_changed(self, changes: m.NameChanges) -> None:
-        """Name changes the master pushes for watched directories."""
-        if self.dircache is None:
-            return
-        for parent, name, added in changes.changes:
-            pending = self._fetching.get(parent)
-            if pending is not None:
-                pending.append((parent, name, added))
-            elif added:
-                self.dircache.added(parent, name)
-            else:
-                self.dircache.removed(parent, name)
 
     def _remember_dir(self, attr: m.Attr) -> None:
         if stat.S_ISDIR(attr.mode):
@@ -447,18 +411,6 @@ class Node:
     async def lost(self, version: int) -> None:
         self._apply_removed(await self.master.call(m.Lost(version)))
 
-    def adopt_disk(self) -> int:
-        """Cluster mode, at start: takes in the files on SSD (the registration reports them)."""
-        ssd = self.store.ssd
-        if ssd is None:
-            return 0
-        count = 0
-        for record in ssd.recovered_records():
-            self.store.adopt_recovered(record.version, record.file.size, [chunk[2] for chunk in record.chunks])
-            count += 1
-        log.info("found %d files in %s", count, ssd.directory)
-        return count
-
     async def recover(self, temp_suffix: bytes) -> None:
         """Rebuilds the namespace from the SSD index after a restart (before mounting)."""
         ssd = self.store.ssd
@@ -513,69 +465,6 @@ class Node:
             ino = self._local_inos.pop(version, None)
             if ino is not None:
                 del self._local[ino]
-
-    # Cluster membership ----------------------------------------------------------------
-
-    async def join(self, master: MasterClient, name: str, address: str) -> None:
-        """Registers with the master and reports every version stored here and every open
-        handle, so that the master keeps exactly the files that still exist (after a node
-        or a master restart alike); what it answers to drop is freed."""
-        started = time.monotonic()
-        if self.dircache is not None:  # pushes may have been missed while disconnected
-            self.dircache.clear()
-            self._fetching.clear()
-        self.node_id = (await master.call(m.Register(name, address))).node
-        held = self._held()
-        opens = [(version, writer, count) for (version, writer), count in self._opens.items()]
-        dropped: list[int] = []
-        for start in range(0, max(len(held), 1), REPORT_BATCH):
-            batch = held[start : start + REPORT_BATCH]
-            reported = await master.call(m.Report(batch, opens if start == 0 else []))
-            dropped.extend(reported.dropped)
-            if time.monotonic() - started > 1:
-                log.info("registering with the master: reported %d of %d files", start + len(batch), len(held))
-        dropped.extend((await master.call(m.FinishRegistration())).dropped)
-        self._unreported_seals.clear()
-        self._drop(dropped)
-        self._apply_beat(await master.call(self._heartbeat_request()))  # the master learns capacity and use now
-        log.info("registered as node %d: %d files kept, %d dropped, in %.2f s", self.node_id,
-                 len(held) - len(set(dropped)), len(set(dropped)), time.monotonic() - started)
-
-    def _held(self) -> list[m.Held]:
-        held = []
-        records = self.store.disk_records()
-        for version, size, checksums, on_disk in self.store.holdings():
-            record = records.get(version)
-            held.append(m.Held(version, size, True, on_disk, self._unreported_seals.get(version, 0), checksums,
-                               record.file if record is not None and on_disk else None))
-        for version, state in self._writing.items():
-            held.append(m.Held(version, state.size, False, False, state.mtime_ns))
-        return held
-
-    async def heartbeat(self) -> bool:
-        """One heartbeat: tells the master this node lives and applies what happened elsewhere.
-        False if the master no longer knows this node (it must register again)."""
-        try:
-            beat = await self.master.call(self._heartbeat_request(), wait_s=0)
-        except MasterUnavailable:
-            return True  # the link reconnects and registers again by itself
-        except KvfsError as error:
-            if error.errno == errno.ESTALE:
-                log.warning("the master declared this node dead; registering again")
-                return False
-            raise
-        self._apply_beat(beat)
-        return True
-
-    def _heartbeat_request(self) -> m.Heartbeat:
-        ssd = self.store.ssd
-        return m.Heartbeat(self.store.dram.capacity, self.store.dram.used, ssd.capacity if ssd else 0,
-                           ssd.used if ssd else 0)
-
-    def _apply_beat(self, beat: m.Beat) -> None:
-        self._drop(beat.dropped)
-        if beat.forget:
-            self.forget_entries(beat.forget)
 
     async def stats(self) -> NodeStats:
         """Capacity as statfs reports it: the largest tier that holds every file (SSD when present)."""

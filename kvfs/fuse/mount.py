@@ -26,7 +26,8 @@ from kvfs.cluster.transport import PeerServer, TcpTransport, split_address
 from kvfs.config import MountConfig, format_size
 from kvfs.errors import KvfsError
 from kvfs.fuse.operations import KvfsOperations
-from kvfs.node import HEARTBEAT_S, Node
+from kvfs.node import Node
+from kvfs.node_membership import HEARTBEAT_S
 from kvfs.policy import make_policy
 from kvfs.disk.engine import AlignedIo, open_engine
 from kvfs.disk.tier import SsdTier

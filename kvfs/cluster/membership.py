@@ -1,0 +1,196 @@
+"""Cluster membership in the metadata service (pure): registration, heartbeats, node death,
+watched directories, the cluster's status.
+
+A mixin of `kvfs.cluster.master.MetadataService`, kept apart because it is one concern:
+how nodes come, report what they hold, stay alive, and go. It uses the service's
+namespace, object directory, registry and policy.
+"""
+
+from __future__ import annotations
+
+import errno
+from typing import TYPE_CHECKING
+
+from kvfs.cluster import messages as m
+from kvfs.cluster.namespace import ROOT_INO
+from kvfs.cluster.objects import FileVersion
+from kvfs.cluster.registry import NodeRecord
+from kvfs.errors import MetadataError
+
+if TYPE_CHECKING:
+    from kvfs.cluster.master import MetadataService
+
+    _Base = MetadataService
+else:
+    _Base = object
+
+
+class Membership(_Base):
+    def _register(self, req: m.Register) -> m.Registered:
+        """A node joins or rejoins. Whatever a previous incarnation held open or cached is
+        released now; its files stay hidden until it has reported what it still holds."""
+        node = self.registry.nodes.get(self.registry.by_name.get(req.name, 0))
+        if node is not None and (node.live or node.registering):
+            self._node_down(node, forget_dram=False)
+        node = self.registry.register(req.name, req.address, self.clock.monotonic())
+        return m.Registered(node.node_id)
+
+    def _registering(self) -> NodeRecord:
+        node = self.registry.nodes.get(self._caller)
+        if node is None or not node.registering:
+            raise MetadataError(errno.EPROTO, f"node {self._caller} is not registering")
+        return node
+
+    def _report(self, req: m.Report) -> m.Reported:
+        """Reconciles the versions a registering node holds with the directory."""
+        node = self._registering()
+        node.last_seen = self.clock.monotonic()
+        dropped: list[int] = []
+        for held in req.held:
+            version = self.objects.versions.get(held.version)
+            if version is None:
+                if held.record is not None and held.sealed and held.on_disk:  # a file the master lost
+                    restored = self._restore(m.Restore(held.version, node.node_id, held.record, held.checksums))
+                    dropped.extend(restored.dropped)
+                    if restored.kept:
+                        node.reported.add(held.version)
+                        continue
+                dropped.append(held.version)
+                continue
+            if version.node != node.node_id:
+                dropped.append(held.version)
+                continue
+            node.reported.add(held.version)
+            if held.sealed and not version.sealed:  # sealed on the node while the master was away
+                self.objects.seal(version, held.size, held.checksums)
+                inode = self.ns.inodes.get(version.ino)
+                if inode is not None:
+                    inode.mtime_ns = inode.ctime_ns = held.mtime_ns
+                    self.ns.dirty.add(inode.ino)
+                    if version.current and inode.linked:
+                        self.policy.insert(inode.ino, held.size, self.clock.monotonic())
+            if held.on_disk != version.on_disk:
+                version.on_disk = held.on_disk
+                self.objects.dirty.add(version.version)
+        for version_id, writer, count in req.opens:
+            version = self.objects.versions.get(version_id)
+            if version is None or count <= 0:
+                continue
+            self._count_open(version_id, writer, count)
+            if writer:
+                version.writers += count
+            else:
+                version.readers += count
+        return m.Reported(sorted(set(dropped)))
+
+    def _finish_registration(self, req: m.FinishRegistration) -> m.Done:
+        """Versions of this node it did not report are gone: their files leave the namespace."""
+        node = self._registering()
+        gone = [version for version in self.objects.versions.values()
+                if version.node == node.node_id and version.version not in node.reported]
+        self._forget_versions(gone)
+        # Retired versions that were open before a restart and are open no more.
+        unused = [version for version in self.objects.versions.values()
+                  if version.node == node.node_id and not version.current and not version.in_use]
+        for version in unused:
+            self.objects.forget(version)
+        node.registering, node.live, node.reported = False, True, set()
+        node.last_seen = self.clock.monotonic()
+        return m.Done([version.version for version in unused])
+
+    def _forget_versions(self, versions: list[FileVersion]) -> None:
+        now = self.clock.wall_ns()
+        dropped: list[int] = []
+        for version in versions:
+            inode = self.ns.inodes.get(version.ino)
+            if version.current and inode is not None and inode.linked and inode.version == version.version:
+                self._remove_file(inode, now, dropped)
+            if version.version in self.objects.versions:  # retired but held open before
+                version.current = False
+                version.readers = version.writers = 0
+                self.objects.forget(version)
+
+    def _heartbeat(self, req: m.Heartbeat) -> m.Beat:
+        node = self.registry.nodes.get(self._caller)
+        if node is None or not node.live:
+            raise MetadataError(errno.ESTALE, f"node {self._caller} is not registered (declared dead?)")
+        node.last_seen = self.clock.monotonic()
+        node.usage.dram_capacity, node.usage.dram_used = req.dram_capacity, req.dram_used
+        node.usage.ssd_capacity, node.usage.ssd_used = req.ssd_capacity, req.ssd_used
+        beat = m.Beat(node.outbox_dropped, node.outbox_forget)
+        node.outbox_dropped, node.outbox_forget = [], []
+        return beat
+
+    def expire_nodes(self) -> list[int]:
+        """Declares nodes that stopped heartbeating dead; returns their ids (called periodically)."""
+        dead = self.registry.expired(self.clock.monotonic())
+        for node in dead:
+            self._caller = 0
+            self._node_down(node, forget_dram=True)
+            node.deaths += 1
+            self._route_outcomes()
+        return [node.node_id for node in dead]
+
+    def _node_down(self, node: NodeRecord, forget_dram: bool) -> None:
+        """The node is gone (dead, or restarting): its open handles and kernel references
+        go; with `forget_dram` so do the files whose only copy was in its memory, while
+        its files on SSD stay, hidden, until it registers again."""
+        node.live = node.registering = False
+        node.outbox_dropped, node.outbox_forget = [], []
+        dropped: list[int] = []
+        for (version_id, writer), count in self._opens.pop(node.node_id, {}).items():
+            version = self.objects.versions.get(version_id)
+            if version is not None:
+                for _ in range(count):
+                    self.objects.release(version, writer, dropped)
+        bit = 1 << node.node_id
+        node.outbox_names = []
+        for inode in list(self.ns.inodes.values()):
+            inode.watchers &= ~bit
+            if inode.refs & bit and inode.ino != ROOT_INO:
+                inode.refs &= ~bit
+                self._unhold(inode.ino, node.node_id, dropped)
+                self.ns.collect(inode)
+        if forget_dram:
+            self._forget_versions([version for version in self.objects.versions.values()
+                                   if version.node == node.node_id and (not version.on_disk or not version.sealed)])
+
+    def _watch_names(self, req: m.WatchNames) -> m.Names:
+        directory = self.ns.directory(req.ino)
+        names = directory.children  # every name, hidden files too: a copy only answers misses
+        if len(names) > req.limit:  # type: ignore[arg-type]
+            return m.Names([], False)
+        directory.watchers |= 1 << self._caller
+        return m.Names(list(names), True)  # type: ignore[arg-type]
+
+    def _unwatch(self, req: m.Unwatch) -> m.Done:
+        for ino in req.inos:
+            inode = self.ns.inodes.get(ino)
+            if inode is not None:
+                inode.watchers &= ~(1 << self._caller)
+        return m.Done()
+
+    def take_notifications(self, node_id: int) -> list[tuple[int, bytes, bool]]:
+        node = self.registry.nodes.get(node_id)
+        if node is None:
+            return []
+        changes, node.outbox_names = node.outbox_names, []
+        return changes
+
+    def _cluster_status(self, req: m.ClusterStatus) -> m.ClusterInfo:
+        now = self.clock.monotonic()
+        counts: dict[int, list[int]] = {}
+        for version in self.objects.versions.values():
+            if version.current:
+                entry = counts.setdefault(version.node, [0, 0, 0, 0])
+                entry[0] += 1
+                entry[1 if not version.on_disk else 2] += 1
+                entry[3] += version.size
+        nodes = []
+        for node in sorted(self.registry.nodes.values(), key=lambda n: n.node_id):
+            files, dram_only, ssd, nbytes = counts.get(node.node_id, [0, 0, 0, 0])
+            u = node.usage
+            nodes.append(m.NodeStatus(node.node_id, node.name, node.address, node.live,
+                                      round(now - node.last_seen, 3), u.dram_capacity, u.dram_used,
+                                      u.ssd_capacity, u.ssd_used, files, dram_only, ssd, nbytes))
+        return m.ClusterInfo(nodes, len(self.ns.inodes), self.ns.files, self.objects.sealed_bytes)
