@@ -51,6 +51,7 @@ class OpenFile:
     size: int  # the size of a sealed version (versions being written track theirs in WriteState)
     source: ReadSource | None = None  # where a reader's bytes come from
     leased: bool = True  # the master counts this handle (not when opened while it was unreachable)
+    finished: bool = False  # a writer whose part is done (sealed at close in cluster mode)
 
 
 @dataclass(slots=True)
@@ -350,6 +351,8 @@ class Node(NodeMembership):
     async def write(self, handle: OpenFile, offset: int, data: bytes) -> int:
         if not handle.writable:
             raise StorageError(errno.EBADF, f"inode {handle.ino} is not open for writing")
+        if handle.finished:
+            raise StorageError(errno.EBADF, f"inode {handle.ino} was sealed when a descriptor of it was closed")
         end = offset + len(data)
         self._check_file_size(end)
         await self.store.write(handle.version, offset, data)
@@ -358,24 +361,38 @@ class Node(NodeMembership):
         state.mtime_ns = self.clock.wall_ns()
         return len(data)
 
+    async def flush(self, handle: OpenFile) -> None:
+        """close() of a descriptor (cluster mode). The only writer's close seals the file
+        before close returns, so that other nodes see all of it as soon as the writer is
+        done (close-to-open); RELEASE, which the kernel sends after close returns, only
+        drops the reference then."""
+        if handle.writable and not handle.finished:
+            state = self._writing.get(handle.version)
+            if state is not None and state.writers == 1:
+                await self._finish_writing(handle)
+
+    async def _finish_writing(self, handle: OpenFile) -> None:
+        handle.finished = True
+        state = self._writing[handle.version]
+        state.writers -= 1
+        if state.writers:
+            return
+        del self._writing[handle.version]  # the last writer is done: the bytes are final
+        checksums = self.store.seal(handle.version, state.size)
+        try:
+            attr = await self.master.call(m.Seal(handle.version, state.size, state.mtime_ns, checksums))
+            self._remember_local(handle.ino, handle.version, attr)
+        except MasterUnavailable:  # sealed here; the next registration reports it
+            self._unreported_seals[handle.version] = state.mtime_ns
+            log.warning("inode %d: the master is unreachable; its seal is reported on reconnection", handle.ino)
+
     async def release(self, handle: OpenFile) -> None:
         self._count_open(handle.version, handle.writable, -1)
         try:
             if handle.source is not None:
                 self.store.close_read(handle.source)
-            if handle.writable:
-                state = self._writing[handle.version]
-                state.writers -= 1
-                if state.writers == 0:  # the last writer closed: the bytes are final
-                    del self._writing[handle.version]
-                    checksums = self.store.seal(handle.version, state.size)
-                    try:
-                        attr = await self.master.call(m.Seal(handle.version, state.size, state.mtime_ns, checksums))
-                        self._remember_local(handle.ino, handle.version, attr)
-                    except MasterUnavailable:  # sealed here; the next registration reports it
-                        self._unreported_seals[handle.version] = state.mtime_ns
-                        log.warning("inode %d: the master is unreachable; its seal is reported on reconnection",
-                                    handle.ino)
+            if handle.writable and not handle.finished:
+                await self._finish_writing(handle)
         finally:  # the reference goes even if sealing failed, or the version would leak
             if handle.leased:
                 try:
