@@ -25,3 +25,12 @@ async def run_all(calls: Iterable[Callable[[], Awaitable[object]]]) -> None:
             nursery.start_soon(guarded, call, nursery.cancel_scope)
     if failures:
         raise failures[0]
+
+
+def single_error(group: BaseExceptionGroup, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The first exception of one of `kinds` inside a (nested) exception group, if any: what
+    a task nursery wrapped, to report it as the one error it is."""
+    matched, _ = group.split(kinds)
+    while isinstance(matched, BaseExceptionGroup):
+        matched = matched.exceptions[0]
+    return matched

@@ -51,7 +51,7 @@ class NodeMembership(_Base):
         except KvfsError as error:
             log.debug("cannot copy the names of directory %d: %s", ino, error)
         finally:
-            del self._fetching[ino]
+            self._fetching.pop(ino, None)  # a re-registration may have cleared it
 
     def names_changed(self, changes: m.NameChanges) -> None:
         """Name changes the master pushes for watched directories."""

@@ -388,3 +388,13 @@ def test_misses_are_answered_on_the_node_and_new_names_still_appear(cluster: Clu
                timeout=5, what="the unlink and the rename on the reader")
     assert sorted(os.listdir(directory)) == sorted([f"k{i}.bin" for i in range(20) if i not in (3, 4)] + ["k4-moved.bin"])
     assert stats(reader)["misses_answered_locally"] > answered
+
+
+def test_a_node_with_the_wrong_secret_says_so_and_exits(cluster: Cluster, tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "kvfs", "node", "--master", cluster.master.address,
+                             "--mount", str(tmp_path / "mnt"), "--dram", "64M", "--foreground"],
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "KVFS_SECRET": "not-the-cluster-secret"})
+    assert result.returncode == 1
+    assert "cannot authenticate with master" in result.stderr and "Traceback" not in result.stderr
+    assert "refused connection" in cluster.master.log_text()

@@ -8,13 +8,17 @@ re-registration, which reports everything it holds, settles that).
 
 from __future__ import annotations
 
+import errno
 import logging
 from typing import Any, Awaitable, Callable
 
 import trio
 
 from kvfs.cluster import messages as m
+from kvfs.cluster.auth import AuthError
+from kvfs.cluster.protocol import ProtocolError
 from kvfs.cluster.rpc import MasterUnavailable, RemoteMaster
+from kvfs.errors import KvfsError
 from kvfs.cluster.transport import split_address
 
 log = logging.getLogger(__name__)
@@ -51,13 +55,8 @@ class MasterLink:
         started = False
         async with trio.open_nursery() as nursery:
             while True:
-                try:
-                    remote = await RemoteMaster.connect(self.host, self.port, self.secret, nursery, role="node",
-                                                        on_notify=self.on_notify)
-                    await self.join(remote)
-                except (OSError, EOFError, trio.BrokenResourceError, MasterUnavailable) as error:
-                    if delay >= RECONNECT_MAX_S or not started:
-                        log.warning("master %s unreachable (%s); retrying", self.address, error)
+                remote = await self._connect_and_join(nursery, first=not started)
+                if remote is None:
                     await trio.sleep(delay)
                     delay = min(RECONNECT_MAX_S, delay * 2)
                     continue
@@ -74,6 +73,28 @@ class MasterLink:
                 self._up = trio.Event()
                 self._remote = None
                 log.warning("lost the connection to master %s: %s", self.address, remote.broken)
+
+    async def _connect_and_join(self, nursery: trio.Nursery, first: bool) -> RemoteMaster | None:
+        """A registered connection, or None (logged) to try again later."""
+        remote = None
+        try:
+            remote = await RemoteMaster.connect(self.host, self.port, self.secret, nursery, role="node",
+                                                on_notify=self.on_notify)
+            await self.join(remote)
+            if remote.broken is None:
+                return remote
+            error: BaseException = remote.broken
+        except (AuthError, ProtocolError) as refused:
+            if first:  # a wrong secret or an incompatible master: say so rather than retry forever
+                raise KvfsError(errno.EACCES, f"cannot authenticate with master {self.address} (is the cluster "
+                                              f"secret the same on both?): {refused}") from None
+            error = refused
+        except (OSError, EOFError, trio.BrokenResourceError, trio.TooSlowError, KvfsError) as failed:
+            error = failed
+        log.warning("master %s: cannot register (%s); retrying", self.address, error)
+        if remote is not None:
+            await remote.aclose()
+        return None
 
     async def reconnect(self) -> None:
         """Drops the connection (the master no longer knows this node): register again."""

@@ -23,6 +23,7 @@ from kvfs.cluster.embedded import EmbeddedMaster
 from kvfs.cluster.link import MasterLink
 from kvfs.cluster.master import MasterSettings, MetadataService
 from kvfs.cluster.transport import PeerServer, TcpTransport, split_address
+from kvfs.concurrency import single_error
 from kvfs.config import MountConfig, format_size
 from kvfs.errors import KvfsError
 from kvfs.fuse.operations import KvfsOperations
@@ -160,6 +161,11 @@ class Daemon:
         prepare_mountpoint(self.config.mountpoint)
         try:
             trio.run(self._main, on_ready)
+        except BaseExceptionGroup as group:  # a task's failure to start, wrapped by its nursery
+            error = single_error(group, (KvfsError, OSError))
+            if error is None:
+                raise
+            raise error from None
         finally:
             if self._mounted:
                 pyfuse3.close(unmount=True)
