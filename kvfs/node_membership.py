@@ -39,11 +39,18 @@ class NodeMembership(_Base):
             return
         self._fetching[ino] = pending = []
         try:
-            names = await self.master.call(m.WatchNames(ino, self.dircache.max_names), wait_s=0)
-            if not names.complete:
-                self.dircache.too_large(ino)
-                return
-            unwatch = self.dircache.store(ino, names.names)
+            collected: list[bytes] = []
+            start_id = 0
+            while True:
+                names = await self.master.call(m.WatchNames(ino, self.dircache.max_names, start_id), wait_s=0)
+                if not names.complete:
+                    self.dircache.too_large(ino)
+                    return
+                collected.extend(names.names)
+                if not names.next_id:
+                    break
+                start_id = names.next_id
+            unwatch = self.dircache.store(ino, collected)
             for parent, name, added in pending:
                 (self.dircache.added if added else self.dircache.removed)(parent, name)
             if unwatch:

@@ -188,3 +188,25 @@ def test_state_survives_a_restart_and_nodes_bring_their_files_back(cluster: Clus
     attr = fresh.store(a, b"new.bin")
     assert attr.ino > max(f.ino for f in files.values()) and attr.version > files[b"gone.bin"].version
     state.close()
+
+
+def test_a_large_directory_is_watched_page_by_page(cluster: Cluster) -> None:
+    a, _ = cluster.join("a")
+    b, _ = cluster.join("b")
+    directory = cluster.master.handle(m.MkDir(ROOT_INO, b"keys", 0o755, 0, 0), a)
+    for i in range(10_000):
+        cluster.master.handle(m.Create(directory.ino, b"k%05d" % i, 0o644, 0, 0, a, True), a)
+    names, start_id, pages = [], 0, 0
+    while True:
+        page = cluster.master.handle(m.WatchNames(directory.ino, 1_000_000, start_id), b)
+        assert page.complete
+        names += page.names
+        pages += 1
+        if not page.next_id:
+            break
+        start_id = page.next_id
+    assert pages == 3 and sorted(names) == [b"k%05d" % i for i in range(10_000)]
+    cluster.master.handle(m.Create(directory.ino, b"new", 0o644, 0, 0, a, True), a)
+    assert cluster.master.take_notifications(b) == [(directory.ino, b"new", True)]
+    assert cluster.master.take_notifications(a) == []  # a does not watch it
+    assert not cluster.master.handle(m.WatchNames(directory.ino, 5_000), a).complete  # over its limit

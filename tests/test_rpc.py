@@ -135,3 +135,18 @@ def test_random_frames_after_the_handshake_never_take_the_master_down(frames) ->
         await master.aclose()
 
     serve_and(test)
+
+
+def test_an_answer_too_large_for_a_frame_is_an_error_not_a_hang_up() -> None:
+    async def test(port: int, nursery: trio.Nursery) -> None:
+        master = await RemoteMaster.connect("127.0.0.1", port, SECRET, nursery)
+        for i in range(6000):  # 6,000 entries of 200-byte names: a listing of them is over 1 MiB
+            opened = await master.call(m.Create(ROOT_INO, b"%0200d" % i, 0o644, 0, 0, 1, True))
+            await master.call(m.Release(opened.version, writer=True))
+        with pytest.raises(MetadataError) as raised:
+            await master.call(m.ReadDir(ROOT_INO, 0, 10**6))
+        assert raised.value.errno == errno.EFBIG
+        assert len((await master.call(m.ReadDir(ROOT_INO, 0, 100))).entries) == 100  # still connected
+        await master.aclose()
+
+    serve_and(test)

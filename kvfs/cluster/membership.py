@@ -157,11 +157,15 @@ class Membership(_Base):
 
     def _watch_names(self, req: m.WatchNames) -> m.Names:
         directory = self.ns.directory(req.ino)
-        names = directory.children  # every name, hidden files too: a copy only answers misses
-        if len(names) > req.limit:  # type: ignore[arg-type]
-            return m.Names([], False)
-        directory.watchers |= 1 << self._caller
-        return m.Names(list(names), True)  # type: ignore[arg-type]
+        if req.start_id == 0:
+            if len(directory.children) > req.limit:  # type: ignore[arg-type]
+                return m.Names([], False)
+            directory.watchers |= 1 << self._caller
+        # Every name, hidden files too (a copy only answers misses); later pages may also hold
+        # names added since the first, which the pushes report anyway.
+        page = self.ns.listing(directory, req.start_id, max(1, min(req.page, 4096)))
+        next_id = page[-1][2] if len(page) == max(1, min(req.page, 4096)) else 0
+        return m.Names([name for name, _, _ in page], True, next_id)
 
     def _unwatch(self, req: m.Unwatch) -> m.Done:
         for ino in req.inos:

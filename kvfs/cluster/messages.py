@@ -266,11 +266,13 @@ class ClusterStatus(Request):
 
 
 class WatchNames(Request):
-    """The directory's complete name set, and from now on a push of each name added or
-    removed there (unless it holds more than `limit` names: then nothing)."""
+    """The directory's names, a page at a time, and from the first page on a push of each
+    name added or removed there (unless it holds more than `limit` names: then nothing)."""
 
     ino: int
     limit: int
+    start_id: int = 0  # resume after this entry (0: the first page, which starts the watch)
+    page: int = 4096  # names per answer (a frame header holds at most 1 MiB)
 
 
 class Unwatch(Request):
@@ -360,6 +362,7 @@ class Beat(msgspec.Struct):
 class Names(msgspec.Struct):
     names: list[bytes]
     complete: bool  # False: the directory is larger than asked for, and is not watched
+    next_id: int = 0  # where the next page starts; 0: this was the last page
 
 
 class NameChanges(msgspec.Struct):

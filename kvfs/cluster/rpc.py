@@ -186,8 +186,13 @@ class MetadataServer:
                     log.exception("%s from %s failed", type(request).__name__, peer)
                     reply = (FrameKind.ERROR, ErrorReply(errno.EIO, f"{type(request).__name__} failed: {error!r}"))
                 self.wake_pushers()
+                try:
+                    frame = encode_frame(reply[0], prefix.request_id, reply[1])
+                except ProtocolError as error:  # an answer too large to send: the caller gets an errno
+                    log.error("%s from %s: %s", type(request).__name__, peer, error)
+                    frame = encode_frame(FrameKind.ERROR, prefix.request_id, ErrorReply(errno.EFBIG, str(error)))
                 async with send_lock:
-                    await frames.send(reply[0], prefix.request_id, reply[1])
+                    await frames.stream.send_all(frame)
         except ProtocolError as error:
             log.warning("closing connection from %s: %s", peer, error)
         except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
