@@ -379,12 +379,15 @@ class Node(NodeMembership):
             return
         del self._writing[handle.version]  # the last writer is done: the bytes are final
         checksums = self.store.seal(handle.version, state.size)
+        # Until the master confirms, a registration reports the seal (with its mtime) itself.
+        self._unreported_seals[handle.version] = state.mtime_ns
         try:
             attr = await self.master.call(m.Seal(handle.version, state.size, state.mtime_ns, checksums))
-            self._remember_local(handle.ino, handle.version, attr)
-        except MasterUnavailable:  # sealed here; the next registration reports it
-            self._unreported_seals[handle.version] = state.mtime_ns
+        except MasterUnavailable:
             log.warning("inode %d: the master is unreachable; its seal is reported on reconnection", handle.ino)
+            return
+        self._unreported_seals.pop(handle.version, None)
+        self._remember_local(handle.ino, handle.version, attr)
 
     async def release(self, handle: OpenFile) -> None:
         self._count_open(handle.version, handle.writable, -1)

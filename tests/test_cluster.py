@@ -181,13 +181,14 @@ def test_node_killed_during_reads_then_restarted(cluster: Cluster, tmp_path: Pat
     threads = [threading.Thread(target=read_forever, args=(node, i)) for i in range(4) for node in readers]
     for thread in threads:
         thread.start()
-    time.sleep(0.5)  # let the readers get going on the live owner
+    wait_until(lambda: sum(outcome == "ok" for _, _, outcome, _ in outcomes) >= 40, what="reads from the live owner")
     killed_at = time.monotonic()
     owner.kill()
     wait_until(lambda: not any(name in os.listdir(readers[0].path) for name in everything),
                what="the dead node's files to leave the namespace")
     declared_dead_s = time.monotonic() - killed_at
-    time.sleep(0.3)
+    wait_until(lambda: sum(started > declared_dead_s + killed_at for started, _, _, _ in outcomes) >= 40,
+               what="reads after the death was declared")
     stop.set()
     for thread in threads:
         thread.join(timeout=30)
@@ -260,7 +261,8 @@ def test_master_killed_during_write_load(cluster: Cluster) -> None:
     cluster.master.kill()
     killed_at = time.monotonic()
     reads_before = local_reads["ok"]
-    time.sleep(1.0)  # the master is down for a second; the writer node keeps serving its own files
+    # The master stays down until the writer node has served its own files without it for a while.
+    wait_until(lambda: local_reads["ok"] - reads_before >= 200, what="local reads without the master")
     served_without_master = local_reads["ok"] - reads_before
     cluster.master.start(port=cluster.master.port)
     restarted_at = time.monotonic()
@@ -282,7 +284,6 @@ def test_master_killed_during_write_load(cluster: Cluster) -> None:
     print(f"\nmaster down {restarted_at - killed_at:.2f} s; {served_without_master} local reads served meanwhile; "
           f"namespace back {back_s:.2f} s after restart; {len(acknowledged)} files kept, "
           f"{len(write_errors)} writes failed")
-    assert served_without_master > 0
     for node in cluster.nodes:
         node.allowed_errors.append("master")
 

@@ -210,3 +210,15 @@ def test_a_large_directory_is_watched_page_by_page(cluster: Cluster) -> None:
     assert cluster.master.take_notifications(b) == [(directory.ino, b"new", True)]
     assert cluster.master.take_notifications(a) == []  # a does not watch it
     assert not cluster.master.handle(m.WatchNames(directory.ino, 5_000), a).complete  # over its limit
+
+
+def test_a_seal_retried_after_a_re_registration_is_accepted(cluster: Cluster) -> None:
+    a, _ = cluster.join("a")
+    opened = cluster.master.handle(m.Create(ROOT_INO, b"w.bin", 0o644, 0, 0, a, True), a)
+    # The node sealed it while the master was away: its registration says so first...
+    cluster.join("a", [m.Held(opened.version, 5, True, False, mtime_ns=42, checksums=[3])])
+    # ...then the seal it had in flight arrives: the same seal is no error, a different one is.
+    attr = cluster.master.handle(m.Seal(opened.version, 5, 42, [3]), a)
+    assert attr.sealed and attr.size == 5
+    with pytest.raises(MetadataError):
+        cluster.master.handle(m.Seal(opened.version, 6, 42, [4]), a)

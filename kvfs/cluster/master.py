@@ -467,15 +467,18 @@ class MetadataService(Membership):
 
     def _seal(self, req: m.Seal) -> m.Attr:
         version = self.objects.get(req.version)
-        if version.sealed:
+        newly = not version.sealed
+        if newly:
+            self.objects.seal(version, req.size, req.checksums)
+        elif (version.size, version.checksums) != (req.size, req.checksums):
             raise MetadataError(errno.EINVAL, f"version {req.version} is already sealed")
-        self.objects.seal(version, req.size, req.checksums)
+        # (else: the same seal again, a node's retry after its re-registration reported it)
         inode = self.ns.inodes.get(version.ino)
         if inode is None:
             return m.Attr(version.ino, stat.S_IFREG, 0, 0, 0, req.size, 0, 0, 0, version.version, True)
         inode.mtime_ns = inode.ctime_ns = req.mtime_ns
         self.ns.dirty.add(inode.ino)
-        if version.current and inode.linked:
+        if newly and version.current and inode.linked:
             self.policy.insert(inode.ino, req.size, self.clock.monotonic())
         return self.attr(inode)
 
