@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="machine-readable output")
     _add_common(status)
 
+    remove = commands.add_parser("remove-node", help="forget a node that is down for good (its files go)")
+    remove.add_argument("name", help="the node's name, as `kvfs status` shows it")
+    remove.add_argument("--master", required=True, help="the master's HOST:PORT")
+    _add_common(remove)
+
     umount = commands.add_parser("umount", help="unmount a kvfs mount")
     umount.add_argument("mountpoint")
     umount.add_argument("--lazy", action="store_true", help="detach now even if busy")
@@ -221,28 +226,52 @@ def run_master(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_status(args: argparse.Namespace) -> int:
-    import json
-
-    import msgspec
+def ask_master(args: argparse.Namespace, request):  # type: ignore[no-untyped-def]
+    """One request to the master named by --master, as an authenticated client."""
     import trio
 
-    from kvfs.cluster import messages as m
     from kvfs.cluster.rpc import RemoteMaster
     from kvfs.cluster.transport import split_address
 
     host, port = split_address(args.master)
     secret = _secret(args)
 
-    async def fetch() -> m.ClusterInfo:
+    async def call():  # type: ignore[no-untyped-def]
         async with trio.open_nursery() as nursery:
             with trio.fail_after(10):
                 master = await RemoteMaster.connect(host, port, secret, nursery, role="client")
-                info = await master.call(m.ClusterStatus())
-            await master.aclose()
-            return info
+                try:
+                    return await master.call(request)
+                finally:
+                    await master.aclose()
 
-    info = trio.run(fetch)
+    try:
+        return trio.run(call)
+    except BaseExceptionGroup as group:
+        from kvfs.concurrency import single_error
+
+        error = single_error(group, (KvfsError, OSError))
+        if error is None:
+            raise
+        raise error from None
+
+
+def run_remove_node(args: argparse.Namespace) -> int:
+    from kvfs.cluster import messages as m
+
+    removed = ask_master(args, m.RemoveNode(args.name))
+    print(f"removed node {args.name}: {len(removed.entries)} files, {format_size(removed.freed_bytes)}")
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    import json
+
+    import msgspec
+
+    from kvfs.cluster import messages as m
+
+    info = ask_master(args, m.ClusterStatus())
     if args.json:
         print(json.dumps(msgspec.to_builtins(info), indent=2))
         return 0
@@ -279,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         args = apply_config_file(parser, argv)
         init_logging(getattr(args, "log_level", "info"))
         commands = {"mount": run_mount, "node": run_node, "master": run_master, "status": run_status,
-                    "umount": run_umount}
+                    "remove-node": run_remove_node, "umount": run_umount}
         return commands[args.command](args)
     except KvfsError as error:
         log.error("%s", error)

@@ -364,6 +364,11 @@ def test_status_and_config_file(cluster: Cluster, tmp_path: Path) -> None:
                            capture_output=True, text=True, timeout=30,
                            env={**os.environ, "KVFS_SECRET": "not-the-cluster-secret"})
     assert wrong.returncode != 0
+    for name, message in (("no-such-node", "no node named"), ("from-toml", "is up; stop it first")):
+        refused = subprocess.run([sys.executable, "-m", "kvfs", "remove-node", name, "--master", cluster.master.address],
+                                 capture_output=True, text=True, timeout=30,
+                                 env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
+        assert refused.returncode == 1 and message in refused.stderr and "Traceback" not in refused.stderr
     bad = tmp_path / "bad.toml"
     bad.write_text('[node]\nmaster = "127.0.0.1:1"\ndramm = "64M"\n')
     result = subprocess.run([sys.executable, "-m", "kvfs", "node", "--config", str(bad), "--mount", str(tmp_path / "x")],

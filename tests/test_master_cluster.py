@@ -222,3 +222,21 @@ def test_a_seal_retried_after_a_re_registration_is_accepted(cluster: Cluster) ->
     assert attr.sealed and attr.size == 5
     with pytest.raises(MetadataError):
         cluster.master.handle(m.Seal(opened.version, 6, 42, [4]), a)
+
+
+def test_an_operator_removes_a_node_that_will_not_come_back(cluster: Cluster) -> None:
+    a, _ = cluster.join("a")
+    b, _ = cluster.join("b")
+    on_ssd = cluster.store(a, b"k.bin")
+    cluster.master.handle(m.Offloaded([on_ssd.version]), a)
+    fails(lambda: cluster.master.handle(m.RemoveNode("a"), 0), errno.EBUSY)  # still up
+    cluster.silence(3.0, b)
+    removed = cluster.master.handle(m.RemoveNode("a"), 0)
+    assert removed.entries == [(ROOT_INO, b"k.bin")] and removed.freed_bytes == 100
+    assert cluster.beat(b).forget == [(ROOT_INO, b"k.bin")]
+    assert cluster.master.handle(m.ReadDir(ROOT_INO, 0, 10), b).entries == []
+    assert cluster.master.objects.versions == {}
+    assert [n.name for n in cluster.master.handle(m.ClusterStatus(), 0).nodes] == ["b"]
+    fails(lambda: cluster.master.handle(m.RemoveNode("a"), 0), errno.ENOENT)
+    again, dropped = cluster.join("a", [m.Held(on_ssd.version, 100, True, True)])  # it came back after all
+    assert again != a and dropped == [on_ssd.version]  # a new node; its old file was given up

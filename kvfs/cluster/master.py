@@ -93,6 +93,7 @@ class MetadataService(Membership):
             m.ClusterStatus: self._cluster_status,
             m.WatchNames: self._watch_names,
             m.Unwatch: self._unwatch,
+            m.RemoveNode: self._remove_node,
         }
         self.notify: set[int] = set()  # nodes with name changes to push
 

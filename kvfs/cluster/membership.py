@@ -181,6 +181,25 @@ class Membership(_Base):
         changes, node.outbox_names = node.outbox_names, []
         return changes
 
+    def _remove_node(self, req: m.RemoveNode) -> m.Removed:
+        """Forgets a node that is down for good: its hidden files leave the namespace (their
+        names are free again) and its name is unregistered. A live node cannot be removed."""
+        node_id = self.registry.by_name.get(req.name)
+        node = self.registry.nodes.get(node_id) if node_id is not None else None
+        if node is None:
+            raise MetadataError(errno.ENOENT, f"no node named {req.name!r}")
+        if node.live or node.registering:
+            raise MetadataError(errno.EBUSY, f"node {req.name!r} is up; stop it first")
+        gone = [version for version in self.objects.versions.values() if version.node == node.node_id]
+        entries = [(inode.parent, inode.name) for inode in
+                   (self.ns.inodes.get(version.ino) for version in gone if version.current) if inode is not None]
+        freed = sum(version.size for version in gone if version.current)
+        self._forget_versions(gone)
+        del self.registry.nodes[node.node_id]
+        del self.registry.by_name[req.name]
+        self.registry.dirty = True
+        return m.Removed([], entries, freed)
+
     def _cluster_status(self, req: m.ClusterStatus) -> m.ClusterInfo:
         now = self.clock.monotonic()
         counts: dict[int, list[int]] = {}

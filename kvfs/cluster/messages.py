@@ -265,6 +265,12 @@ class ClusterStatus(Request):
     pass
 
 
+class RemoveNode(Request):
+    """An operator's decision: a node that is down will not come back; its files go."""
+
+    name: str
+
+
 class WatchNames(Request):
     """The directory's names, a page at a time, and from the first page on a push of each
     name added or removed there (unless it holds more than `limit` names: then nothing)."""
@@ -402,4 +408,5 @@ RESPONSE_TYPES: dict[type, type] = {
     GetVersion: VersionInfo, Reclaim: Removed, Offloaded: Done, GetRecord: FileRecord, Lost: Removed,
     Restore: Restored, CollectOrphans: Removed, Stats: MasterStats, Register: Registered, Report: Reported,
     FinishRegistration: Done, Heartbeat: Beat, ClusterStatus: ClusterInfo, WatchNames: Names, Unwatch: Done,
+    RemoveNode: Removed,
 }
