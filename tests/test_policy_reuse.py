@@ -54,3 +54,35 @@ def test_removed_keys_leave_the_order() -> None:
     policy.remove(2)
     policy.remove(99)  # unknown keys are ignored
     assert sorted(policy.candidates()) == [0, 1, 3, 4] and len(policy) == 4
+
+
+def test_a_block_stored_again_under_its_name_is_known_as_reused() -> None:
+    policy = ReusePolicy(bonus=100)
+    policy.insert(10, 1, now=0.0)  # block "a" as file 10 ...
+    policy.identify(10, 777)  # ... published under its name
+    policy.remove(10)  # evicted
+    policy.identify(11, 777)  # stored again: file 11, same name (named before it is sealed)
+    policy.insert(11, 1, now=1.0)
+    policy.insert(12, 1, now=2.0)  # a newer one-off block
+    assert list(policy.candidates()) == [12, 11]  # the block seen twice outlives it
+
+
+def test_the_master_names_blocks_so_that_history_survives_eviction() -> None:
+    from kvfs.clock import ManualClock
+    from kvfs.cluster import messages as m
+    from kvfs.cluster.master import MasterSettings, MetadataService
+    from kvfs.cluster.namespace import ROOT_INO
+
+    master = MetadataService(ManualClock(), ReusePolicy(bonus=100), MasterSettings())
+
+    def store(name: bytes) -> int:  # vLLM's pattern: a temp file, sealed, renamed into place
+        opened = master.handle(m.Create(ROOT_INO, name + b".tmp", 0o644, 0, 0, 1, True))
+        master.handle(m.Seal(opened.version, 10, 1, [1]))
+        master.handle(m.Release(opened.version, writer=True))
+        master.handle(m.Rename(ROOT_INO, name + b".tmp", ROOT_INO, name))
+        return opened.attr.ino
+
+    store(b"a")
+    assert master.handle(m.Reclaim(1, 1 << 20)).entries == [(ROOT_INO, b"a")]  # evicted
+    again, other = store(b"a"), store(b"b")
+    assert list(master.policy.candidates()) == [other, again]

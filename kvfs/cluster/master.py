@@ -13,6 +13,8 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import xxhash
+
 from kvfs.clock import Clock
 from kvfs.cluster import messages as m
 from kvfs.cluster.membership import Membership
@@ -26,6 +28,11 @@ XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 65536
 USER_XATTR_PREFIX = b"user."
 RECLAIM_MAX_FILES = 16  # files evicted per reclaim request
+
+
+def name_identity(parent: int, name: bytes) -> int:
+    """A stable hash of a file's place in the namespace (the same across re-creations)."""
+    return xxhash.xxh64_intdigest(parent.to_bytes(8, "little") + name)
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,7 @@ class MetadataService(Membership):
             if self._is_temp(inode.name):
                 self._temp_files.add(inode.ino)
             if version is not None and version.sealed:
+                self._identify(inode)
                 self.policy.insert(inode.ino, version.size, now)
 
     def _route_outcomes(self) -> None:
@@ -229,10 +237,23 @@ class MetadataService(Membership):
 
     def _link(self, directory: Inode, name: bytes, inode: Inode, now: int) -> None:
         self.ns.link(directory, name, inode, now)
-        if not inode.is_dir and self._is_temp(name):
+        if inode.is_dir:
+            return
+        if self._is_temp(name):
             self._temp_files.add(inode.ino)
         else:
             self._temp_files.discard(inode.ino)
+            self._identify(inode)
+
+    def _identify(self, inode: Inode) -> None:
+        """A file published under its name: the policy knows the block by it, across re-creations."""
+        if inode.linked and not self._is_temp(inode.name):
+            self.policy.identify(inode.ino, name_identity(inode.parent, inode.name))
+
+    def _admit(self, inode: Inode, size: int) -> None:
+        """A sealed, current file becomes evictable."""
+        self._identify(inode)
+        self.policy.insert(inode.ino, size, self.clock.monotonic())
 
     def _remove_file(self, inode: Inode, now: int, dropped: list[int], linger: bool = False) -> None:
         """Takes a file out of the namespace; its bytes go once nobody has them open.
@@ -480,7 +501,7 @@ class MetadataService(Membership):
         inode.mtime_ns = inode.ctime_ns = req.mtime_ns
         self.ns.dirty.add(inode.ino)
         if newly and version.current and inode.linked:
-            self.policy.insert(inode.ino, req.size, self.clock.monotonic())
+            self._admit(inode, req.size)
         return self.attr(inode)
 
     def _get_version(self, req: m.GetVersion) -> m.VersionInfo:
@@ -627,7 +648,7 @@ class MetadataService(Membership):
         self._link(directory, name, inode, now)
         inode.mtime_ns = inode.ctime_ns = record.mtime_ns
         self.ns.dirty.add(inode.ino)
-        self.policy.insert(inode.ino, record.size, self.clock.monotonic())
+        self._admit(inode, record.size)
         return m.Restored(True, dropped)
 
     def _stats(self, req: m.Stats) -> m.MasterStats:

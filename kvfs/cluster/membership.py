@@ -68,7 +68,7 @@ class Membership(_Base):
                     inode.mtime_ns = inode.ctime_ns = held.mtime_ns
                     self.ns.dirty.add(inode.ino)
                     if version.current and inode.linked:
-                        self.policy.insert(inode.ino, held.size, self.clock.monotonic())
+                        self._admit(inode, held.size)
             if held.on_disk != version.on_disk:
                 version.on_disk = held.on_disk
                 self.objects.dirty.add(version.version)

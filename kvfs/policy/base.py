@@ -19,6 +19,11 @@ class EvictionPolicy(Protocol):
     def remove(self, key: int) -> None:
         """A file left the cache for any reason; unknown keys are ignored."""
 
+    def identify(self, key: int, identity: int) -> None:
+        """The file `key` now has the name whose hash is `identity` (it was published under
+        it). A block stored again under a name it had before is the same block: a policy
+        that learns from a block's past keys that past by its identity."""
+
     def candidates(self) -> Iterator[int]:
         """Keys in eviction order. The caller must not change the policy while iterating."""
 

@@ -23,6 +23,9 @@ class LruPolicy:
     def remove(self, key: int) -> None:
         self._order.pop(key, None)
 
+    def identify(self, key: int, identity: int) -> None:
+        pass  # LRU has no memory of evicted blocks
+
     def candidates(self) -> Iterator[int]:
         return iter(self._order)
 

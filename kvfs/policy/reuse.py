@@ -50,7 +50,8 @@ class ReusePolicy:
         # One LRU list per class; within a class, priority grows with the last-use time.
         self._lists: list[OrderedDict[int, int]] = [OrderedDict() for _ in CLASS_WEIGHTS]
         self._class: dict[int, int] = {}  # resident key -> its class
-        self._uses: OrderedDict[int, int] = OrderedDict()  # key -> uses so far (bounded)
+        self._uses: OrderedDict[int, int] = OrderedDict()  # identity (or key) -> uses so far (bounded)
+        self._identity: dict[int, int] = {}  # key -> identity, for keys given one
         self._clock = 0
         self._last_call = float("-inf")
         self._request_hit = False
@@ -62,8 +63,9 @@ class ReusePolicy:
         self._clock += 1
 
     def _count_use(self, key: int) -> int:
-        uses = self._uses.pop(key, 0) + 1
-        self._uses[key] = uses
+        history = self._identity.get(key, key)
+        uses = self._uses.pop(history, 0) + 1
+        self._uses[history] = uses
         if len(self._uses) > self.history:
             self._uses.popitem(last=False)
         return uses
@@ -87,9 +89,24 @@ class ReusePolicy:
             self._place(key, self._count_use(key), continued=False)
 
     def remove(self, key: int) -> None:
+        self._identity.pop(key, None)
         cls = self._class.pop(key, None)
         if cls is not None:
             del self._lists[cls][key]
+
+    def identify(self, key: int, identity: int) -> None:
+        """Uses counted under the key so far join the identity's history (a block stored
+        again under a name it had before is known as reused), and its class follows."""
+        previous = self._identity.get(key, key)
+        if previous == identity:
+            return
+        self._identity[key] = identity
+        uses = self._uses.pop(previous, 0) + self._uses.pop(identity, 0)
+        if not uses:
+            return
+        self._uses[identity] = uses
+        if key in self._class and uses > 1:  # named right after it was stored: as recent as it was
+            self._place(key, uses, continued=False)
 
     def candidates(self) -> Iterator[int]:
         """Keys by priority (last use + class bonus), lowest first: a lazy merge of the class lists."""
