@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from conftest import CLUSTER_SECRET, Cluster, KvfsMount, is_stored, run_writers_then_readers
-from test_consumers import MiB, fill, key_path, vllm_load, vllm_store
+from test_consumers import MiB, fill, key_path, run_vllm_pattern, vllm_load, vllm_store
 
 SIZES = [0, 1, 4095, 4 * MiB, 4 * MiB + 1, 10 * MiB + 12345]
 
@@ -78,55 +78,8 @@ def test_written_on_one_node_read_cold_on_the_others(cluster: Cluster) -> None:
 def test_vllm_pattern_writers_and_readers_on_different_nodes(cluster: Cluster) -> None:
     writers_node, readers_node = cluster.add_node("512M"), cluster.add_node("512M")
     size = 2 * MiB
-    base = os.urandom(size)
     keys = list(range(64))
-    published: list[int] = []
-    lock = threading.Lock()
-    failures: list[str] = []
-    loaded = [0]
-    done = threading.Event()
-
-    def writer(worker: int) -> None:
-        buffer = mmap.mmap(-1, size)
-        try:
-            for key in keys[worker::8]:
-                fill(buffer, base, key)
-                vllm_store(key_path(writers_node.path, key), buffer, direct=True)
-                with lock:
-                    published.append(key)
-        except Exception as error:
-            failures.append(f"writer {worker}: {error!r}")
-
-    def reader(worker: int) -> None:
-        rng = random.Random(worker)
-        buffer, expected = mmap.mmap(-1, size), mmap.mmap(-1, size)
-        try:
-            while True:
-                finished = done.is_set()
-                with lock:
-                    key = rng.choice(published) if published else None
-                if os.access(key_path(readers_node.path, rng.randrange(10**6, 10**7)), os.F_OK):
-                    failures.append("a key that was never stored exists")
-                if key is not None:
-                    try:
-                        count = vllm_load(key_path(readers_node.path, key), buffer, direct=True)
-                    except FileNotFoundError:
-                        count = -1  # published a moment ago: the reader's kernel may cache the miss for 1 s
-                    if count >= 0:
-                        fill(expected, base, key)
-                        if count != size or buffer[:] != expected[:]:
-                            failures.append(f"key {key}: {count} bytes, content {'ok' if buffer[:] == expected[:] else 'wrong'}")
-                        else:
-                            loaded[0] += 1
-                if finished:
-                    break
-        except Exception as error:
-            failures.append(f"reader {worker}: {error!r}")
-
-    run_writers_then_readers([functools.partial(writer, i) for i in range(8)],
-                             [functools.partial(reader, i) for i in range(8)], done)
-    assert not failures, failures[:10]
-    assert loaded[0] > 0
+    base, _ = run_vllm_pattern(writers_node.path, readers_node.path, size, keys, workers=8, direct=True)
     buffer, expected = mmap.mmap(-1, size), mmap.mmap(-1, size)
     for key in keys:  # every key, cold on the readers' node (after its kernel's 1 s negative entries expire)
         wait_until(lambda: is_stored(key_path(readers_node.path, key)), timeout=5, what=f"key {key} on the reader")

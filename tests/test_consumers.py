@@ -75,6 +75,65 @@ def vllm_load(path: Path, buffer: mmap.mmap, direct: bool) -> int:
         os.close(fd)
 
 
+def run_vllm_pattern(write_root: Path, read_root: Path, size: int, keys: list[int], workers: int,
+                     direct: bool) -> tuple[bytes, list[int]]:
+    """vLLM's fs tier under load: `workers` writers store `keys` (distinct content each) into
+    write_root while as many readers load published keys from read_root, and look up keys that
+    were never stored. Every load is whole and byte-exact or a clean miss (ENOENT: evicted, or
+    not visible yet on another node). Returns the shared content base and the published keys."""
+    base = os.urandom(size)
+    published: list[int] = []
+    lock = threading.Lock()
+    failures: list[str] = []
+    loaded = [0]
+    done = threading.Event()
+
+    def writer(worker: int) -> None:
+        buffer = mmap.mmap(-1, size)
+        try:
+            for key in keys[worker::workers]:
+                fill(buffer, base, key)
+                vllm_store(key_path(write_root, key), buffer, direct)
+                with lock:
+                    published.append(key)
+        except Exception as error:  # reported below, with the key
+            failures.append(f"writer {worker}: {error!r}")
+
+    def reader(worker: int) -> None:
+        rng = random.Random(worker)
+        buffer, expected = mmap.mmap(-1, size), mmap.mmap(-1, size)
+        try:
+            while True:
+                finished = done.is_set()  # one more load after the writers are done
+                with lock:
+                    key = rng.choice(published) if published else None
+                if os.access(key_path(read_root, rng.randrange(10**6, 10**7)), os.F_OK):
+                    failures.append("a key that was never stored exists")
+                if key is not None:
+                    try:
+                        count = vllm_load(key_path(read_root, key), buffer, direct)
+                    except FileNotFoundError:
+                        count = -1  # a miss, as vLLM expects
+                    if count >= 0:
+                        fill(expected, base, key)
+                        if count != size:
+                            failures.append(f"short read of key {key}: {count} of {size}")
+                        elif buffer[:] != expected[:]:
+                            failures.append(f"wrong bytes for key {key}")
+                        else:
+                            loaded[0] += 1
+                if finished:
+                    break
+        except Exception as error:
+            failures.append(f"reader {worker}: {error!r}")
+
+    run_writers_then_readers([functools.partial(writer, i) for i in range(workers)],
+                             [functools.partial(reader, i) for i in range(workers)], done)
+    assert not failures, failures[:10]
+    assert loaded[0] > 0
+    return base, published
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["c-path-o_direct", "python-path-buffered"])
 @pytest.mark.parametrize("tiers, size", [("dram", 2 * MiB), ("dram", 32 * MiB), ("dram", 64 * MiB),
                                          ("dram+ssd", 2 * MiB), ("dram+ssd", 32 * MiB)],
@@ -91,57 +150,8 @@ def test_vllm_fs_tier_16_writers_16_readers(make_mount, tmp_path: Path, size: in
         mount = make_mount(f"{34 * size // MiB}M", "--disk", str(tmp_path / "disk"),
                            "--disk-size", f"{dram // MiB}M")
     root = mount.path
-    base = os.urandom(size)
     keys = list(range(48))
-    published: list[int] = []
-    lock = threading.Lock()
-    failures: list[str] = []
-    loaded = [0]
-
-    def writer(worker: int) -> None:
-        buffer = mmap.mmap(-1, size)
-        try:
-            for key in keys[worker::16]:
-                fill(buffer, base, key)
-                vllm_store(key_path(root, key), buffer, direct)
-                with lock:
-                    published.append(key)
-        except Exception as error:  # reported below, with the key
-            failures.append(f"writer {worker}: {error!r}")
-
-    def reader(worker: int) -> None:
-        rng = random.Random(worker)
-        buffer, expected = mmap.mmap(-1, size), mmap.mmap(-1, size)
-        try:
-            while True:
-                finished = done.is_set()  # one more load after the writers are done
-                with lock:
-                    key = rng.choice(published) if published else None
-                if os.access(key_path(root, rng.randrange(10**6, 10**7)), os.F_OK):
-                    failures.append("a key that was never stored exists")
-                if key is not None:
-                    try:
-                        count = vllm_load(key_path(root, key), buffer, direct)
-                    except FileNotFoundError:
-                        count = -1  # evicted: a miss, as vLLM expects
-                    if count >= 0:
-                        fill(expected, base, key)
-                        if count != size:
-                            failures.append(f"short read of key {key}: {count} of {size}")
-                        elif buffer[:] != expected[:]:
-                            failures.append(f"wrong bytes for key {key}")
-                        else:
-                            loaded[0] += 1
-                if finished:
-                    break
-        except Exception as error:
-            failures.append(f"reader {worker}: {error!r}")
-
-    done = threading.Event()
-    run_writers_then_readers([functools.partial(writer, i) for i in range(16)],
-                             [functools.partial(reader, i) for i in range(16)], done)
-    assert not failures, failures[:10]
-    assert loaded[0] > 0
+    _, published = run_vllm_pattern(root, root, size, keys, workers=16, direct=direct)
     # Capacity was managed: some keys were evicted (cleanly absent), the newest one
     # is there, and the mount is not over-full.
     present = [key for key in keys if is_stored(key_path(root, key))]
