@@ -103,8 +103,8 @@ class Node(NodeMembership):
         self._local: dict[int, tuple[int, m.Attr]] = {}
         self._local_inos: dict[int, int] = {}  # version -> ino, the reverse of _local
         self._opens: dict[tuple[int, bool], int] = {}  # (version, writer) -> open handles (reported on registration)
-        self._unreported_seals: dict[int, int] = {}
-        self._dir_attrs: dict[int, m.Attr] = {}  # last known directory attributes (for a master outage)  # version -> mtime of seals the master did not get
+        self._unreported_seals: dict[int, int] = {}  # version -> mtime of seals the master did not confirm
+        self._dir_attrs: dict[int, m.Attr] = {}  # last known directory attributes (for a master outage)
         self.evicted_files = 0
         self.remote_reads = 0
         self.degraded_reads = 0

@@ -43,11 +43,6 @@ class MasterLink:
         self.wait_s = wait_s
         self._remote: RemoteMaster | None = None
         self._up = trio.Event()
-        self.connections = 0
-
-    @property
-    def up(self) -> bool:
-        return self._up.is_set()
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keeps the link up; reports started after the first successful registration."""
@@ -61,7 +56,6 @@ class MasterLink:
                     delay = min(RECONNECT_MAX_S, delay * 2)
                     continue
                 self._remote = remote
-                self.connections += 1
                 delay = RECONNECT_MIN_S
                 self._up.set()
                 if not started:

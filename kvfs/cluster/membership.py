@@ -127,7 +127,6 @@ class Membership(_Base):
         for node in dead:
             self._caller = 0
             self._node_down(node, forget_dram=True)
-            node.deaths += 1
             self._route_outcomes()
         return [node.node_id for node in dead]
 

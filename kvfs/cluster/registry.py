@@ -36,7 +36,6 @@ class NodeRecord:
     outbox_dropped: list[int] = field(default_factory=list)  # versions it must free
     outbox_forget: list[tuple[int, bytes]] = field(default_factory=list)  # names its kernel must forget
     outbox_names: list[tuple[int, bytes, bool]] = field(default_factory=list)  # changes in watched directories
-    deaths: int = 0
 
 
 class Registry:

@@ -383,9 +383,7 @@ class TieredStore:
                 for start, stop in zip(bounds, bounds[1:]):
                     nursery.start_soon(run, start, stop)
         finally:
-            source.streaming = False
-            if source.closed:
-                self._release_buffers(source)
+            self._end_stream(source)
 
     async def _stream_chunks(self, source: ReadSource) -> None:
         async def one(index: int) -> None:
@@ -403,10 +401,15 @@ class TieredStore:
                 for index in range(1, len(source.chunks)):
                     nursery.start_soon(one, index)
         finally:
-            source.streaming = False
             self._release_disk_copy(source.version)
-            if source.closed:
-                self._release_buffers(source)
+            self._end_stream(source)
+
+    def _end_stream(self, source: ReadSource) -> None:
+        """A source's chunks are all in (or failed): a reader that closed meanwhile left its
+        buffers to the stream, which gives them back now."""
+        source.streaming = False
+        if source.closed:
+            self._release_buffers(source)
 
     def _release_buffers(self, source: ReadSource) -> None:
         for buffer in source.chunks:
