@@ -275,7 +275,8 @@ class Node(NodeMembership):
         async def fetch(source: ReadSource, start: int, stop: int) -> None:
             await transport.fetch(address, version, start, source.chunks[start:stop],
                                   [min(self.chunk_size, size - i * self.chunk_size) for i in range(start, stop)],
-                                  checksums, lambda index: source.ready[index].set())
+                                  checksums, lambda index: source.ready[index].set(),
+                                  source.answered.set if start == 0 else lambda: None)
 
         self.remote_reads += 1
         return await self.store.open_remote(version, size, fetch, REMOTE_STREAMS)

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from kvfs.checksum import chunk_checksum
 from kvfs.cluster.protocol import PREFIX, FrameKind, encode_frame
-from kvfs.cluster.transport import FetchChunks, PeerServer, TcpTransport
+from kvfs.cluster.rpc import FrameStream, handshake, serve_tcp
+from kvfs.cluster.transport import ChunkData, FetchChunks, PeerServer, TcpTransport
 from kvfs.errors import StorageError
 from kvfs.store.buffers import ReadBufferPool
 from kvfs.store.dram import DramTier
@@ -54,9 +55,10 @@ def with_server(data: bytes, test) -> PeerServer:
 
 async def fetch_all(transport: TcpTransport, address: str, size: int, checksums: list[int]) -> bytes:
     targets = [memoryview(bytearray(CHUNK)) for _ in lengths(size)]
-    arrived: list[int] = []
-    await transport.fetch(address, VERSION, 0, targets, lengths(size), checksums, arrived.append)
-    assert arrived == list(range(len(targets)))
+    arrived: list[int | str] = []
+    await transport.fetch(address, VERSION, 0, targets, lengths(size), checksums, arrived.append,
+                          lambda: arrived.append("answer"))
+    assert arrived == ["answer", *range(len(targets))]  # the peer's answer is known before any payload
     return b"".join(bytes(t[:n]) for t, n in zip(targets, lengths(size)))
 
 
@@ -107,8 +109,6 @@ def test_a_wrong_checksum_is_eio_and_an_unreachable_peer_enoent() -> None:
 
 
 async def _handshaken(address: str) -> trio.SocketStream:
-    from kvfs.cluster.rpc import FrameStream, handshake
-
     host, port = address.rsplit(":", 1)
     stream = await trio.open_tcp_stream(host, int(port))
     await handshake(FrameStream(stream), SECRET, "node")
@@ -166,3 +166,38 @@ def test_random_bytes_never_take_the_server_down(garbage: bytes, authenticate: b
         assert await fetch_all(TcpTransport(SECRET), address, len(data), [chunk_checksum(data)]) == data
 
     with_server(data, test)
+
+
+def test_a_remote_open_returns_on_the_answer_and_a_transfer_cut_later_fails_reads_with_eio() -> None:
+    """A peer that starts sending a chunk and dies halfway: the open has succeeded (the
+    peer had the version), the read of that chunk fails with EIO, nothing hangs."""
+
+    async def dying_peer(stream: trio.SocketStream) -> None:
+        frames = FrameStream(stream)
+        await handshake(frames, SECRET, "peer")
+        prefix, _, _ = await frames.receive()
+        await stream.send_all(encode_frame(FrameKind.RESPONSE, prefix.request_id, ChunkData(0, CHUNK), CHUNK))
+        await stream.send_all(b"\0" * (CHUNK // 2))
+        await stream.aclose()
+
+    async def main() -> None:
+        reader = TieredStore(DramTier(8 * CHUNK, chunk_size=CHUNK), None, read_buffers=ReadBufferPool(4, CHUNK))
+        transport = TcpTransport(SECRET)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader.run)
+            port = await nursery.start(serve_tcp, dying_peer, "127.0.0.1", 0)
+
+            async def fetch(source, start: int, stop: int) -> None:
+                await transport.fetch(f"127.0.0.1:{port}", VERSION, start, source.chunks[start:stop],
+                                      [CHUNK] * (stop - start), [0] * stop, lambda index: source.ready[index].set(),
+                                      source.answered.set if start == 0 else lambda: None)
+
+            with trio.fail_after(10):
+                source = await reader.open_remote(VERSION, 2 * CHUNK, fetch, streams=1)
+                with pytest.raises(StorageError) as raised:
+                    await reader.read(source, 0, CHUNK)
+                assert raised.value.errno == errno.EIO and "lost peer" in str(raised.value)
+                reader.close_read(source)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

@@ -62,10 +62,13 @@ class ChunkSource(Protocol):
 
 class Transport(Protocol):
     async def fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
-                    checksums: list[int], on_chunk: Callable[[int], None]) -> None:
+                    checksums: list[int], on_chunk: Callable[[int], None],
+                    on_answer: Callable[[], None] = lambda: None) -> None:
         """Fills `targets` with chunks first, first+1, ... of `version` stored at `address`,
         verifying each against its checksum and calling `on_chunk(index)` as each arrives.
-        Raises StorageError: ENOENT if the peer is unreachable or no longer has the version."""
+        `on_answer()` runs once the peer has started sending (it has the version), before
+        the first payload is in. Raises StorageError: ENOENT if the peer is unreachable or
+        no longer has the version."""
 
 
 def _tune(sock: trio.socket.SocketType) -> None:
@@ -126,8 +129,12 @@ class PeerServer:
 
         async def send(index: int, data: memoryview | bytes) -> None:
             header = encode_frame(FrameKind.RESPONSE, request_id, ChunkData(index, len(data)), len(data))
-            # From a worker thread: the event loop would wake up for every socket buffer's worth.
-            await trio.to_thread.run_sync(send_all_blocking, fd, [header, data])
+            # The header alone first, so that the reader's open returns while the payload is
+            # still on its way (with a large send buffer the kernel would hold it back with
+            # the payload); the payload from a worker thread: the event loop would wake up
+            # for every socket buffer's worth.
+            await stream.send_all(header)
+            await trio.to_thread.run_sync(send_all_blocking, fd, [data])
             self.served_bytes += len(data)
 
         try:
@@ -220,7 +227,8 @@ class TcpTransport:
             connection.close()
 
     async def fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
-                    checksums: list[int], on_chunk: Callable[[int], None]) -> None:
+                    checksums: list[int], on_chunk: Callable[[int], None],
+                    on_answer: Callable[[], None] = lambda: None) -> None:
         try:
             connection = await self._connect(address)
         except (OSError, AuthError, ProtocolError, EOFError, trio.BrokenResourceError, ValueError) as error:
@@ -229,13 +237,16 @@ class TcpTransport:
         self._next_id += 1
         token = trio.lowlevel.current_trio_token()
 
-        def arrived(index: int) -> None:
-            trio.from_thread.run_sync(on_chunk, index, trio_token=token)
+        def arrived(index: int) -> None:  # runs in the event loop; the worker thread goes on
+            token.run_sync_soon(on_chunk, index)
+
+        def answered() -> None:
+            token.run_sync_soon(on_answer)
 
         reusable = False
         try:
             await trio.to_thread.run_sync(self._exchange, connection, request_id, address, version, first, targets,
-                                          lengths, checksums, arrived)
+                                          lengths, checksums, arrived, answered)
             reusable = True
         except _RemoteError:
             reusable = True  # the peer answered; the connection is in step
@@ -252,7 +263,7 @@ class TcpTransport:
 
     def _exchange(self, connection: _PeerConnection, request_id: int, address: str, version: int, first: int,
                   targets: list[memoryview], lengths: list[int], checksums: list[int],
-                  arrived: Callable[[int], None]) -> None:
+                  arrived: Callable[[int], None], answered: Callable[[], None]) -> None:
         """One fetch, in a worker thread: the request, then a frame per chunk into its target."""
         connection.sock.sendall(encode_frame(FrameKind.REQUEST, request_id, FetchChunks(version, first, len(targets))))
         prefix_view = memoryview(connection.prefix)
@@ -272,6 +283,8 @@ class TcpTransport:
             reply = self._chunks.decode(header)
             if reply.index != index or reply.length != length or prefix.payload_length != length:
                 raise ProtocolError(f"chunk {reply.index} of {reply.length} bytes, expected chunk {index} of {length}")
+            if not offset:
+                answered()
             connection.receive_exactly(target[:length])
             if index < len(checksums) and chunk_checksum(target[:length]) != checksums[index]:
                 raise StorageError(errno.EIO, f"version {version} chunk {index} from {address} fails its checksum")

@@ -99,6 +99,8 @@ class ReadSource:
     chunks: list[memoryview] = field(default_factory=list)  # per chunk, for SSD reads
     ready: list[trio.Event] = field(default_factory=list)
     failures: dict[int, StorageError] = field(default_factory=dict)  # chunk -> why it cannot be served
+    # Remote sources: the owner has answered (it is sending chunk 0, or it failed).
+    answered: trio.Event = field(default_factory=trio.Event)
     streaming: bool = False
     closed: bool = False
 
@@ -346,7 +348,10 @@ class TieredStore:
                           fetch: Callable[[ReadSource, int, int], Awaitable[None]], streams: int) -> ReadSource:
         """A reader of a version stored on another node: its chunks stream into read buffers
         (in `streams` parallel runs) while the reader is served. `fetch(source, start, stop)`
-        fills chunks start..stop-1 and sets each one's ready event."""
+        fills chunks start..stop-1, sets each one's ready event, and sets `answered` (when
+        start is 0) as soon as the owner starts sending. The open returns then, so that the
+        kernel's first READ is on its way while chunk 0 is still arriving; an owner that no
+        longer has the version (or cannot be reached) fails the open itself."""
         lengths = Sealed(size, []).lengths(self.chunk_size)
         source = ReadSource(version, False, [self.read_buffers.take() for _ in lengths],
                             [trio.Event() for _ in lengths])
@@ -355,7 +360,7 @@ class TieredStore:
         assert self._nursery is not None, "the store is not running"
         source.streaming = True
         self._nursery.start_soon(self._stream_remote, source, fetch, max(1, min(streams, len(lengths))))
-        await source.ready[0].wait()
+        await source.answered.wait()
         if 0 in source.failures:
             self.close_read(source)
             raise source.failures[0]
@@ -372,11 +377,16 @@ class TieredStore:
             except Exception as error:
                 if not isinstance(error, StorageError):
                     log.exception("fetching chunks %d-%d of version %d failed", start, stop - 1, source.version)
+                # Before the owner answered, the open fails with the errno (ENOENT: the
+                # version is gone); a transfer broken after that fails reads with EIO.
+                refused = start == 0 and not source.answered.is_set()
                 for index in range(start, stop):
-                    if not source.ready[index].is_set():  # chunk 0 keeps the errno; later reads see EIO
-                        code = error.errno if isinstance(error, StorageError) and index == 0 else errno.EIO
+                    if not source.ready[index].is_set():
+                        code = error.errno if isinstance(error, StorageError) and refused and index == 0 else errno.EIO
                         source.failures[index] = StorageError(code, str(error))
                         source.ready[index].set()
+                if start == 0:
+                    source.answered.set()
 
         try:
             async with trio.open_nursery() as nursery:
