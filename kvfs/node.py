@@ -10,6 +10,7 @@ master.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -19,11 +20,14 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Awaitable, Callable, Iterable
 
+import trio
+
 from kvfs.checksum import format_checksum
 from kvfs.clock import Clock
 from kvfs.cluster import messages as m
 from kvfs.cluster.dircache import DirectoryCache
 from kvfs.cluster.embedded import MasterClient
+from kvfs.cluster.prefetch import Prefetches
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.cluster.rpc import MasterUnavailable
 from kvfs.cluster.transport import Transport
@@ -96,6 +100,7 @@ class Node(NodeMembership):
         self._kernel_versions: dict[int, tuple[int, int]] = {}  # ino -> (version, size) the kernel was told
         # Copies of directories' names, for misses without the master (cluster mode).
         self.dircache = DirectoryCache(DIRECTORY_CACHE_NAMES) if transport is not None else None
+        self.prefetches = Prefetches(store, clock.monotonic) if transport is not None else None
         self._fetching: dict[int, list[tuple[int, bytes, bool]]] = {}
         self._writing: dict[int, WriteState] = {}
         self._cached_version: dict[int, int] = {}  # ino -> version the kernel page cache holds
@@ -128,11 +133,15 @@ class Node(NodeMembership):
     async def lookup(self, parent: int, name: bytes) -> m.Attr | None:
         if self.dircache is not None and self.dircache.absent(parent, name):
             return None
-        attr = (await self.master.call(m.Lookup(parent, name))).attr
+        entry = await self.master.call(m.Lookup(parent, name))
+        attr = entry.attr
         if attr is None:
             if self.dircache is not None and self.dircache.missed(parent):
                 await self._copy_directory(parent)
             return None
+        if entry.node and self.prefetches is not None and self.prefetches.wanted(attr.version, attr.size):
+            self.prefetches.add(self._start_remote(attr.version, attr.size, entry.address, entry.checksums,
+                                                   self.prefetches.turns))
         self._remember_dir(attr)
         return self._current(attr)
 
@@ -261,25 +270,42 @@ class Node(NodeMembership):
         return await self._open_version(ino, truncate=bool(flags & os.O_TRUNC)), False
 
     async def _open_source(self, opened: m.Opened) -> ReadSource:
-        """Where a reader's bytes come from: this node's tiers, or the node that stores them."""
+        """Where a reader's bytes come from: this node's tiers, or the node that stores them
+        (already on their way if the lookup started a prefetch of this version)."""
         if not opened.node or opened.node == self.node_id:
             return await self.store.open_read(opened.version)
+        self.remote_reads += 1
+        prefetched = self.prefetches.claim(opened.version) if self.prefetches is not None else None
+        if prefetched is not None and opened.attr.sealed:
+            try:
+                return await self.store.remote_answered(prefetched)
+            except StorageError as error:  # the owner refused it then; ask again now
+                log.debug("version %d: prefetch failed (%s); fetching again", opened.version, error)
+        elif prefetched is not None:
+            self.store.close_read(prefetched)
         size = opened.attr.size if opened.attr.sealed else 0  # close-to-open: nothing until sealed
         return await self._open_remote(opened.version, size, opened.node, opened.address, opened.checksums)
 
     async def _open_remote(self, version: int, size: int, node: int, address: str, checksums: list[int]) -> ReadSource:
-        transport = self.transport
-        if transport is None:
+        if self.transport is None:
             raise StorageError(errno.ENOENT, f"version {version} is on node {node} and this node has no transport")
+        return await self.store.remote_answered(self._start_remote(version, size, address, checksums))
+
+    def _start_remote(self, version: int, size: int, address: str, checksums: list[int],
+                      turns: trio.Semaphore | None = None) -> ReadSource:
+        """Starts streaming a version from the node at `address` into read buffers (each
+        run after taking one of `turns`, if given)."""
+        transport = self.transport
+        assert transport is not None
 
         async def fetch(source: ReadSource, start: int, stop: int) -> None:
-            await transport.fetch(address, version, start, source.chunks[start:stop],
-                                  [min(self.chunk_size, size - i * self.chunk_size) for i in range(start, stop)],
-                                  checksums, lambda index: source.ready[index].set(),
-                                  source.answered.set if start == 0 else lambda: None)
+            async with turns or contextlib.nullcontext():
+                await transport.fetch(address, version, start, source.chunks[start:stop],
+                                      [min(self.chunk_size, size - i * self.chunk_size) for i in range(start, stop)],
+                                      checksums, lambda index: source.ready[index].set(),
+                                      source.answered.set if start == 0 else lambda: None)
 
-        self.remote_reads += 1
-        return await self.store.open_remote(version, size, fetch, REMOTE_STREAMS)
+        return self.store.start_remote(version, size, fetch, REMOTE_STREAMS)
 
     async def _open_without_master(self, ino: int) -> tuple[OpenFile, bool]:
         """The master is unreachable: a file this node stores is still served from here."""
@@ -538,6 +564,9 @@ class Node(NodeMembership):
         stats.update(dram_capacity=self.store.dram.capacity, dram_used=self.store.dram.used,
                      evicted_files=self.evicted_files, read_buffer_misses=self.store.read_buffers.misses,
                      node=self.node_id, remote_reads=self.remote_reads, degraded_reads=self.degraded_reads)
+        if self.prefetches is not None:
+            stats.update(prefetches_started=self.prefetches.started, prefetches_claimed=self.prefetches.claimed,
+                         prefetches_wasted=self.prefetches.wasted, prefetch_pauses=self.prefetches.gate.pauses)
         if self.dircache is not None:
             stats.update(cached_directories=len(self.dircache), cached_names=self.dircache.total,
                          misses_answered_locally=self.dircache.answered)

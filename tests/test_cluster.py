@@ -349,6 +349,30 @@ def test_misses_are_answered_on_the_node_and_new_names_still_appear(cluster: Clu
     assert stats(reader)["misses_answered_locally"] > answered
 
 
+def test_a_lookup_prefetches_and_the_open_adopts_only_the_same_version(cluster: Cluster) -> None:
+    """vLLM checks that a chunk's file exists, then loads it: the lookup starts the transfer.
+    A prefetch is bounded (16 chunk buffers), and a file rewritten between the lookup and
+    the open is read in its new version, never from the stale prefetch."""
+    writer, reader = cluster.add_node("256M"), cluster.add_node("256M")
+    size, count = 2 * MiB, 24
+    contents = [os.urandom(size) for _ in range(count)]
+    (writer.path / "kv").mkdir()
+    for i, data in enumerate(contents):
+        (writer.path / "kv" / f"{i}.bin").write_bytes(data)
+    for i in range(count):  # the lookup thread: every name exists
+        wait_until(lambda: os.access(reader.path / "kv" / f"{i}.bin", os.F_OK), timeout=5, what=f"{i}.bin on B")
+    assert stats(reader)["prefetches_started"] == 16  # one 4 MiB chunk buffer each, 16 at most
+    rewritten = os.urandom(size)  # same size, new version, after the reader's lookup
+    with open(writer.path / "kv" / "5.bin", "r+b") as f:
+        f.write(rewritten)
+    contents[5] = rewritten
+    for i, data in enumerate(contents):
+        assert (reader.path / "kv" / f"{i}.bin").read_bytes() == data, f"{i}.bin"
+    after = stats(reader)
+    assert after["prefetches_claimed"] == 15, after  # all but the rewritten file's old version
+    assert after["remote_reads"] == count
+
+
 def test_a_node_with_the_wrong_secret_says_so_and_exits(cluster: Cluster, tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "kvfs", "node", "--master", cluster.master.address,
                              "--mount", str(tmp_path / "mnt"), "--dram", "64M", "--foreground"],

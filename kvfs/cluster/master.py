@@ -291,7 +291,21 @@ class MetadataService(Membership):
     def _lookup(self, req: m.Lookup) -> m.Entry:
         check_name(req.name)
         inode = self._entry(req.parent, req.name)
-        return m.Entry(None if inode is None else self._referenced(inode))
+        if inode is None:
+            return m.Entry(None)
+        entry = m.Entry(self._referenced(inode))
+        if inode.version:
+            version = self.objects.get(inode.version)
+            if version.sealed and self.registry.is_live(version.node):
+                entry.node, entry.address, entry.checksums = self._remote_location(version)
+        return entry
+
+    def _remote_location(self, version: FileVersion) -> tuple[int, str, list[int]]:
+        """Where another node's reader fetches a version: (node, peer address, checksums),
+        or (0, "", []) for the calling node's own versions."""
+        if version.node == self._caller:
+            return 0, "", []
+        return version.node, self.registry.nodes[version.node].address, version.checksums
 
     def _getattr(self, req: m.GetAttr) -> m.Attr:
         return self.attr(self.ns.get(req.ino))
@@ -442,9 +456,7 @@ class MetadataService(Membership):
         version.last_access_ns = inode.atime_ns = now
         self.policy.touch(inode.ino, self.clock.monotonic())
         opened = m.Opened(self.attr(inode), version.version)
-        if version.node != self._caller:
-            opened.node, opened.address = version.node, self.registry.nodes[version.node].address
-            opened.checksums = version.checksums
+        opened.node, opened.address, opened.checksums = self._remote_location(version)
         return opened
 
     def _open_write(self, req: m.OpenWrite) -> m.Opened:

@@ -298,6 +298,11 @@ class Done(msgspec.Struct):
 
 class Entry(msgspec.Struct):
     attr: Attr | None  # None: no such name (a negative entry)
+    # A sealed file whose bytes are on another (live) node: where, as in `Opened`, so
+    # that the caller can start fetching before it opens (kvfs.cluster.prefetch).
+    node: int = 0
+    address: str = ""
+    checksums: list[int] = []
 
 
 class Opened(msgspec.Struct):

@@ -25,6 +25,10 @@ class ReadBufferPool:
         self._free = [self.view[i * chunk_size : (i + 1) * chunk_size] for i in range(count)]
         self.misses = 0
 
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
     def take(self) -> memoryview:
         """A chunk-sized buffer from the pool, or fresh memory when the pool is empty."""
         if self._free:

@@ -346,20 +346,30 @@ class TieredStore:
 
     async def open_remote(self, version: int, size: int,
                           fetch: Callable[[ReadSource, int, int], Awaitable[None]], streams: int) -> ReadSource:
-        """A reader of a version stored on another node: its chunks stream into read buffers
-        (in `streams` parallel runs) while the reader is served. `fetch(source, start, stop)`
+        """A reader of a version stored on another node: `start_remote`, then `remote_answered`."""
+        return await self.remote_answered(self.start_remote(version, size, fetch, streams))
+
+    def start_remote(self, version: int, size: int,
+                     fetch: Callable[[ReadSource, int, int], Awaitable[None]], streams: int) -> ReadSource:
+        """Starts streaming a version stored on another node into read buffers (in `streams`
+        parallel runs); the reader is served while they fill. `fetch(source, start, stop)`
         fills chunks start..stop-1, sets each one's ready event, and sets `answered` (when
-        start is 0) as soon as the owner starts sending. The open returns then, so that the
-        kernel's first READ is on its way while chunk 0 is still arriving; an owner that no
-        longer has the version (or cannot be reached) fails the open itself."""
+        start is 0) as soon as the owner starts sending."""
         lengths = Sealed(size, []).lengths(self.chunk_size)
         source = ReadSource(version, False, [self.read_buffers.take() for _ in lengths],
                             [trio.Event() for _ in lengths])
         if not lengths:
+            source.answered.set()
             return source
         assert self._nursery is not None, "the store is not running"
         source.streaming = True
         self._nursery.start_soon(self._stream_remote, source, fetch, max(1, min(streams, len(lengths))))
+        return source
+
+    async def remote_answered(self, source: ReadSource) -> ReadSource:
+        """Waits until the owner answered: an open returns then, so that the kernel's first
+        READ is on its way while chunk 0 is still arriving. An owner that no longer has the
+        version (or cannot be reached) fails the open itself, and the source is closed."""
         await source.answered.wait()
         if 0 in source.failures:
             self.close_read(source)
