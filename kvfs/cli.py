@@ -12,7 +12,7 @@ import time
 from kvfs import __version__
 from kvfs.config import MountConfig, default_disk_bytes, default_dram_bytes, format_size, parse_size
 from kvfs.errors import ConfigError, KvfsError
-from kvfs.policy import POLICIES
+from kvfs.policy import DEFAULT_POLICY, POLICIES
 
 log = logging.getLogger("kvfs")
 
@@ -42,7 +42,7 @@ def _add_store_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     command.add_argument("--log-file", default=None,
                          help="where a background daemon logs (default: /var/log/kvfs/<mountpoint>.log)")
-    command.add_argument("--eviction-policy", default="lru", choices=sorted(POLICIES))
+    command.add_argument("--eviction-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
     command.add_argument("--entry-timeout", type=float, default=60.0, help="seconds the kernel caches names and attributes")
     command.add_argument("--negative-timeout", type=float, default=1.0, help="seconds the kernel caches absent names")
     command.add_argument("--temp-grace", type=float, default=300.0,
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     master = commands.add_parser("master", help="run the metadata master")
     master.add_argument("--listen", required=True, help="HOST:PORT to serve nodes on")
     master.add_argument("--data", required=True, help="directory for the master's state (lmdb)")
-    master.add_argument("--eviction-policy", default="lru", choices=sorted(POLICIES))
+    master.add_argument("--eviction-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
     master.add_argument("--temp-grace", type=float, default=300.0,
                         help="seconds before an abandoned *.tmp file is collected")
     master.add_argument("--dead-after", type=float, default=2.5,

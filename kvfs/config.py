@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 from kvfs.errors import ConfigError
+from kvfs.policy import DEFAULT_POLICY
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
@@ -43,7 +44,7 @@ class MountConfig:
 
     mountpoint: str
     dram_bytes: int
-    eviction_policy: str = "lru"
+    eviction_policy: str = DEFAULT_POLICY
     entry_timeout_s: float = 60.0  # positive dentries and attributes cached by the kernel
     negative_timeout_s: float = 1.0  # absent names cached by the kernel
     temp_suffix: str = ".tmp"

@@ -28,10 +28,11 @@ class StorageError(KvfsError):
 
 
 class NoSpace(StorageError):
-    """A tier cannot allocate the bytes asked for, even after eviction."""
+    """A tier cannot allocate the bytes asked for (`needed`: the block that did not fit)."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, needed: int = 0) -> None:
         super().__init__(_errno.ENOSPC, message)
+        self.needed = needed
 
 
 class ConfigError(KvfsError):

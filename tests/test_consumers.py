@@ -204,7 +204,7 @@ def test_rename_eexist_counts_as_stored(kvfs_dir: Path) -> None:
 
 
 def test_file_evicted_between_lookup_and_load(make_mount) -> None:
-    mount = make_mount("64M")
+    mount = make_mount("64M", "--eviction-policy", "lru")  # so that the victim is the oldest file
     root = mount.path
     victim = key_path(root, 0)
     buffer = mmap.mmap(-1, 8 * MiB)

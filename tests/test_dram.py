@@ -122,3 +122,35 @@ def test_small_files_pack_together_and_leave_whole_chunks_for_writers() -> None:
         assert bytes(dram.read(version, 0, version * 37)) == bytes([version % 256]) * (version * 37)
     dram.create(999)
     dram.write(999, 0, b"x" * CHUNK)  # a writer still gets a whole chunk
+
+
+def test_a_full_tier_of_small_files_takes_a_small_block_and_grows_it() -> None:
+    """No whole chunk is free, yet one evicted small file makes room for the next one:
+    a writer takes the block it needs and moves to a bigger one as the file grows."""
+    dram = tier(2 * CHUNK)
+    small = 64 << 10
+    for version in range(1, 33):  # 32 files of 64 KiB fill both chunks exactly
+        dram.create(version)
+        dram.write(version, 0, bytes([version]) * small)
+        dram.seal(version, small)
+    assert dram.used == dram.capacity
+    dram.create(100)
+    with pytest.raises(NoSpace) as full:
+        dram.write(100, 0, b"n" * small)
+    assert full.value.needed == small  # what the caller must free: one small file, not a chunk
+    dram.drop(7)
+    dram.drop(20)  # two blocks free, not next to each other
+    dram.write(100, 0, b"n" * 1000)  # a 64 KiB hole is enough
+    dram.write(100, 1000, b"m" * (small - 1000))
+    with pytest.raises(NoSpace):  # growing past 64 KiB needs a 128 KiB block: none is free
+        dram.write(100, small, b"g")
+    assert bytes(dram.read(100, 0, small)) == b"n" * 1000 + b"m" * (small - 1000)  # unchanged
+    kept = {3, 12, 30}
+    for version in set(range(1, 33)) - kept - {7, 20}:
+        dram.drop(version)
+    dram.write(100, small, b"g" * 100)  # now it moves to a bigger block, its bytes with it
+    assert bytes(dram.read(100, 0, small + 100)) == b"n" * 1000 + b"m" * (small - 1000) + b"g" * 100
+    dram.seal(100, small + 100)
+    for version in kept:
+        assert bytes(dram.read(version, 0, small)) == bytes([version]) * small
+    dram.arena.allocator.check()

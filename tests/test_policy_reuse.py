@@ -10,15 +10,15 @@ from kvfs.policy.replay import Request, belady, replay
 
 def test_blocks_used_again_outlive_newer_one_off_blocks() -> None:
     policy = ReusePolicy(bonus=100)
-    policy.insert(1, 1, now=0.0)  # request 0: block 1 (cold)
-    policy.insert(1, 1, now=1.0)  # request 1: block 1 stored again after an eviction: used twice
+    policy.insert(1, 1, now=0.0)  # block 1, first use
+    policy.insert(1, 1, now=1.0)  # block 1 stored again after an eviction: used twice
     policy.remove(1)
-    policy.insert(1, 1, now=2.0)
-    policy.insert(2, 1, now=3.0)  # request 3: a one-off block, cold
-    policy.touch(2, now=4.0)  # request 4: hit on 2, then 3 is the new tail of a continued request
-    policy.insert(3, 1, now=4.0)
-    # Last uses 3 < 4 < 5 < 6 would make LRU evict 1 first; by class: 3 (new tail of a continued
-    # request: -0.5 x bonus), then 2 (used twice: +1 x bonus), then 1 (three times: +1.3 x bonus).
+    policy.insert(1, 1, now=2.0)  # and a third time
+    policy.insert(2, 1, now=3.0)  # block 2, first use
+    policy.touch(2, now=4.0)  # used again
+    policy.insert(3, 1, now=4.0)  # block 3: a one-off so far
+    # Last uses 3 < 5 < 6 would make LRU evict 1 first; by class: 3 (first use: no bonus),
+    # then 2 (used twice: +1 x bonus), then 1 (three times: +1.3 x bonus).
     assert list(policy.candidates()) == [3, 2, 1]
     assert len(policy) == 3
 

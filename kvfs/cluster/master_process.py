@@ -22,7 +22,7 @@ from kvfs.cluster.master import MasterSettings, MetadataService
 from kvfs.cluster.persist import MasterState
 from kvfs.cluster.rpc import MetadataServer
 from kvfs.cluster.transport import split_address
-from kvfs.policy import make_policy
+from kvfs.policy import DEFAULT_POLICY, make_policy
 
 log = logging.getLogger("kvfs.master")
 
@@ -35,7 +35,7 @@ class MasterConfig:
     listen: str  # HOST:PORT
     data_dir: str
     secret: bytes
-    eviction_policy: str = "lru"
+    eviction_policy: str = DEFAULT_POLICY
     temp_suffix: str = ".tmp"
     temp_grace_s: float = 300.0
     dead_after_s: float = 2.5

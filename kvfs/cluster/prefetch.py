@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 MAX_CHUNKS = 8  # files up to 8 chunks (32 MiB with 4 MiB chunks) are prefetched
 MAX_CHUNKS_HELD = 16  # read buffers held by unclaimed prefetches (64 MiB)
-PARALLEL = 2  # prefetches transferring at once (each on a pooled peer connection)
+PARALLEL = 4  # prefetches transferring at once (each on a pooled peer connection)
 POOL_RESERVE = 16  # never prefetch into the last read buffers: opens need them
 TTL_S = 2.0  # an unclaimed prefetch is dropped after this long
 WINDOW = 32  # outcomes the gate looks back on

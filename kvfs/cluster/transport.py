@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 SOCKET_BUFFER = 4 << 20
 CONNECT_TIMEOUT_S = 1.0
 FETCH_TIMEOUT_S = 10.0  # a peer silent this long mid-transfer is treated as gone
-STREAMS_PER_PEER = 4
+STREAMS_PER_PEER = 8
 
 
 class FetchChunks(msgspec.Struct, tag=True):

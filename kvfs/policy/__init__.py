@@ -9,6 +9,7 @@ from kvfs.policy.lru import LruPolicy
 from kvfs.policy.reuse import ReusePolicy
 
 POLICIES: dict[str, type] = {"lru": LruPolicy, "reuse": ReusePolicy}
+DEFAULT_POLICY = "reuse"  # the winner on the traces (docs/eviction.md)
 
 
 def make_policy(name: str) -> EvictionPolicy:
@@ -18,4 +19,4 @@ def make_policy(name: str) -> EvictionPolicy:
         raise ValueError(f"unknown eviction policy {name!r} (choose from {', '.join(POLICIES)})") from None
 
 
-__all__ = ["EvictionPolicy", "LruPolicy", "ReusePolicy", "POLICIES", "make_policy"]
+__all__ = ["DEFAULT_POLICY", "EvictionPolicy", "LruPolicy", "ReusePolicy", "POLICIES", "make_policy"]

@@ -59,6 +59,10 @@ class Arena:
     def allocate(self, size: int) -> int | None:
         return self.allocator.allocate(size)
 
+    def block_size(self, offset: int) -> int:
+        """The size of the allocated block at `offset`."""
+        return self.allocator.allocated_size(offset)
+
     def free(self, offset: int) -> None:
         self.allocator.free(offset)
 

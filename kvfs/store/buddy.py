@@ -87,6 +87,9 @@ class BuddyAllocator:
         self.used += block
         return True
 
+    def allocated_size(self, offset: int) -> int:
+        return self.block_size(self._allocated[offset])
+
     def free(self, offset: int) -> None:
         order = self._allocated.pop(offset)
         self.used -= self.block_size(order)

@@ -1,10 +1,16 @@
 """The DRAM tier: file versions stored as fixed-size chunks in the arena.
 
 A version is a list of chunk extents. While a version is written, each chunk
-owns a full chunk-sized block and remembers how far it has been written
-(`filled`); bytes past `filled` read as zeros, so holes and truncate-then-extend
-never expose bytes of an older file. Sealing fills those gaps, trims the last
-block to its length and computes the per-chunk checksums.
+owns a block and remembers how far it has been written (`filled`); bytes past
+`filled` read as zeros, so holes and truncate-then-extend never expose bytes of
+an older file. Sealing fills those gaps, trims the last block to its length and
+computes the per-chunk checksums.
+
+A chunk being written takes a whole chunk-sized block when one is free (no
+copy as it grows). When none is, it takes the smallest block its bytes need
+and moves to a bigger one if the file grows: in a full tier of small sealed
+files, a whole aligned chunk is free only after every file in it was evicted,
+and insisting on one evicted several times the bytes a small file needs.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ CHUNK_SIZE = 4 << 20
 class Extent:
     offset: int  # where the chunk's block starts in the arena
     filled: int  # bytes [0, filled) of the chunk hold written data
+    room: int = 0  # the block's size, while the chunk is written
 
 
 def chunk_count(size: int, chunk_size: int = CHUNK_SIZE) -> int:
@@ -69,11 +76,16 @@ class DramTier:
         if len(extents) <= last:
             extents.extend([None] * (last + 1 - len(extents)))
         for index in range(first, last + 1):
-            if extents[index] is None:
-                block = self.arena.allocate(self.chunk_size)
-                if block is None:
-                    raise NoSpace(f"DRAM tier full ({self.used} of {self.capacity} bytes used)")
-                extents[index] = Extent(block, 0)
+            needed = min(self.chunk_size, end - index * self.chunk_size)
+            extent = extents[index]
+            if extent is None:
+                block, room = self._allocate(needed)
+                extents[index] = Extent(block, 0, room)
+            elif needed > extent.room:  # a chunk that started small outgrows its block
+                block, room = self._allocate(needed)
+                self.arena.view[block : block + extent.filled] = self.arena.view[extent.offset : extent.offset + extent.filled]
+                self.arena.free(extent.offset)
+                extent.offset, extent.room = block, room
         view, source = self.arena.view, memoryview(data)
         position = offset
         while position < end:
@@ -87,6 +99,15 @@ class DramTier:
             view[start : start + length] = source[position - offset : position - offset + length]
             extent.filled = max(extent.filled, within + length)
             position += length
+
+    def _allocate(self, needed: int) -> tuple[int, int]:
+        """A block for a chunk being written: a whole chunk if one is free, else the
+        smallest that holds `needed` bytes. Returns (offset, size); raises NoSpace."""
+        for size in (self.chunk_size, needed) if needed < self.chunk_size else (self.chunk_size,):
+            block = self.arena.allocate(size)
+            if block is not None:
+                return block, self.arena.block_size(block)
+        raise NoSpace(f"DRAM tier full ({self.used} of {self.capacity} bytes used)", needed)
 
     def read(self, version: int, offset: int, length: int) -> memoryview | bytes:
         """Returns `length` bytes at `offset` (the caller clips to the file size).
@@ -167,9 +188,10 @@ class DramTier:
                 view = self.arena.view
                 view[moved : moved + length] = view[extent.offset : extent.offset + length]
                 self.arena.free(extent.offset)
-                extent.offset = moved
+                extent.offset, extent.room = moved, self.arena.block_size(moved)
                 return
         self.arena.shrink(extent.offset, length)
+        extent.room = self.arena.block_size(extent.offset)
 
     def adopt(self, version: int, lengths: list[int]) -> list[memoryview]:
         """Allocates a sealed version's chunks for bytes that will be read into them
@@ -183,7 +205,7 @@ class DramTier:
                     assert extent is not None
                     self.arena.free(extent.offset)
                 raise NoSpace(f"DRAM tier full ({self.used} of {self.capacity} bytes used)")
-            extents.append(Extent(block, length))
+            extents.append(Extent(block, length, self.arena.block_size(block)))
         self._versions[version] = extents
         return [self.block_view(version, index) for index in range(len(lengths))]
 
@@ -207,7 +229,7 @@ class DramTier:
                 if block is None:
                     raise NoSpace(f"DRAM tier full ({self.used} of {self.capacity} bytes used)")
                 self.arena.zero(block, length)
-                extents[index] = Extent(block, length)
+                extents[index] = Extent(block, length, self.arena.block_size(block))
 
     def drop(self, version: int) -> None:
         """Frees every chunk of a version (unknown versions are ignored)."""

@@ -27,7 +27,7 @@ from kvfs.concurrency import run_all
 from kvfs.disk.index import DiskRecord
 from kvfs.disk.tier import CorruptChunk, SsdTier, rounded
 from kvfs.errors import NoSpace, StorageError
-from kvfs.policy import make_policy
+from kvfs.policy import DEFAULT_POLICY, make_policy
 from kvfs.store.buffers import ReadBufferPool
 from kvfs.store.dram import DramTier, chunk_count
 
@@ -64,7 +64,7 @@ class TierSettings:
     high_watermark: float = 0.9
     low_watermark: float = 0.7
     backpressure_timeout_s: float = 30.0
-    eviction_policy: str = "lru"
+    eviction_policy: str = DEFAULT_POLICY
 
 
 @dataclass
@@ -222,24 +222,26 @@ class TieredStore:
             try:
                 return operation()
             except NoSpace as error:
-                if not await self._make_room():
+                if not await self._make_room(error.needed or self.chunk_size):
                     raise StorageError(errno.ENOSPC, f"{error}; nothing can be demoted or evicted") from error
 
-    async def _make_room(self) -> bool:
+    async def _make_room(self, needed: int) -> bool:
         if self._demote_one():
             return True
         if self.ssd is None:
-            return await self._owner().reclaim("dram", self.chunk_size)
+            return await self._owner().reclaim("dram", needed)
         if not self._offload_queue and not self._offloading:
             self.queue_all_dram_only()
         if (self._offload_queue or self._offloading) and not self._offload_stuck:
             if await self._wait_for_offload():
                 return True
         # SSD cannot take more: evict whole files still only in DRAM.
-        return await self._owner().reclaim("dram", self.chunk_size)
+        return await self._owner().reclaim("dram", needed)
 
     def _demote_one(self) -> bool:
         """Drops the DRAM copy of the least valuable version that is safe on SSD."""
+        if self.ssd is None:  # nothing is (and the scan below would visit every version)
+            return False
         for version in self._in_dram_order.candidates():
             if self.on_disk(version) and not self._pins.get(version):
                 break
