@@ -226,6 +226,9 @@ def main() -> None:
                 for name, target in (("node", b), ("single", single)):
                     misses = [target.path / f"{round_}-{i:062x}.miss" for i in range(args.lookups)]
                     record(f"absent lookups/s {name}", lookups_per_second(misses, 1))
+                    # vLLM's lookup thread asks for the same keys every scheduler step: the
+                    # kernel's negative entries (1 s) answer the repeats.
+                    record(f"repeated absent lookups/s {name}", lookups_per_second(misses[:2000], 5))
         finally:
             for process in reversed(processes):
                 if process is not None:
@@ -248,10 +251,11 @@ def report(results: dict[str, list[float]], sizes: list[int]) -> None:
                       f"{kvfs / MOONCAKE_TCP_GBS:>11.2f}{kvfs / local:>8.2f}")
     print("(xN: N readers at once, N connections for raw TCP; vLLM loads with 16 threads. 'open': open,")
     print(" read, close per file; 'lookup, open': vLLM's lookup thread checks 16 files exist, then they load)")
-    node, single = (statistics.median(results[f"absent lookups/s {n}"]) for n in ("node", "single"))
     print()
-    print(f"absent lookups/s: cluster node {node:,.0f} (master in another process), "
-          f"single-node mount {single:,.0f}, ratio {node / single:.2f}")
+    for kind in ("absent", "repeated absent"):
+        node, single = (statistics.median(results[f"{kind} lookups/s {n}"]) for n in ("node", "single"))
+        print(f"{kind} lookups/s: cluster node {node:,.0f} (master in another process), "
+              f"single-node mount {single:,.0f}, ratio {node / single:.2f}")
     print(f"targets: kvfs/raw >= 0.70, kvfs/Mooncake >= 1.5 (Mooncake TCP = {MOONCAKE_TCP_GBS} GB/s, "
           "measured here earlier), absent lookups >= 20000/s")
 
