@@ -147,7 +147,10 @@ def main() -> None:
     live_mode.add_argument("--block-size", default="64K", help="bytes per block file")
     live_mode.add_argument("--compare", action="store_true", help="also replay every other policy")
     args = parser.parse_args()
-    offline(args) if args.mode == "offline" else live(args)
+    if args.mode == "offline":
+        offline(args)
+    else:
+        live(args)
 
 
 if __name__ == "__main__":

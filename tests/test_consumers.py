@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import errno
 import functools
 import hashlib
 import mmap

@@ -12,10 +12,9 @@ chunk, so a prefetch can be late or useless but never wrong.
 Bounded on every side: only files of at most MAX_CHUNKS chunks, at most
 MAX_CHUNKS_HELD chunk buffers held by unclaimed prefetches, PARALLEL transfers
 at a time, never when the read buffer pool is short, and an unclaimed prefetch
-is dropped after TTL_S. A
-workload that looks names up without opening them (`ls -l`, `find`, `du`)
-would make every lookup a transfer; `PrefetchGate` notices that most prefetches
-go unclaimed and stops prefetching for a while.
+is dropped after TTL_S. A workload that looks names up without opening them
+(`ls -l`, `find`, `du`) would make every lookup a transfer; `PrefetchGate`
+notices that most prefetches go unclaimed and stops prefetching for a while.
 """
 
 from __future__ import annotations
@@ -126,7 +125,3 @@ class Prefetches:
         self.store.close_read(prefetch.source)  # a stream still running gives its buffers back when it ends
         self.wasted += 1
         self.gate.record(False, self.now())
-
-    def close(self) -> None:
-        while self._pending:
-            self._drop(next(iter(self._pending)))

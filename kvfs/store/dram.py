@@ -28,7 +28,7 @@ CHUNK_SIZE = 4 << 20
 class Extent:
     offset: int  # where the chunk's block starts in the arena
     filled: int  # bytes [0, filled) of the chunk hold written data
-    room: int = 0  # the block's size, while the chunk is written
+    room: int  # the size of its block (a chunk being written may outgrow it)
 
 
 def chunk_count(size: int, chunk_size: int = CHUNK_SIZE) -> int:
@@ -103,10 +103,11 @@ class DramTier:
     def _allocate(self, needed: int) -> tuple[int, int]:
         """A block for a chunk being written: a whole chunk if one is free, else the
         smallest that holds `needed` bytes. Returns (offset, size); raises NoSpace."""
-        for size in (self.chunk_size, needed) if needed < self.chunk_size else (self.chunk_size,):
-            block = self.arena.allocate(size)
-            if block is not None:
-                return block, self.arena.block_size(block)
+        block = self.arena.allocate(self.chunk_size)
+        if block is None and needed < self.chunk_size:
+            block = self.arena.allocate(needed)
+        if block is not None:
+            return block, self.arena.block_size(block)
         raise NoSpace(f"DRAM tier full ({self.used} of {self.capacity} bytes used)", needed)
 
     def read(self, version: int, offset: int, length: int) -> memoryview | bytes:
