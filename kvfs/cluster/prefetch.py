@@ -105,6 +105,7 @@ class Prefetches:
     def claim(self, version: int) -> ReadSource | None:
         """The prefetch of this version, now the caller's (it closes it), if there is one."""
         prefetch = self._pending.pop(version, None)
+        self._expire(self.now())  # opens come without lookups too: stale ones go here as well
         if prefetch is None:
             return None
         self._chunks_held -= len(prefetch.source.chunks)
