@@ -39,7 +39,7 @@ from kvfs.config import parse_size  # noqa: E402
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent
-MOONCAKE_TCP_GBS = 0.7  # Mooncake Store's remote get over TCP on this machine (../shared/ANCHORS.md)
+MOONCAKE_TCP_GBS = 0.7  # Mooncake Store's remote get over TCP measured on this machine class
 SECRET = "kvfs-benchmark-secret-0123456789"
 PARALLEL = 4  # readers (and raw TCP streams) in the parallel rows
 

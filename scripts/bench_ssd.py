@@ -32,7 +32,7 @@ from kvfs.disk.engine import open_engine  # noqa: E402
 from kvfs.disk.segments import SEGMENT_SIZE  # noqa: E402
 
 MiB = 1 << 20
-MOONCAKE_COLD_SSD_GBPS = 0.5  # the upper end of Mooncake's cold SSD reads measured here (../shared/ANCHORS.md)
+MOONCAKE_COLD_SSD_GBPS = 0.5  # the upper end of Mooncake's cold SSD reads measured on this machine class
 
 
 def parallel_load(root: Path, prefix: str, count: int, size: int, threads: int) -> float:
