@@ -109,24 +109,30 @@ def raw_tcp(size: int, count: int, streams: int = 1) -> float:
     return count // streams * streams * size / elapsed / 1e9
 
 
-def cold_load(root: Path, prefix: str, count: int, size: int, readers: int = 1) -> float:
-    """vLLM's load (open, one read, close) of files 0..count-1 by `readers` threads, cold."""
-    drop_page_cache()
+def load_in_threads(root: Path, prefix: str, indices: range, size: int, buffers: list[mmap.mmap]) -> None:
+    """vLLM's load (open, one read, close) of files `indices`, split over one thread per buffer."""
 
-    def load(first: int) -> None:
-        buffer = mmap.mmap(-1, size)
-        for i in range(first, count, readers):
+    def load(share: range, buffer: mmap.mmap) -> None:
+        for i in share:
             fd = os.open(root / f"{prefix}{i}.bin", os.O_RDONLY)
             got = os.readv(fd, [buffer])
             os.close(fd)
             assert got == size, f"short read: {got}"
 
-    threads = [threading.Thread(target=load, args=(i,)) for i in range(readers)]
-    start = time.perf_counter()
+    threads = [threading.Thread(target=load, args=(indices[r :: len(buffers)], buffer))
+               for r, buffer in enumerate(buffers)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+
+
+def cold_load(root: Path, prefix: str, count: int, size: int, readers: int = 1) -> float:
+    """Files 0..count-1 loaded by `readers` threads, cold."""
+    drop_page_cache()
+    buffers = [mmap.mmap(-1, size) for _ in range(readers)]
+    start = time.perf_counter()
+    load_in_threads(root, prefix, range(count), size, buffers)
     return count * size / (time.perf_counter() - start) / 1e9
 
 
@@ -135,24 +141,12 @@ def lookup_then_load(root: Path, prefix: str, count: int, size: int, readers: in
     (`access`, serially), then the loaders load them; `batch` chunks per request. Cold."""
     drop_page_cache()
     buffers = [mmap.mmap(-1, size) for _ in range(readers)]
-
-    def load(first: int, stop: int, step: int, buffer: mmap.mmap) -> None:
-        for i in range(first, stop, step):
-            fd = os.open(root / f"{prefix}{i}.bin", os.O_RDONLY)
-            got = os.readv(fd, [buffer])
-            os.close(fd)
-            assert got == size, f"short read: {got}"
-
     start = time.perf_counter()
     for first in range(0, count, batch):
-        stop = min(count, first + batch)
-        for i in range(first, stop):
+        request = range(first, min(count, first + batch))
+        for i in request:
             assert os.access(root / f"{prefix}{i}.bin", os.F_OK)
-        threads = [threading.Thread(target=load, args=(first + r, stop, readers, buffers[r])) for r in range(readers)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        load_in_threads(root, prefix, request, size, buffers)
     return count * size / (time.perf_counter() - start) / 1e9
 
 

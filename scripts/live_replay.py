@@ -11,10 +11,11 @@ O_EXCL, one write, close, rename). A hit whose load fails (the file was evicted
 between the lookup and the open) counts as a miss, as vLLM counts it.
 
 The hit ratio is what the mount delivered; `kvfs.policy.replay.replay` is the
-same model offline. They differ only where the mount does: capacity is bytes
-(the offline model counts blocks), eviction frees a batch at a time, and a
-block found after the first miss is not touched live (vLLM's store only checks
-that it exists), where the offline model counts it as used.
+same model offline. They differ only where the mount does: a file becomes
+evictable when the kernel's RELEASE seals it (possibly after the next request's
+first calls), capacity is bytes (the model counts blocks), and a block found
+after the first miss is not used live (vLLM's store only checks that it
+exists), where the model counts a use.
 """
 
 from __future__ import annotations
