@@ -10,7 +10,9 @@ import sys
 import time
 
 from kvfs import __version__
-from kvfs.config import MountConfig, default_disk_bytes, default_dram_bytes, format_size, parse_size
+from kvfs.config import (DEFAULT_MASTER_METRICS, DEFAULT_NODE_METRICS, MountConfig, check_address,
+                         default_disk_bytes, default_dram_bytes, format_size, parse_size)
+from kvfs.config_sources import parse_with_sources
 from kvfs.errors import ConfigError, KvfsError
 from kvfs.policy import DEFAULT_POLICY, POLICIES
 
@@ -64,6 +66,12 @@ def _add_store_options(command: argparse.ArgumentParser) -> None:
                      help="seconds a writer may wait for the offloader before ENOSPC")
 
 
+def _add_metrics(command: argparse.ArgumentParser, default: str) -> None:
+    command.add_argument("--metrics-listen", default=default,
+                         help=f"HOST:PORT of the Prometheus endpoint, /metrics (default {default})")
+    command.add_argument("--no-metrics", dest="metrics", action="store_false", help="no metrics endpoint")
+
+
 def _add_common(command: argparse.ArgumentParser, secret: bool = True) -> None:
     command.add_argument("--config", default=None,
                          help="TOML file; the table named after this command sets defaults for its options")
@@ -80,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     mount = commands.add_parser("mount", help="mount a single-node kvfs (embedded master)")
     mount.add_argument("mountpoint")
     _add_store_options(mount)
+    _add_metrics(mount, DEFAULT_NODE_METRICS)
     _add_common(mount, secret=False)
 
     node = commands.add_parser("node", help="run a cluster node: mount, contribute DRAM/SSD, serve peers")
@@ -93,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--master-wait", type=float, default=10.0,
                       help="seconds a request waits for an unreachable master before failing with EIO")
     _add_store_options(node)
+    _add_metrics(node, DEFAULT_NODE_METRICS)
     _add_common(node)
 
     master = commands.add_parser("master", help="run the metadata master")
@@ -104,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     master.add_argument("--dead-after", type=float, default=2.5,
                         help="seconds without a heartbeat before a node is declared dead")
     master.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_metrics(master, DEFAULT_MASTER_METRICS)
     _add_common(master)
 
     status = commands.add_parser("status", help="print the cluster: nodes, liveness, capacity, files")
@@ -120,48 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
     umount.add_argument("mountpoint")
     umount.add_argument("--lazy", action="store_true", help="detach now even if busy")
     return parser
-
-
-def _config_path(argv: list[str]) -> str | None:
-    for index, arg in enumerate(argv):
-        if arg == "--config" and index + 1 < len(argv):
-            return argv[index + 1]
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
-    return None
-
-
-def apply_config_file(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """Parses argv; when --config names a TOML file, its table for the command (e.g. [node])
-    supplies defaults, so that flags given on the command line still win."""
-    argv = sys.argv[1:] if argv is None else argv
-    path = _config_path(argv)
-    command = next((arg for arg in argv if not arg.startswith("-")), None)
-    subparsers = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
-    if path is None or command not in subparsers:
-        return parser.parse_args(argv)
-    import tomllib
-
-    try:
-        with open(path, "rb") as f:
-            table = tomllib.load(f).get(command, {})
-    except (OSError, tomllib.TOMLDecodeError) as error:
-        raise ConfigError(f"--config {path}: {error}") from None
-    subparser = subparsers[command]
-    known = {action.dest for action in subparser._actions}
-    defaults = {}
-    for key, value in table.items():
-        dest = key.replace("-", "_")
-        if dest == "mount":
-            dest = "mountpoint"
-        if dest not in known or dest in ("config", "help"):
-            raise ConfigError(f"{path}: [{command}] has no setting {key!r}")
-        defaults[dest] = value
-    subparser.set_defaults(**defaults)
-    for action in subparser._actions:  # a required option set in the file is no longer required
-        if action.dest in defaults:
-            action.required = False
-    return parser.parse_args(argv)
 
 
 def _secret(args: argparse.Namespace) -> bytes:
@@ -191,6 +160,7 @@ def _mount_config(args: argparse.Namespace, **cluster) -> MountConfig:
         low_watermark=args.low_watermark,
         direct_io=args.direct_io,
         backpressure_timeout_s=args.backpressure_timeout,
+        metrics_listen=args.metrics_listen if args.metrics else None,
         **cluster,
     )
 
@@ -220,8 +190,12 @@ def run_master(args: argparse.Namespace) -> int:
 
     from kvfs.cluster.master_process import MasterConfig, MasterProcess
 
+    check_address(args.listen, "listen")
+    if args.metrics:
+        check_address(args.metrics_listen, "metrics_listen")
     config = MasterConfig(args.listen, os.path.abspath(args.data), _secret(args), args.eviction_policy,
-                          temp_grace_s=args.temp_grace, dead_after_s=args.dead_after)
+                          temp_grace_s=args.temp_grace, dead_after_s=args.dead_after,
+                          metrics_listen=args.metrics_listen if args.metrics else None)
     trio.run(MasterProcess(config).run)
     return 0
 
@@ -305,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     init_logging("info")
     try:
-        args = apply_config_file(parser, argv)
+        args = parse_with_sources(parser, sys.argv[1:] if argv is None else argv)
         init_logging(getattr(args, "log_level", "info"))
         commands = {"mount": run_mount, "node": run_node, "master": run_master, "status": run_status,
                     "remove-node": run_remove_node, "umount": run_umount}

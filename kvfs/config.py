@@ -29,6 +29,17 @@ def format_size(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+DEFAULT_NODE_METRICS = "0.0.0.0:9740"  # node_exporter style: every interface, a fixed port
+DEFAULT_MASTER_METRICS = "0.0.0.0:9741"
+
+
+def check_address(address: str, field: str) -> None:
+    """A HOST:PORT setting: a clear error naming the field, at start rather than at first use."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"{field}: {address!r} is not HOST:PORT")
+
+
 def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -68,6 +79,7 @@ class MountConfig:
     node_name: str = ""  # stable identity across restarts (default: hostname:mountpoint)
     secret: bytes = b""
     master_wait_s: float = 10.0  # how long a request waits for an unreachable master
+    metrics_listen: str | None = DEFAULT_NODE_METRICS  # the Prometheus endpoint; None: off
 
     def __post_init__(self) -> None:
         if self.dram_bytes < (16 << 20):
@@ -84,6 +96,9 @@ class MountConfig:
             raise ConfigError(f"offload: {self.offload!r} is not eager or watermark")
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             raise ConfigError("watermarks: need 0 < low < high <= 1")
+        for name in ("listen", "master", "metrics_listen"):
+            if getattr(self, name) is not None:
+                check_address(getattr(self, name), name)
         if self.disk_path is not None and self.disk_bytes < (64 << 20):
             raise ConfigError(f"disk_size: {self.disk_bytes} bytes is below the 64 MiB minimum")
 

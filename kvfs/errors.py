@@ -40,3 +40,12 @@ class ConfigError(KvfsError):
 
     def __init__(self, message: str) -> None:
         super().__init__(_errno.EINVAL, message)
+
+
+def errno_of(error: BaseException) -> int:
+    """The errno a failure means for a POSIX caller."""
+    if isinstance(error, KvfsError):
+        return error.errno
+    if isinstance(error, OSError) and error.errno:
+        return error.errno
+    return _errno.EIO

@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Awaitable, Callable, Iterable
 
+import msgspec
 import trio
 
 from kvfs.checksum import format_checksum
@@ -78,6 +79,7 @@ class NodeStats:
 DIR_ATTR_CACHE = 65536
 DIRECTORY_CACHE_NAMES = 2_000_000  # names of watched directories kept per node (~100 B each)
 REMOTE_STREAMS = 2  # parallel chunk runs per remote file
+TIERS = ("dram", "ssd", "peer")  # where a reader is served from (ReadSource.tier)
 
 
 class Node(NodeMembership):
@@ -113,6 +115,12 @@ class Node(NodeMembership):
         self.evicted_files = 0
         self.remote_reads = 0
         self.degraded_reads = 0
+        # Activity, for metrics and `kvfs status`: names found or absent, and by which
+        # tier reader opens and the bytes read through the daemon were served.
+        self.lookups_found = 0
+        self.lookups_absent = 0
+        self.reader_opens = dict.fromkeys(TIERS, 0)
+        self.served_bytes = dict.fromkeys(TIERS, 0)
 
     @property
     def chunk_size(self) -> int:
@@ -132,10 +140,12 @@ class Node(NodeMembership):
 
     async def lookup(self, parent: int, name: bytes) -> m.Attr | None:
         if self.dircache is not None and self.dircache.absent(parent, name):
+            self.lookups_absent += 1
             return None
         entry = await self.master.call(m.Lookup(parent, name))
         attr = entry.attr
         if attr is None:
+            self.lookups_absent += 1
             if self.dircache is not None and self.dircache.missed(parent):
                 await self._copy_directory(parent)
             return None
@@ -143,6 +153,7 @@ class Node(NodeMembership):
             self.prefetches.add(self._start_remote(attr.version, attr.size, entry.address, entry.checksums,
                                                    self.prefetches.turns))
         self._remember_dir(attr)
+        self.lookups_found += 1
         return self._current(attr)
 
     async def getattr(self, ino: int) -> m.Attr:
@@ -253,6 +264,7 @@ class Node(NodeMembership):
                 await self.master.call(m.Release(opened.version, writer=False))
                 raise
             self._count_open(opened.version, False, 1)
+            self.reader_opens[source.tier] += 1
             handle = OpenFile(ino, opened.version, False, opened.attr.size, source)
             shown = (opened.version, opened.attr.size)
             if self.invalidate_attrs is not None and self._kernel_versions.get(ino, shown) != shown:
@@ -315,6 +327,7 @@ class Node(NodeMembership):
         version, attr = known
         source = await self.store.open_read(version)
         self.degraded_reads += 1
+        self.reader_opens[source.tier] += 1
         return OpenFile(ino, version, False, attr.size, source, leased=False), self._cached_version.get(ino) == version
 
     def _remember_local(self, ino: int, version: int, attr: m.Attr) -> None:
@@ -373,7 +386,9 @@ class Node(NodeMembership):
         length = min(length, size - offset)
         if handle.source is None:  # a writer reading its own version
             return self.store.dram.read(handle.version, offset, length)
-        return await self.store.read(handle.source, offset, length)
+        data = await self.store.read(handle.source, offset, length)
+        self.served_bytes[handle.source.tier] += len(data)
+        return data
 
     async def write(self, handle: OpenFile, offset: int, data: bytes) -> int:
         if not handle.writable:
@@ -559,11 +574,18 @@ class Node(NodeMembership):
         else:
             raise StorageError(errno.EINVAL, f"unknown control command {command!r} (sync, flush, drop-dram)")
 
+    def activity(self) -> m.Activity:
+        backlog_files, backlog_bytes = self.store.offload_backlog()
+        return m.Activity(self.lookups_found, self.lookups_absent, self.reader_opens["dram"],
+                          self.reader_opens["ssd"], self.reader_opens["peer"], backlog_files, backlog_bytes)
+
     def store_stats(self) -> dict[str, float]:
         stats = asdict(self.store.stats)
         stats.update(dram_capacity=self.store.dram.capacity, dram_used=self.store.dram.used,
                      evicted_files=self.evicted_files, read_buffer_misses=self.store.read_buffers.misses,
                      node=self.node_id, remote_reads=self.remote_reads, degraded_reads=self.degraded_reads)
+        stats.update(msgspec.structs.asdict(self.activity()))
+        stats.update({f"served_bytes_{tier}": count for tier, count in self.served_bytes.items()})
         if self.prefetches is not None:
             stats.update(prefetches_started=self.prefetches.started, prefetches_claimed=self.prefetches.claimed,
                          prefetches_wasted=self.prefetches.wasted, prefetch_pauses=self.prefetches.gate.pauses)

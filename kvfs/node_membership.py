@@ -139,7 +139,7 @@ class NodeMembership(_Base):
     def _heartbeat_request(self) -> m.Heartbeat:
         ssd = self.store.ssd
         return m.Heartbeat(self.store.dram.capacity, self.store.dram.used, ssd.capacity if ssd else 0,
-                           ssd.used if ssd else 0)
+                           ssd.used if ssd else 0, self.activity())
 
     def _apply_beat(self, beat: m.Beat) -> None:
         self._drop(beat.dropped)

@@ -24,6 +24,17 @@ from kvfs.fuse.mount import find_mount
 
 UNEXPECTED = re.compile(r" (ERROR|CRITICAL) |Traceback")
 CLUSTER_SECRET = "kvfs-test-cluster-secret"
+# Daemons run side by side: each serves metrics on a port of its own (its log names it),
+# and none reads a configuration file of the machine running the tests.
+os.environ["KVFS_METRICS_LISTEN"] = "127.0.0.1:0"
+os.environ["KVFS_CONFIG"] = os.devnull
+
+
+def metrics_url(log_text: str) -> str:
+    """The metrics endpoint a daemon's log announced last."""
+    found = re.findall(r"metrics on (http://\S+)", log_text)
+    assert found, "the daemon did not announce its metrics endpoint"
+    return found[-1]
 
 
 class KvfsMount:
@@ -62,6 +73,10 @@ class KvfsMount:
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    @property
+    def metrics_url(self) -> str:
+        return metrics_url(self.log_text())
 
     def new_errors(self) -> list[str]:
         """Unexpected error lines logged since the last call."""
@@ -196,6 +211,10 @@ class MasterDaemon:
     @property
     def port(self) -> int:
         return int(self.address.rsplit(":", 1)[1])
+
+    @property
+    def metrics_url(self) -> str:
+        return metrics_url(self.log_text())
 
     def kill(self) -> None:
         assert self.process is not None

@@ -6,11 +6,15 @@ import pyfuse3
 import pytest
 import trio
 
-from kvfs.errors import MetadataError, NoSpace
-from kvfs.fuse.errors import errno_of, fuse_handler
+from kvfs.errors import MetadataError, NoSpace, errno_of
+from kvfs.fuse.errors import fuse_handler
+from kvfs.metrics.histogram import OperationStats
 
 
 class Handlers:
+    def __init__(self) -> None:
+        self.operation_stats = OperationStats()
+
     @fuse_handler
     async def metadata_failure(self, ino: int) -> None:
         raise MetadataError(errno.ENOENT, f"inode {ino} does not exist")
@@ -35,15 +39,21 @@ class Handlers:
 @pytest.mark.parametrize("name, code", [("metadata_failure", errno.ENOENT), ("full", errno.ENOSPC),
                                         ("os_failure", errno.EACCES), ("bug", errno.EIO)])
 def test_failures_become_fuse_errors(name: str, code: int, caplog: pytest.LogCaptureFixture) -> None:
+    handlers = Handlers()
     with pytest.raises(pyfuse3.FUSEError) as raised:
-        trio.run(getattr(Handlers(), name), 7)
+        trio.run(getattr(handlers, name), 7)
     assert raised.value.errno == code
+    assert handlers.operation_stats.counts == {(name, errno.errorcode[code]): 1}
+    assert handlers.operation_stats.latency[name].count == 1
     if name == "bug":
         assert "bug(7) failed with an unexpected error" in caplog.text and "ValueError" in caplog.text
 
 
-def test_results_pass_through() -> None:
-    assert trio.run(Handlers().fine, 21) == 42
+def test_results_pass_through_and_are_counted_as_ok() -> None:
+    handlers = Handlers()
+    assert trio.run(handlers.fine, 21) == 42
+    assert trio.run(handlers.fine, 1) == 2
+    assert handlers.operation_stats.counts == {("fine", "ok"): 2}
 
 
 def test_errno_of_unknown_errors_is_eio() -> None:

@@ -6,6 +6,7 @@ from typing import Any, Protocol
 
 from kvfs.cluster.master import MetadataService
 from kvfs.cluster.messages import Request
+from kvfs.metrics.histogram import OperationStats
 
 
 class MasterClient(Protocol):
@@ -19,6 +20,7 @@ class MasterClient(Protocol):
 class EmbeddedMaster:
     def __init__(self, service: MetadataService) -> None:
         self.service = service
+        self.calls = OperationStats()  # by request type: the master's part of each operation
 
     async def call(self, request: Request, wait_s: float | None = None) -> Any:
-        return self.service.handle(request)
+        return self.calls.timed(type(request).__name__, lambda: self.service.handle(request))

@@ -19,6 +19,7 @@ from kvfs.cluster.auth import AuthError
 from kvfs.cluster.protocol import ProtocolError
 from kvfs.cluster.rpc import MasterUnavailable, RemoteMaster
 from kvfs.errors import KvfsError
+from kvfs.metrics.histogram import OperationStats
 from kvfs.cluster.transport import split_address
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class MasterLink:
         self.wait_s = wait_s
         self._remote: RemoteMaster | None = None
         self._up = trio.Event()
+        self.calls = OperationStats()  # requests by type: round trip to the master
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keeps the link up; reports started after the first successful registration."""
@@ -90,6 +92,11 @@ class MasterLink:
             await remote.aclose()
         return None
 
+    @property
+    def connected(self) -> bool:
+        """Connected to the master and registered."""
+        return self._up.is_set()
+
     async def reconnect(self) -> None:
         """Drops the connection (the master no longer knows this node): register again."""
         if self._remote is not None:
@@ -104,4 +111,4 @@ class MasterLink:
             if not self._up.is_set():
                 raise MasterUnavailable(f"master {self.address} is unreachable")
         assert self._remote is not None
-        return await self._remote.call(request)
+        return await self.calls.measure(type(request).__name__, self._remote.call(request))

@@ -103,6 +103,8 @@ class MetadataService(Membership):
             m.RemoveNode: self._remove_node,
         }
         self.notify: set[int] = set()  # nodes with name changes to push
+        self.evicted_files = 0  # decided by `_reclaim`, since this process started
+        self.evicted_bytes = 0
 
     def handle(self, request: m.Request, caller: int = LOCAL_NODE) -> Any:
         """Answers one request from node `caller`; raises MetadataError with the errno it should see.
@@ -581,6 +583,8 @@ class MetadataService(Membership):
             if version is not None:
                 victims.append(inode)  # type: ignore[arg-type]
                 freed += max(version.size, 1)
+        self.evicted_files += len(victims)
+        self.evicted_bytes += freed
         return self._remove_files(victims, freed)
 
     def _collect_orphans(self, req: m.CollectOrphans) -> m.Removed:

@@ -22,6 +22,10 @@ from kvfs.cluster.master import MasterSettings, MetadataService
 from kvfs.cluster.persist import MasterState
 from kvfs.cluster.rpc import MetadataServer
 from kvfs.cluster.transport import split_address
+from kvfs.config import DEFAULT_MASTER_METRICS
+from kvfs.metrics.exporter import serve_metrics
+from kvfs.metrics.histogram import OperationStats
+from kvfs.metrics.master import MasterMetrics
 from kvfs.policy import DEFAULT_POLICY, make_policy
 
 log = logging.getLogger("kvfs.master")
@@ -39,6 +43,7 @@ class MasterConfig:
     temp_suffix: str = ".tmp"
     temp_grace_s: float = 300.0
     dead_after_s: float = 2.5
+    metrics_listen: str | None = DEFAULT_MASTER_METRICS  # the Prometheus endpoint; None: off
 
 
 class MasterProcess:
@@ -52,9 +57,13 @@ class MasterProcess:
         files = self.state.load(self.service)
         log.info("loaded %d files, %d nodes from %s in %.2f s", files, len(self.service.registry.nodes),
                  config.data_dir, time.monotonic() - started)
+        self.requests = OperationStats()  # by request type, handling and saving to lmdb
         self.server = MetadataServer(self.handle, config.secret, self.service)
 
     def handle(self, request: m.Request, caller: int) -> Any:
+        return self.requests.timed(type(request).__name__, lambda: self._handle_and_save(request, caller))
+
+    def _handle_and_save(self, request: m.Request, caller: int) -> Any:
         try:
             return self.service.handle(request, caller)
         finally:  # before the answer leaves: an acknowledged change is never forgotten
@@ -66,6 +75,9 @@ class MasterProcess:
             async with trio.open_nursery() as nursery:
                 bound = await nursery.start(self.server.serve, host, port)
                 log.info("master listening on %s:%d", host, bound)
+                if self.config.metrics_listen is not None:
+                    metrics = MasterMetrics(self.service, self.requests, self.server)
+                    await nursery.start(serve_metrics, self.config.metrics_listen, metrics.describe)
                 nursery.start_soon(self._expire_forever)
                 nursery.start_soon(self._sync_forever)
                 task_status.started(bound)

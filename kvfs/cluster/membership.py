@@ -117,6 +117,8 @@ class Membership(_Base):
         node.last_seen = self.clock.monotonic()
         node.usage.dram_capacity, node.usage.dram_used = req.dram_capacity, req.dram_used
         node.usage.ssd_capacity, node.usage.ssd_used = req.ssd_capacity, req.ssd_used
+        if req.activity is not None:
+            node.activity = req.activity
         beat = m.Beat(node.outbox_dropped, node.outbox_forget)
         node.outbox_dropped, node.outbox_forget = [], []
         return beat
@@ -214,5 +216,5 @@ class Membership(_Base):
             u = node.usage
             nodes.append(m.NodeStatus(node.node_id, node.name, node.address, node.live,
                                       round(now - node.last_seen, 3), u.dram_capacity, u.dram_used,
-                                      u.ssd_capacity, u.ssd_used, files, dram_only, ssd, nbytes))
+                                      u.ssd_capacity, u.ssd_used, files, dram_only, ssd, nbytes, node.activity))
         return m.ClusterInfo(nodes, len(self.ns.inodes), self.ns.files, self.objects.sealed_bytes)

@@ -254,11 +254,24 @@ class FinishRegistration(Request):
     pass
 
 
+class Activity(msgspec.Struct):
+    """A node's counters since it started, reported with its heartbeats."""
+
+    lookups_found: int = 0
+    lookups_absent: int = 0
+    opens_dram: int = 0
+    opens_ssd: int = 0
+    opens_peer: int = 0
+    offload_backlog_files: int = 0
+    offload_backlog_bytes: int = 0
+
+
 class Heartbeat(Request):
     dram_capacity: int
     dram_used: int
     ssd_capacity: int = 0
     ssd_used: int = 0
+    activity: Activity | None = None  # what the node served since it started (for `kvfs status`)
 
 
 class ClusterStatus(Request):
@@ -396,6 +409,7 @@ class NodeStatus(msgspec.Struct):
     dram_only_files: int
     ssd_files: int
     bytes: int
+    activity: Activity = msgspec.field(default_factory=Activity)
 
 
 class ClusterInfo(msgspec.Struct):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvfs.cluster.messages import Activity
+
 LOCAL_NODE = 1  # the only node of a single-node (embedded) mount
 
 
@@ -32,6 +34,7 @@ class NodeRecord:
     registering: bool = False  # reporting its holdings; its files stay hidden until done
     last_seen: float = 0.0
     usage: Usage = field(default_factory=Usage)
+    activity: Activity = field(default_factory=Activity)  # its counters, as its last heartbeat reported them
     reported: set[int] = field(default_factory=set)  # versions reported during registration
     outbox_dropped: list[int] = field(default_factory=list)  # versions it must free
     outbox_forget: list[tuple[int, bytes]] = field(default_factory=list)  # names its kernel must forget

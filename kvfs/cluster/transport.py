@@ -30,6 +30,7 @@ from kvfs.cluster.protocol import (PREFIX_SIZE, ErrorReply, FrameKind, HeaderDec
                                    parse_prefix)
 from kvfs.cluster.rpc import FrameStream, handshake, peer_name, serve_tcp
 from kvfs.errors import KvfsError, StorageError
+from kvfs.metrics.histogram import OperationStats
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +202,8 @@ class TcpTransport:
         self._errors = HeaderDecoder(ErrorReply)
         self._next_id = 1
         self.fetched_bytes = 0
+        self.fetches = OperationStats()  # one "fetch" per chunk run, by outcome
+        self.checksum_failures = 0
 
     async def _connect(self, address: str) -> _PeerConnection:
         idle = self._idle.get(address)
@@ -229,6 +232,11 @@ class TcpTransport:
     async def fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
                     checksums: list[int], on_chunk: Callable[[int], None],
                     on_answer: Callable[[], None] = lambda: None) -> None:
+        await self.fetches.measure("fetch", self._fetch(address, version, first, targets, lengths, checksums,
+                                                        on_chunk, on_answer))
+
+    async def _fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
+                     checksums: list[int], on_chunk: Callable[[int], None], on_answer: Callable[[], None]) -> None:
         try:
             connection = await self._connect(address)
         except (OSError, AuthError, ProtocolError, EOFError, trio.BrokenResourceError, ValueError) as error:
@@ -287,6 +295,7 @@ class TcpTransport:
                 answered()
             connection.receive_exactly(target[:length])
             if index < len(checksums) and chunk_checksum(target[:length]) != checksums[index]:
+                self.checksum_failures += 1
                 raise StorageError(errno.EIO, f"version {version} chunk {index} from {address} fails its checksum")
             self.fetched_bytes += length
             arrived(index)

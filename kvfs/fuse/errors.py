@@ -10,11 +10,12 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import time
 from typing import Any, Awaitable, Callable, TypeVar
 
 import pyfuse3
 
-from kvfs.errors import KvfsError
+from kvfs.errors import KvfsError, errno_of
 
 log = logging.getLogger("kvfs.fuse")
 
@@ -26,24 +27,21 @@ ROUTINE_ERRNOS = frozenset({errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno.E
 Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
 
 
-def errno_of(error: BaseException) -> int:
-    """The errno a failure means for a POSIX caller."""
-    if isinstance(error, KvfsError):
-        return error.errno
-    if isinstance(error, OSError) and error.errno:
-        return error.errno
-    return errno.EIO
-
-
 def fuse_handler(method: Handler) -> Handler:
-    """Wraps a request handler so that every failure becomes a FUSEError with a log line."""
+    """Wraps a request handler so that every failure becomes a FUSEError with a log line,
+    and every request is counted, by outcome, in the handler object's `operation_stats`."""
     name = method.__name__
 
     @functools.wraps(method)
     async def wrapper(self: Any, *args: Any) -> Any:
+        started = time.perf_counter()
+        code = errno.EINTR  # what is recorded when the request is cancelled (interrupted)
         try:
-            return await method(self, *args)
-        except pyfuse3.FUSEError:
+            result = await method(self, *args)
+            code = 0
+            return result
+        except pyfuse3.FUSEError as error:
+            code = error.errno
             raise
         except (KvfsError, OSError) as error:
             code = errno_of(error)
@@ -51,8 +49,11 @@ def fuse_handler(method: Handler) -> Handler:
             log.log(level, "%s%s failed: %s", name, _describe(args), error)
             raise pyfuse3.FUSEError(code) from None
         except Exception:
+            code = errno.EIO
             log.exception("%s%s failed with an unexpected error; replying EIO", name, _describe(args))
             raise pyfuse3.FUSEError(errno.EIO) from None
+        finally:
+            self.operation_stats.record(name, code, time.perf_counter() - started)
 
     return wrapper  # type: ignore[return-value]
 

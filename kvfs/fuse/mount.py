@@ -27,6 +27,8 @@ from kvfs.concurrency import single_error
 from kvfs.config import MountConfig, format_size
 from kvfs.errors import KvfsError
 from kvfs.fuse.operations import KvfsOperations
+from kvfs.metrics.exporter import serve_metrics
+from kvfs.metrics.node import NodeMetrics
 from kvfs.node import Node
 from kvfs.node_membership import HEARTBEAT_S
 from kvfs.policy import make_policy
@@ -143,6 +145,7 @@ class Daemon:
                          invalidate_attrs=self._invalidate_attrs if config.master is not None else None)
         self.operations = KvfsOperations(self.node, config)
         self.link: MasterLink | None = None
+        self.peer_server: PeerServer | None = None
         self._mounted = False
 
     @staticmethod
@@ -197,18 +200,30 @@ class Daemon:
                 await self._join_cluster(nursery)
             elif self.store.ssd is not None:
                 await self.node.recover(self.config.temp_suffix.encode())
+            if self.config.metrics_listen is not None:
+                await nursery.start(serve_metrics, self.config.metrics_listen, self._metrics().describe)
             self._mount()
             await self._serve(on_ready)
             nursery.cancel_scope.cancel()
+
+    def _metrics(self) -> NodeMetrics:
+        if self.config.master is None:
+            return NodeMetrics(self.node, self.operations.operation_stats, embedded=self.service)
+        return NodeMetrics(self.node, self.operations.operation_stats, peer_server=self.peer_server,
+                           name=self._node_name())
+
+    def _node_name(self) -> str:
+        return self.config.node_name or f"{socket.gethostname()}:{self.config.mountpoint}"
 
     async def _join_cluster(self, nursery: trio.Nursery) -> None:
         """Starts the peer server, then registers with the master (reporting the SSD's files)."""
         config = self.config
         host, port = split_address(config.listen)
-        bound = await nursery.start(PeerServer(self.store, config.secret).serve, host, port)
+        self.peer_server = PeerServer(self.store, config.secret)
+        bound = await nursery.start(self.peer_server.serve, host, port)
         advertised = config.advertise or (host if host not in ("0.0.0.0", "::", "") else socket.gethostname())
         address = f"{advertised}:{bound}"
-        name = config.node_name or f"{socket.gethostname()}:{config.mountpoint}"
+        name = self._node_name()
         self.node.adopt_disk()
         self.link = MasterLink(config.master, config.secret, lambda remote: self.node.join(remote, name, address),
                                config.master_wait_s, on_notify=self.node.names_changed)

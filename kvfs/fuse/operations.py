@@ -21,6 +21,7 @@ from kvfs.config import MountConfig
 from kvfs.errors import KvfsError
 from kvfs.fuse.errors import fuse_handler
 from kvfs.fuse.handles import HandleTable, LookupCounts
+from kvfs.metrics.histogram import OperationStats
 from kvfs.node import Node, OpenFile
 
 log = logging.getLogger("kvfs.fuse")
@@ -44,6 +45,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.lookups = LookupCounts()
         self._forgotten: set[int] = set()
         self._forgotten_event = trio.Event()
+        self.operation_stats = OperationStats()  # kept by fuse_handler
 
     def _entry(self, attr: m.Attr) -> pyfuse3.EntryAttributes:
         entry = pyfuse3.EntryAttributes()

@@ -103,6 +103,12 @@ class ReadSource:
     answered: trio.Event = field(default_factory=trio.Event)
     streaming: bool = False
     closed: bool = False
+    remote: bool = False  # streamed from another node
+
+    @property
+    def tier(self) -> str:
+        """Where the reader is served from: "dram", "ssd" or "peer"."""
+        return "dram" if self.from_dram else "peer" if self.remote else "ssd"
 
 
 class TieredStore:
@@ -359,7 +365,7 @@ class TieredStore:
         start is 0) as soon as the owner starts sending."""
         lengths = Sealed(size, []).lengths(self.chunk_size)
         source = ReadSource(version, False, [self.read_buffers.take() for _ in lengths],
-                            [trio.Event() for _ in lengths])
+                            [trio.Event() for _ in lengths], remote=True)
         if not lengths:
             source.answered.set()
             return source
@@ -597,6 +603,13 @@ class TieredStore:
         """DRAM pressure or a waiting writer: offload at full speed."""
         return (self.dram.used > self.settings.high_watermark * self.dram.capacity
                 or self._space_freed.statistics().tasks_waiting > 0)
+
+    def offload_backlog(self) -> tuple[int, int]:
+        """Files, and their bytes, queued for or being copied to SSD."""
+        if self.ssd is None:
+            return 0, 0
+        waiting = set(self._offload_queue) | self._offloading
+        return len(waiting), sum(self._sealed[v].size for v in waiting if v in self._sealed)
 
     async def wait_offloaded(self) -> None:
         """Returns once every queued version is on SSD (or could not be)."""

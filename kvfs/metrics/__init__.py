@@ -1,0 +1,1 @@
+"""Prometheus metrics: cheap in-loop counters and histograms, and their HTTP exporter."""

@@ -1,0 +1,43 @@
+"""What the master exports: its requests, the namespace, and every node's liveness and use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvfs.cluster.master import MetadataService
+from kvfs.cluster.rpc import MetadataServer
+from kvfs.metrics.families import Families
+from kvfs.metrics.histogram import OperationStats
+
+
+def describe_namespace(out: Families, service: MetadataService) -> None:
+    """The namespace and eviction figures, for the master process and the embedded master."""
+    out.gauge("files", "files in the namespace", service.ns.files)
+    out.gauge("inodes", "inodes (files and directories)", len(service.ns.inodes))
+    out.gauge("sealed_bytes", "bytes of sealed (complete) file versions", service.objects.sealed_bytes)
+    out.counter("evictions", "files evicted to make room, as decided by the master", service.evicted_files)
+    out.counter("evicted_bytes", "bytes freed by evictions", service.evicted_bytes)
+
+
+@dataclass
+class MasterMetrics:
+    service: MetadataService
+    requests: OperationStats
+    server: MetadataServer
+
+    def describe(self, out: Families) -> None:
+        describe_namespace(out, self.service)
+        out.operations("master_requests", "requests handled by the master (including the lmdb save)", "request",
+                       self.requests)
+        out.counter("master_connections_refused", "connections that failed authentication", self.server.refused)
+        nodes = [node for node in self.service.registry.nodes.values()]
+        out.gauges("node_up", "1 while a node heartbeats, 0 once it is declared dead", ("node",),
+                   {(node.name,): int(node.live) for node in nodes})
+        out.gauges("node_capacity_bytes", "capacity of each node's tiers, from its heartbeats", ("node", "tier"),
+                   {**{(n.name, "dram"): n.usage.dram_capacity for n in nodes},
+                    **{(n.name, "ssd"): n.usage.ssd_capacity for n in nodes if n.usage.ssd_capacity}})
+        out.gauges("node_used_bytes", "bytes in use in each node's tiers, from its heartbeats", ("node", "tier"),
+                   {**{(n.name, "dram"): n.usage.dram_used for n in nodes},
+                    **{(n.name, "ssd"): n.usage.ssd_used for n in nodes if n.usage.ssd_capacity}})
+        out.gauges("node_offload_backlog_bytes", "bytes each node has yet to copy to SSD", ("node",),
+                   {(n.name,): n.activity.offload_backlog_bytes for n in nodes})

@@ -1,0 +1,95 @@
+"""What a node exports: its FUSE requests, tiers, movement between them, peers and master."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvfs import __version__
+from kvfs.cluster.master import MetadataService
+from kvfs.cluster.transport import PeerServer, TcpTransport
+from kvfs.metrics.families import Families
+from kvfs.metrics.histogram import OperationStats
+from kvfs.metrics.master import describe_namespace
+from kvfs.node import TIERS, Node
+
+
+@dataclass
+class NodeMetrics:
+    node: Node
+    fuse: OperationStats  # the FUSE handlers' requests
+    embedded: MetadataService | None = None  # single-node mode: the in-process master
+    peer_server: PeerServer | None = None
+    name: str = "local"
+
+    def describe(self, out: Families) -> None:
+        node, store = self.node, self.node.store
+        out.gauges("node_info", "this node (value 1)", ("node", "node_id", "version"),
+                   {(self.name, str(node.node_id), __version__): 1})
+        out.operations("fuse_operations", "FUSE requests", "operation", self.fuse)
+        out.counters("lookups", "names looked up by the kernel, found or absent (the cache's hits and misses)",
+                     ("result",), {("found",): node.lookups_found, ("absent",): node.lookups_absent})
+        out.counters("tier_hits", "reader opens served by each tier", ("tier",),
+                     {(tier,): node.reader_opens[tier] for tier in TIERS})
+        misses = {("dram",): node.reader_opens["ssd"] + node.reader_opens["peer"]}
+        if store.ssd is not None:
+            misses[("ssd",)] = node.reader_opens["peer"]
+        out.counters("tier_misses", "reader opens that a tier could not serve (they went to a lower one)",
+                     ("tier",), misses)
+        out.counters("served_bytes", "bytes read through the mount, by the tier that served them", ("tier",),
+                     {(tier,): node.served_bytes[tier] for tier in TIERS})
+        capacity = {("dram",): store.dram.capacity}
+        used = {("dram",): store.dram.used}
+        if store.ssd is not None:
+            capacity[("ssd",)], used[("ssd",)] = store.ssd.capacity, store.ssd.used
+        out.gauges("tier_capacity_bytes", "capacity of each tier", ("tier",), capacity)
+        out.gauges("tier_used_bytes", "bytes in use in each tier", ("tier",), used)
+        self._movement(out)
+        self._cluster(out)
+        if self.embedded is not None:
+            describe_namespace(out, self.embedded)
+
+    def _movement(self, out: Families) -> None:
+        node, stats = self.node, self.node.store.stats
+        backlog_files, backlog_bytes = node.store.offload_backlog()
+        out.counter("evicted_files", "files evicted from this node to make room", node.evicted_files)
+        out.counter("offloaded_files", "files copied from DRAM to SSD", stats.offloaded_files)
+        out.counter("offloaded_bytes", "bytes copied from DRAM to SSD", stats.offloaded_bytes)
+        out.counter("promoted_files", "files brought back from SSD into DRAM on reuse", stats.promoted_files)
+        out.counter("demoted_files", "DRAM copies dropped because the file is safe on SSD", stats.demoted_files)
+        out.gauge("offload_backlog_files", "files waiting to be copied to SSD", backlog_files)
+        out.gauge("offload_backlog_bytes", "bytes waiting to be copied to SSD", backlog_bytes)
+        out.counter("ssd_reads", "files read from SSD (not promoted)", stats.ssd_reads)
+        out.counter("backpressure_waits", "writes that waited for the offloader to free DRAM",
+                    stats.backpressure_waits)
+        out.counter("backpressure_wait_seconds", "time writers spent waiting for the offloader",
+                    stats.backpressure_seconds)
+        checksum_failures = {("ssd",): stats.checksum_failures}
+        transport = node.transport
+        if isinstance(transport, TcpTransport):
+            checksum_failures[("peer",)] = transport.checksum_failures
+        out.counters("checksum_failures", "chunks that failed their checksum, by where they came from",
+                     ("source",), checksum_failures)
+        out.counter("read_buffer_misses", "reads that found no free read buffer", node.store.read_buffers.misses)
+
+    def _cluster(self, out: Families) -> None:
+        node = self.node
+        calls = getattr(node.master, "calls", None)
+        if isinstance(calls, OperationStats):
+            out.operations("master_rpc", "requests to the master", "request", calls)
+        up = getattr(node.master, "connected", True)
+        out.gauge("master_connected", "1 while this node is connected and registered to the master", int(up))
+        transport = node.transport
+        if isinstance(transport, TcpTransport):
+            out.counter("peer_fetched_bytes", "bytes fetched from other nodes", transport.fetched_bytes)
+            out.operations("peer_fetches", "chunk runs fetched from other nodes", "operation", transport.fetches)
+            out.counter("remote_reads", "reader opens of files stored on another node", node.remote_reads)
+        if self.peer_server is not None:
+            out.counter("peer_served_bytes", "bytes sent to other nodes", self.peer_server.served_bytes)
+            out.counter("peer_connections_refused", "peer connections that failed authentication",
+                        self.peer_server.refused)
+        if node.prefetches is not None:
+            prefetches = node.prefetches
+            out.counters("prefetches", "remote files fetched at lookup, by outcome", ("outcome",),
+                         {("started",): prefetches.started, ("claimed",): prefetches.claimed,
+                          ("wasted",): prefetches.wasted})
+        out.counter("degraded_reads", "opens served while the master was unreachable", node.degraded_reads)
