@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import logging
 import os
 import sys
 import time
 
 from kvfs import __version__
+from kvfs.cluster import messages as m
 from kvfs.config import (DEFAULT_MASTER_METRICS, DEFAULT_NODE_METRICS, MountConfig, check_address,
                          default_disk_bytes, default_dram_bytes, format_size, parse_size)
 from kvfs.config_sources import parse_with_sources
 from kvfs.errors import ConfigError, KvfsError
+from kvfs.fstab import mount_helper_argv
 from kvfs.policy import DEFAULT_POLICY, POLICIES
 
 log = logging.getLogger("kvfs")
@@ -34,6 +37,8 @@ def default_log_file(mountpoint: str) -> str:
 
 
 DEFAULT_SECRET_FILE = "/etc/kvfs/secret"
+DEFAULT_MASTER_LISTEN = "0.0.0.0:7400"
+DEFAULT_MASTER_DATA = "/var/lib/kvfs/master"
 
 
 def _add_store_options(command: argparse.ArgumentParser) -> None:
@@ -80,6 +85,11 @@ def _add_common(command: argparse.ArgumentParser, secret: bool = True) -> None:
                              help=f"the cluster secret's file (KVFS_SECRET overrides it; default {DEFAULT_SECRET_FILE})")
 
 
+def _add_status_source(command: argparse.ArgumentParser) -> None:
+    command.add_argument("mountpoint", nargs="?", help="a single-node mount to ask (instead of --master)")
+    command.add_argument("--master", default=None, help="the master's HOST:PORT")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfs", description="A POSIX filesystem for LLM KV-cache blocks.")
     parser.add_argument("--version", action="version", version=f"kvfs {__version__}")
@@ -106,8 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(node)
 
     master = commands.add_parser("master", help="run the metadata master")
-    master.add_argument("--listen", required=True, help="HOST:PORT to serve nodes on")
-    master.add_argument("--data", required=True, help="directory for the master's state (lmdb)")
+    master.add_argument("--listen", default=DEFAULT_MASTER_LISTEN,
+                        help=f"HOST:PORT to serve nodes on (default {DEFAULT_MASTER_LISTEN})")
+    master.add_argument("--data", default=DEFAULT_MASTER_DATA,
+                        help=f"directory for the master's state, lmdb (default {DEFAULT_MASTER_DATA})")
     master.add_argument("--eviction-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
     master.add_argument("--temp-grace", type=float, default=300.0,
                         help="seconds before an abandoned *.tmp file is collected")
@@ -117,10 +129,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_metrics(master, DEFAULT_MASTER_METRICS)
     _add_common(master)
 
-    status = commands.add_parser("status", help="print the cluster: nodes, liveness, capacity, files")
-    status.add_argument("--master", required=True, help="the master's HOST:PORT")
+    status = commands.add_parser("status", help="the cluster's nodes (or one mount's): state, capacity, use, hits")
+    _add_status_source(status)
     status.add_argument("--json", action="store_true", help="machine-readable output")
     _add_common(status)
+
+    top = commands.add_parser("top", help="live rates per node (lookups, hits, reads, writes, evictions)")
+    _add_status_source(top)
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    top.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (default: never)")
+    _add_common(top)
+
+    inspect = commands.add_parser("inspect", help="where a file's chunks live, checksums, version, use, leases")
+    inspect.add_argument("path", help="a file in a kvfs mount")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
 
     remove = commands.add_parser("remove-node", help="forget a node that is down for good (its files go)")
     remove.add_argument("name", help="the node's name, as `kvfs status` shows it")
@@ -231,33 +253,63 @@ def ask_master(args: argparse.Namespace, request):  # type: ignore[no-untyped-de
 
 
 def run_remove_node(args: argparse.Namespace) -> int:
-    from kvfs.cluster import messages as m
-
     removed = ask_master(args, m.RemoveNode(args.name))
     print(f"removed node {args.name}: {len(removed.entries)} files, {format_size(removed.freed_bytes)}")
     return 0
 
 
-def run_status(args: argparse.Namespace) -> int:
-    import json
+def _cluster_info(args: argparse.Namespace) -> tuple[str, m.ClusterInfo]:
+    """The cluster's state from --master, or a single-node mount's from its stats attribute."""
+    from kvfs.status import info_from_mount_stats
 
+    if args.master:
+        return f"master {args.master}", ask_master(args, m.ClusterStatus())
+    if not args.mountpoint:
+        raise ConfigError("name a mount (kvfs status /mnt/kvfs) or the master (--master HOST:PORT)")
+    mountpoint = os.path.abspath(args.mountpoint)
+    try:
+        stats = json.loads(os.getxattr(mountpoint, "user.kvfs.stats"))
+    except OSError as error:
+        raise KvfsError(error.errno or errno.EIO, f"{mountpoint} is not a kvfs mount ({error.strerror})") from None
+    return f"mount {mountpoint}", info_from_mount_stats(mountpoint, stats)
+
+
+def run_status(args: argparse.Namespace) -> int:
     import msgspec
 
-    from kvfs.cluster import messages as m
+    from kvfs.status import render_status
 
-    info = ask_master(args, m.ClusterStatus())
-    if args.json:
-        print(json.dumps(msgspec.to_builtins(info), indent=2))
-        return 0
-    print(f"master {args.master}: {info.files} files, {format_size(info.sealed_bytes)}, {info.inodes} inodes")
-    print(f"{'NODE':>4} {'NAME':<28} {'ADDRESS':<22} {'STATE':<6} {'DRAM USED/CAP':>21} {'SSD USED/CAP':>21} "
-          f"{'FILES':>7} {'DRAM-ONLY':>9} {'ON SSD':>7}")
-    for n in info.nodes:
-        state = "up" if n.live else "down"
-        print(f"{n.node:>4} {n.name[:28]:<28} {n.address[:22]:<22} {state:<6} "
-              f"{format_size(n.dram_used) + ' / ' + format_size(n.dram_capacity):>21} "
-              f"{format_size(n.ssd_used) + ' / ' + format_size(n.ssd_capacity):>21} "
-              f"{n.files:>7} {n.dram_only_files:>9} {n.ssd_files:>7}")
+    source, info = _cluster_info(args)
+    print(json.dumps(msgspec.to_builtins(info), indent=2) if args.json else render_status(source, info))
+    return 0
+
+
+def run_top(args: argparse.Namespace) -> int:
+    from kvfs.status import Sample, render_top
+
+    if args.interval <= 0:
+        raise ConfigError("interval: must be positive")
+    interactive = sys.stdout.isatty()
+    previous = Sample(time.monotonic(), _cluster_info(args)[1])
+    shown = 0
+    try:
+        while not args.iterations or shown < args.iterations:
+            time.sleep(args.interval)
+            source, info = _cluster_info(args)
+            current = Sample(time.monotonic(), info)
+            screen = render_top(source, previous, current)
+            print(("\x1b[H\x1b[2J" if interactive else "") + screen, flush=True)  # clear, as top(1) does
+            previous, shown = current, shown + 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from kvfs.inspect import file_facts, render_facts
+
+    facts = file_facts(os.path.abspath(args.path))
+    print(json.dumps(facts, indent=2, sort_keys=True) if args.json else render_facts(args.path, facts))
     return 0
 
 
@@ -275,15 +327,20 @@ def run_umount(args: argparse.Namespace) -> int:
     return 0
 
 
+COMMANDS = {"mount": run_mount, "node": run_node, "master": run_master, "status": run_status, "top": run_top,
+            "inspect": run_inspect, "remove-node": run_remove_node, "umount": run_umount}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     init_logging("info")
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        args = parse_with_sources(parser, sys.argv[1:] if argv is None else argv)
+        if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:  # called by mount.fuse3?
+            argv = mount_helper_argv(argv) or argv
+        args = parse_with_sources(parser, argv)
         init_logging(getattr(args, "log_level", "info"))
-        commands = {"mount": run_mount, "node": run_node, "master": run_master, "status": run_status,
-                    "remove-node": run_remove_node, "umount": run_umount}
-        return commands[args.command](args)
+        return COMMANDS[args.command](args)
     except KvfsError as error:
         log.error("%s", error)
         return 1

@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 
 VIRTUAL_XATTRS = (b"user.kvfs.tier", b"user.kvfs.size", b"user.kvfs.version", b"user.kvfs.sealed",
                   b"user.kvfs.chunks", b"user.kvfs.checksum", b"user.kvfs.hits", b"user.kvfs.last_access_ns",
-                  b"user.kvfs.node", b"user.kvfs.ssd_extents")
+                  b"user.kvfs.node", b"user.kvfs.node_name", b"user.kvfs.on_ssd", b"user.kvfs.leases",
+                  b"user.kvfs.ssd_extents", b"user.kvfs.info")
 VIRTUAL_PREFIX = b"user.kvfs."
 ROOT_STATS = b"user.kvfs.stats"  # JSON counters of the node's store, on the root directory
 ROOT_CONTROL = b"user.kvfs.control"  # "sync" (wait for offload), "flush" (offload all), "drop-dram"
@@ -121,6 +122,7 @@ class Node(NodeMembership):
         self.lookups_absent = 0
         self.reader_opens = dict.fromkeys(TIERS, 0)
         self.served_bytes = dict.fromkeys(TIERS, 0)
+        self.written_bytes = 0
 
     @property
     def chunk_size(self) -> int:
@@ -398,6 +400,7 @@ class Node(NodeMembership):
         end = offset + len(data)
         self._check_file_size(end)
         await self.store.write(handle.version, offset, data)
+        self.written_bytes += len(data)
         state = self._writing[handle.version]
         state.size = max(state.size, end)
         state.mtime_ns = self.clock.wall_ns()
@@ -538,7 +541,14 @@ class Node(NodeMembership):
 
     async def getxattr(self, ino: int, name: bytes) -> bytes:
         if ino == ROOT_INO and name == ROOT_STATS:
-            return json.dumps(self.store_stats(), sort_keys=True).encode()
+            namespace = await self.master.call(m.Stats())
+            holdings = self.store.holdings()
+            on_ssd = sum(1 for holding in holdings if holding[3])
+            stats = {**self.store_stats(), "files": namespace.files, "inodes": namespace.inodes,
+                     "sealed_bytes": namespace.sealed_bytes, "stored_files": len(holdings),
+                     "stored_bytes": sum(holding[1] for holding in holdings), "ssd_files": on_ssd,
+                     "dram_only_files": len(holdings) - on_ssd}
+            return json.dumps(stats, sort_keys=True).encode()
         if name.startswith(VIRTUAL_PREFIX):
             return await self._virtual_xattr(ino, name)
         return (await self.master.call(m.GetXattr(ino, name))).value
@@ -577,7 +587,8 @@ class Node(NodeMembership):
     def activity(self) -> m.Activity:
         backlog_files, backlog_bytes = self.store.offload_backlog()
         return m.Activity(self.lookups_found, self.lookups_absent, self.reader_opens["dram"],
-                          self.reader_opens["ssd"], self.reader_opens["peer"], backlog_files, backlog_bytes)
+                          self.reader_opens["ssd"], self.reader_opens["peer"], backlog_files, backlog_bytes,
+                          sum(self.served_bytes.values()), self.written_bytes, self.evicted_files)
 
     def store_stats(self) -> dict[str, float]:
         stats = asdict(self.store.stats)
@@ -611,16 +622,38 @@ class Node(NodeMembership):
         if not attr.version or name not in VIRTUAL_XATTRS:
             raise StorageError(errno.ENODATA, f"no xattr {name!r} on inode {ino}")
         info: m.VersionInfo = await self.master.call(m.GetVersion(attr.version))
+        facts = self._file_facts(attr, info)
+        if name == b"user.kvfs.info":
+            return json.dumps(facts, sort_keys=True).encode()
         values = {
-            b"user.kvfs.tier": self.store.tier_of(info.version),
-            b"user.kvfs.size": str(attr.size),
-            b"user.kvfs.version": str(info.version),
+            b"user.kvfs.tier": facts["tier"],
+            b"user.kvfs.size": facts["size"],
+            b"user.kvfs.version": facts["version"],
             b"user.kvfs.sealed": "yes" if info.sealed else "no",
-            b"user.kvfs.chunks": str(len(info.checksums) if info.sealed else -(-attr.size // self.chunk_size)),
-            b"user.kvfs.checksum": ",".join(format_checksum(c) for c in info.checksums),
-            b"user.kvfs.hits": str(info.hits),
-            b"user.kvfs.last_access_ns": str(info.last_access_ns),
-            b"user.kvfs.node": str(info.node),
-            b"user.kvfs.ssd_extents": self.store.describe_extents(info.version),
+            b"user.kvfs.chunks": len(facts["chunks"]),
+            b"user.kvfs.checksum": ",".join(chunk["checksum"] for chunk in facts["chunks"] if chunk["checksum"]),
+            b"user.kvfs.hits": info.hits,
+            b"user.kvfs.last_access_ns": info.last_access_ns,
+            b"user.kvfs.node": info.node,
+            b"user.kvfs.node_name": info.node_name,
+            b"user.kvfs.on_ssd": "yes" if info.on_disk else "no",
+            b"user.kvfs.leases": f"readers={info.readers} writers={info.writers}",
+            b"user.kvfs.ssd_extents": facts["ssd_extents"],
         }
-        return values[name].encode()
+        return str(values[name]).encode()
+
+    def _file_facts(self, attr: m.Attr, info: m.VersionInfo) -> dict:
+        """Everything `kvfs inspect` shows of a file: where its chunks are, their checksums, use."""
+        stored_here = info.node == self.node_id
+        tier = self.store.tier_of(info.version) if stored_here else "peer"
+        chunk_total = len(info.checksums) if info.sealed else -(-attr.size // self.chunk_size)
+        chunks = [{"index": index, "offset": index * self.chunk_size,
+                   "length": min(self.chunk_size, attr.size - index * self.chunk_size),
+                   "checksum": format_checksum(info.checksums[index]) if index < len(info.checksums) else ""}
+                  for index in range(chunk_total)]
+        return {"size": attr.size, "version": info.version, "sealed": info.sealed, "tier": tier,
+                "node": info.node, "node_name": info.node_name, "node_address": info.node_address,
+                "node_up": info.node_live, "stored_here": stored_here, "on_ssd": info.on_disk,
+                "hits": info.hits, "last_access_ns": info.last_access_ns,
+                "readers": info.readers, "writers": info.writers, "chunk_size": self.chunk_size, "chunks": chunks,
+                "ssd_extents": self.store.describe_extents(info.version) if stored_here else ""}

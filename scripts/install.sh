@@ -18,8 +18,9 @@ fi
 echo "kvfs: installing system packages (fuse3, libfuse3 headers, compiler, python3-venv)" >&2
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq --no-install-recommends \
-    fuse3 libfuse3-dev pkg-config gcc libc6-dev python3 python3-dev python3-venv attr util-linux >/dev/null
+packages=(fuse3 libfuse3-dev pkg-config gcc libc6-dev python3 python3-dev python3-venv attr util-linux)
+[[ -n $extras ]] && packages+=(systemd)  # the tests verify the units with systemd-analyze
+apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null
 
 if [[ ! -x $prefix/bin/python ]]; then
     echo "kvfs: creating virtual environment in $prefix" >&2
@@ -29,4 +30,11 @@ echo "kvfs: installing kvfs$extras into $prefix (pyfuse3 compiles against libfus
 "$prefix/bin/pip" install -q --disable-pip-version-check --upgrade pip setuptools wheel
 "$prefix/bin/pip" install -q --disable-pip-version-check "$repo$extras"
 ln -sf "$prefix/bin/kvfs" /usr/local/bin/kvfs
+# Units (not enabled: see docs/operations.md), the documentation they point at, and an
+# example configuration next to where kvfs looks for one.
+install -d /etc/systemd/system /usr/share/doc/kvfs /etc/kvfs
+install -m 644 "$repo"/scripts/systemd/*.service /etc/systemd/system/
+install -m 644 "$repo"/docs/*.md "$repo"/docs/grafana-dashboard.json /usr/share/doc/kvfs/
+install -m 644 "$repo"/scripts/kvfs.toml.example /etc/kvfs/kvfs.toml.example
+if [[ -d /run/systemd/system ]]; then systemctl daemon-reload; fi
 echo "kvfs: installed $("$prefix/bin/kvfs" --version) as /usr/local/bin/kvfs" >&2

@@ -520,8 +520,10 @@ class MetadataService(Membership):
 
     def _get_version(self, req: m.GetVersion) -> m.VersionInfo:
         v = self.objects.get(req.version)
-        return m.VersionInfo(v.version, v.ino, v.size, v.sealed, v.node, v.checksums, v.hits,
-                             v.last_access_ns, v.readers, v.writers, v.on_disk)
+        node = self.registry.nodes.get(v.node)
+        return m.VersionInfo(v.version, v.ino, v.size, v.sealed, v.node, v.checksums, v.hits, v.last_access_ns,
+                             v.readers, v.writers, v.on_disk, node.name if node else "", node.address if node else "",
+                             node is not None and node.live)
 
     # Extended attributes ---------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import trio
 
+from kvfs import systemd
 from kvfs.clock import SystemClock
 from kvfs.cluster import messages as m
 from kvfs.cluster.master import MasterSettings, MetadataService
@@ -73,18 +74,21 @@ class MasterProcess:
         host, port = split_address(self.config.listen)
         try:
             async with trio.open_nursery() as nursery:
-                bound = await nursery.start(self.server.serve, host, port)
-                log.info("master listening on %s:%d", host, bound)
                 if self.config.metrics_listen is not None:
                     metrics = MasterMetrics(self.service, self.requests, self.server)
                     await nursery.start(serve_metrics, self.config.metrics_listen, metrics.describe)
+                bound = await nursery.start(self.server.serve, host, port)
+                log.info("master listening on %s:%d", host, bound)
                 nursery.start_soon(self._expire_forever)
                 nursery.start_soon(self._sync_forever)
-                task_status.started(bound)
+                nursery.start_soon(systemd.keep_watchdog_fed)
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    task_status.started(bound)
+                    systemd.notify(f"READY=1\nSTATUS=serving on {host}:{bound}")
                     async for signum in signals:
                         log.info("received %s, stopping", signal.Signals(signum).name)
                         break
+                systemd.notify("STOPPING=1")
                 nursery.cancel_scope.cancel()
         finally:
             self.state.save(self.service)

@@ -46,6 +46,9 @@ class VersionInfo(msgspec.Struct):
     readers: int
     writers: int
     on_disk: bool = False
+    node_name: str = ""  # the storing node's, from the registry
+    node_address: str = ""
+    node_live: bool = True
 
 
 class FileRecord(msgspec.Struct):
@@ -264,6 +267,9 @@ class Activity(msgspec.Struct):
     opens_peer: int = 0
     offload_backlog_files: int = 0
     offload_backlog_bytes: int = 0
+    read_bytes: int = 0  # read through the mount (every tier)
+    written_bytes: int = 0
+    evicted_files: int = 0
 
 
 class Heartbeat(Request):

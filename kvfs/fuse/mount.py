@@ -18,6 +18,7 @@ from typing import Callable
 import pyfuse3
 import trio
 
+from kvfs import systemd
 from kvfs.clock import SystemClock
 from kvfs.cluster.embedded import EmbeddedMaster
 from kvfs.cluster.link import MasterLink
@@ -247,8 +248,10 @@ class Daemon:
             nursery.start_soon(self._stop_on_signal)
             nursery.start_soon(self.operations.run_forgetter)
             nursery.start_soon(self._collect_orphans)
+            nursery.start_soon(systemd.keep_watchdog_fed)
             nursery.start_soon(trio.to_thread.run_sync, self._confirm_mounted, on_ready, trio.lowlevel.current_trio_token())
             await pyfuse3.main(max_tasks=self.config.max_tasks)
+            systemd.notify("STOPPING=1")
             await self._flush_to_disk()
             nursery.cancel_scope.cancel()
 
@@ -259,6 +262,7 @@ class Daemon:
         pending = self.store.queue_all_dram_only()
         if pending:
             log.info("stopping: copying %d files still only in DRAM to %s", pending, self.store.ssd.directory)
+            systemd.notify(f"STATUS=stopping: copying {pending} files to SSD")
         with trio.move_on_after(SHUTDOWN_FLUSH_S) as scope:
             await self.store.wait_offloaded()
         if scope.cancelled_caught:
@@ -269,6 +273,7 @@ class Daemon:
             async for signum in signals:
                 log.info("received %s, unmounting", signal.Signals(signum).name)
                 break
+        systemd.notify(f"STOPPING=1\nSTATUS=unmounting {self.config.mountpoint}")
         # Detach the mount and keep serving until the kernel has released every open
         # file: a RELEASE still queued for a file closed just before the signal seals
         # that file, which a plain stop would lose. Open files bound the wait.
@@ -304,6 +309,7 @@ class Daemon:
         tune_connection(mountpoint, self.config)
         log.info("%s is ready", mountpoint)
         on_ready()
+        systemd.notify(f"READY=1\nSTATUS=serving {mountpoint}")
 
 
 def mount(config: MountConfig, foreground: bool, log_file: str | None = None) -> int:
