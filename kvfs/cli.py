@@ -22,10 +22,35 @@ from kvfs.policy import DEFAULT_POLICY, POLICIES
 log = logging.getLogger("kvfs")
 
 
+class JournalFormatter(logging.Formatter):
+    """For stderr connected to journald: a `<priority>` prefix it turns into the entry's
+    level (so `journalctl -p warning` works), and no timestamp (it adds its own)."""
+
+    PRIORITIES = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+
+    def format(self, record: logging.LogRecord) -> str:
+        priority = self.PRIORITIES.get(record.levelno, 6)
+        return f"<{priority}>" + super().format(record)
+
+
+def stderr_is_journal() -> bool:
+    """systemd sets JOURNAL_STREAM to the device:inode of the stream it gave us."""
+    expected = os.environ.get("JOURNAL_STREAM", "")
+    try:
+        st = os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError):
+        return False
+    return expected == f"{st.st_dev}:{st.st_ino}"
+
+
 def init_logging(level: str) -> None:
-    """One line per event on stderr (journald adds its own timestamps under systemd)."""
+    """One line per event on stderr: `time LEVEL logger: message`, or for journald
+    `<priority>logger: message`."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    if stderr_is_journal():
+        handler.setFormatter(JournalFormatter("%(name)s: %(message)s"))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

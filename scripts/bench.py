@@ -27,6 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvfs.config import parse_size  # noqa: E402
 from kvfs.fuse.mount import find_mount  # noqa: E402
 
+# The daemons started here run side by side: metrics on ports of their own, not 9740/9741.
+os.environ.setdefault("KVFS_METRICS_LISTEN", "127.0.0.1:0")
+
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent
 

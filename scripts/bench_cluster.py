@@ -37,6 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import drop_page_cache, lookups_per_second, prepare_machine, start_daemon, store_files  # noqa: E402
 from kvfs.config import parse_size  # noqa: E402
 
+# The daemons started here run side by side: metrics on ports of their own, not 9740/9741.
+os.environ.setdefault("KVFS_METRICS_LISTEN", "127.0.0.1:0")
+
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent
 MOONCAKE_TCP_GBS = 0.7  # Mooncake Store's remote get over TCP measured on this machine class

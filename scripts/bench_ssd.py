@@ -31,6 +31,9 @@ from kvfs.config import parse_size  # noqa: E402
 from kvfs.disk.engine import open_engine  # noqa: E402
 from kvfs.disk.segments import SEGMENT_SIZE  # noqa: E402
 
+# The daemons started here run side by side: metrics on ports of their own, not 9740/9741.
+os.environ.setdefault("KVFS_METRICS_LISTEN", "127.0.0.1:0")
+
 MiB = 1 << 20
 MOONCAKE_COLD_SSD_GBPS = 0.5  # the upper end of Mooncake's cold SSD reads measured on this machine class
 

@@ -40,6 +40,9 @@ from kvfs.store.dram import CHUNK_SIZE  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from live_replay import LiveResult, replay_live  # noqa: E402
 
+# The daemons started here run side by side: metrics on ports of their own, not 9740/9741.
+os.environ.setdefault("KVFS_METRICS_LISTEN", "127.0.0.1:0")
+
 
 def load_part(trace: str, part: str) -> list[Request]:
     requests = load_trace(Path(trace))

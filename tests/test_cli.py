@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,11 @@ def test_background_mount_and_umount(tmp_path: Path) -> None:
         unmounted = run("umount", str(mountpoint))
     assert unmounted.returncode == 0, unmounted.stderr
     assert find_mount(str(mountpoint)) is None
-    assert "is ready" in log.read_text() and "unmounted" in log.read_text()
+    deadline = time.monotonic() + 30
+    while "unmounted" not in log.read_text():  # the daemon finishes after the mount is gone
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    assert "is ready" in log.read_text()
 
 
 def test_sigint_unmounts_cleanly(make_mount) -> None:
@@ -77,3 +82,83 @@ def test_invalid_arguments_give_clear_errors(tmp_path: Path) -> None:
     (tmp_path / "file").write_bytes(b"")
     result = run("mount", str(tmp_path / "file"), "--dram", "64M", "--log-file", str(tmp_path / "l.log"))
     assert result.returncode == 1 and "not a directory" in result.stderr
+
+
+def test_logs_to_journald_carry_priorities_and_no_timestamps() -> None:
+    read_end, write_end = os.pipe()
+    st = os.fstat(write_end)
+    try:
+        result = subprocess.run([*KVFS, "status"], stderr=write_end, stdout=subprocess.DEVNULL, timeout=60,
+                                env={**os.environ, "JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"})
+    finally:
+        os.close(write_end)
+    with os.fdopen(read_end) as output:
+        lines = output.read().splitlines()
+    assert result.returncode == 1
+    assert lines == ["<3>kvfs: name a mount (kvfs status /mnt/kvfs) or the master (--master HOST:PORT): Invalid argument"]
+    plain = run("status")  # not journald: a timestamp and the level's name
+    assert " ERROR kvfs: name a mount" in plain.stderr and not plain.stderr.startswith("<")
+
+
+def test_settings_from_file_environment_and_flags(tmp_path: Path) -> None:
+    from kvfs.cli import build_parser
+    from kvfs.config_sources import parse_with_sources
+    from kvfs.errors import ConfigError
+
+    config = tmp_path / "kvfs.toml"
+    config.write_text('[node]\nmaster = "10.0.0.1:7400"\ndram = "1G"\nmetrics = false\neviction-policy = "lru"\n'
+                      'entry_timeout = 5\n')
+    parse = lambda argv, **env: parse_with_sources(build_parser(), argv, {"KVFS_CONFIG": str(config), **env})
+    args = parse(["node", "--mount", "/m"])
+    assert (args.master, args.dram, args.metrics, args.eviction_policy, args.entry_timeout) == \
+        ("10.0.0.1:7400", "1G", False, "lru", 5.0)
+    args = parse(["node", "--mount", "/m"], KVFS_DRAM="2G", KVFS_METRICS="yes", KVFS_ENTRY_TIMEOUT="7.5")
+    assert (args.dram, args.metrics, args.entry_timeout) == ("2G", True, 7.5)  # the environment beats the file
+    assert parse(["node", "--mount", "/m", "--dram", "3G"], KVFS_DRAM="2G").dram == "3G"  # flags beat both
+    for env, message in ((dict(KVFS_EVICTION_POLICY="fifo"), "KVFS_EVICTION_POLICY: 'fifo' is not one of lru, reuse"),
+                         (dict(KVFS_ENTRY_TIMEOUT="soon"), "KVFS_ENTRY_TIMEOUT: 'soon' is not valid"),
+                         (dict(KVFS_METRICS="maybe"), "KVFS_METRICS: 'maybe' is not true or false")):
+        with pytest.raises(ConfigError, match=message):
+            parse(["node", "--mount", "/m"], **env)
+    config.write_text('[node]\ndram = ["1G"]\n')
+    with pytest.raises(ConfigError, match=r"\[node\] dram: \['1G'\] is not a single value"):
+        parse(["node", "--mount", "/m", "--master", "h:1"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_with_sources(build_parser(), ["mount", "/m"], {"KVFS_CONFIG": str(tmp_path / "missing.toml")})
+    # Without --config or KVFS_CONFIG, a missing /etc/kvfs/kvfs.toml is fine.
+    if not Path("/etc/kvfs/kvfs.toml").exists():
+        assert parse_with_sources(build_parser(), ["mount", "/m"], {}).dram is None
+
+
+def test_the_example_configuration_lists_real_settings_with_their_defaults(tmp_path: Path) -> None:
+    """Uncommented, scripts/kvfs.toml.example parses; values not marked as examples are the defaults."""
+    import re
+    import tomllib
+
+    from kvfs.cli import build_parser
+    from kvfs.config_sources import parse_with_sources
+
+    text = (Path(__file__).resolve().parent.parent / "scripts" / "kvfs.toml.example").read_text()
+    setting = re.compile(r'^# (\w+) = ("[^"]*"|\S+)(.*)$')
+    uncommented, defaults = [], {}
+    table = ""
+    for line in text.splitlines():
+        found = setting.match(line)
+        if line.startswith("["):
+            table = line.split("]")[0][1:]
+        if found:
+            uncommented.append(f"{found.group(1)} = {found.group(2)}")
+            if "default" not in found.group(3):
+                defaults[(table, found.group(1))] = tomllib.loads(f"v = {found.group(2)}")["v"]
+        else:
+            uncommented.append(line)
+    path = tmp_path / "example.toml"
+    path.write_text("\n".join(uncommented))
+    positional = {"master": [], "node": ["--mount", "/m", "--master", "h:1"], "mount": ["/m"]}
+    for command, extra in positional.items():
+        parse_with_sources(build_parser(), [command, "--config", str(path), *extra], {})  # every key is a setting
+        built_in = parse_with_sources(build_parser(), [command, *extra], {"KVFS_CONFIG": os.devnull})
+        for (section, key), value in defaults.items():
+            if section == command:
+                assert getattr(built_in, key) == value, f"[{command}] {key}: the example says {value!r}"
+    assert len(defaults) > 20

@@ -37,7 +37,8 @@ def installed_kvfs_is_this_checkout() -> bool:
         return False
     installed = Path(os.path.realpath("/usr/local/bin/kvfs")).parent.parent
     sources = list(installed.glob("lib/python3*/site-packages/kvfs"))
-    return bool(sources) and all((sources[0] / name).read_bytes() == (REPO / "kvfs" / name).read_bytes()
+    return bool(sources) and all((sources[0] / name).exists()
+                                 and (sources[0] / name).read_bytes() == (REPO / "kvfs" / name).read_bytes()
                                  for name in ("fstab.py", "cli.py", "config_sources.py"))
 
 
@@ -56,7 +57,7 @@ def test_mount_fuse3_and_an_fstab_line_through_mount(tmp_path: Path) -> None:
     options = f"dram=64M,log-file={log},metrics-listen=127.0.0.1:0,eviction-policy=lru,_netdev,nofail,noatime"
     fstab = tmp_path / "fstab"
     fstab.write_text(f"kvfs {mountpoint} fuse.kvfs {options} 0 0\n")
-    for command in (["mount.fuse3", "kvfs", str(mountpoint), "-o", options],
+    for command in (["mount.fuse3", "kvfs", str(mountpoint), "-t", "fuse.kvfs", "-o", options],
                     ["mount", "-T", str(fstab), str(mountpoint)]):
         started = len(log.read_text()) if log.exists() else 0
         # From a directory without a "kvfs" entry: mount(8) would take the source for that path.

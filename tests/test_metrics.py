@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import urllib.request
 from pathlib import Path
 
@@ -87,6 +88,13 @@ def test_node_and_master_metrics_follow_traffic(cluster: Cluster, tmp_path: Path
     os.setxattr(writer.path, "user.kvfs.control", b"sync")
     assert value(scrape(writer.metrics_url), "kvfs_evicted_files_total") > 0
     assert value(scrape(cluster.master.metrics_url), "kvfs_evictions_total") > 0
+
+    # Every series the Grafana dashboard queries is one that kvfs exports.
+    exported = {name for samples in (scrape(writer.metrics_url), scrape(reader.metrics_url),
+                                     scrape(cluster.master.metrics_url)) for name, _ in samples}
+    dashboard = (Path(__file__).resolve().parent.parent / "docs" / "grafana-dashboard.json").read_text()
+    queried = set(re.findall(r"\b((?:kvfs|process)_[a-z_]+)", dashboard))
+    assert len(queried) > 25 and queried <= exported, sorted(queried - exported)
 
     # A node that stops is down in the master's metrics.
     reader.stop()

@@ -8,7 +8,8 @@ it never reads a dictionary while the loop changes it.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+import threading
+from typing import Any, Callable
 
 import trio
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
@@ -59,5 +60,10 @@ async def serve_metrics(listen: str, describe: Describe,
     try:
         await trio.sleep_forever()
     finally:
-        server.shutdown()
-        server.server_close()
+        # shutdown() waits up to the server's 0.5 s poll: not on the event loop, which is stopping.
+        threading.Thread(target=_stop_server, args=(server,), name="metrics-stop", daemon=True).start()
+
+
+def _stop_server(server: Any) -> None:
+    server.shutdown()
+    server.server_close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvfs import __version__
 from kvfs.cluster.master import MetadataService
 from kvfs.cluster.rpc import MetadataServer
 from kvfs.metrics.families import Families
@@ -26,6 +27,7 @@ class MasterMetrics:
     server: MetadataServer
 
     def describe(self, out: Families) -> None:
+        out.gauges("master_info", "this master (value 1)", ("version",), {(__version__,): 1})
         describe_namespace(out, self.service)
         out.operations("master_requests", "requests handled by the master (including the lmdb save)", "request",
                        self.requests)
