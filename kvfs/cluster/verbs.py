@@ -1,0 +1,318 @@
+"""RDMA verbs through pyverbs: device discovery, memory regions, RC queue pairs, one-sided
+READs, and completions delivered to trio through the completion channel's file descriptor.
+
+pyverbs comes from Debian's `python3-pyverbs` (the PyPI sdist does not build); it
+is optional: `probe()` says why RDMA cannot be used instead of failing. Nothing
+here busy-polls: a trio task sleeps in `wait_readable` on the channel fd, then
+drains the completion queue and wakes the tasks whose READs completed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import itertools
+import logging
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+log = logging.getLogger(__name__)
+
+SYSFS = Path("/sys/class/infiniband")
+CQ_ENTRIES = 1024
+MAX_READS_IN_FLIGHT = 64  # per queue pair (send queue depth)
+READ_TIMEOUT_S = 30.0  # generous: soft-RoCE under emulation is slow; a dead peer errors sooner
+
+
+class RdmaUnavailable(Exception):
+    """RDMA cannot be used here; the message says why (for the one log line of the fallback)."""
+
+
+class RdmaError(Exception):
+    """A verbs operation failed (a completion with an error status, a QP in error)."""
+
+    def __init__(self, message: str, status: str = "error") -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def buffer_address(view: memoryview) -> int:
+    """The address of a writable buffer's first byte (for registration and SGEs)."""
+    holder = ctypes.c_char.from_buffer(view)
+    try:
+        return ctypes.addressof(holder)
+    finally:
+        del holder
+
+
+def _event_fds() -> set[int]:
+    """This process's open RDMA event descriptors (completion channels and the like)."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if "infiniband" in os.readlink(f"/proc/self/fd/{name}"):
+                found.add(int(name))
+        except OSError:  # the descriptor listdir itself used, already closed
+            continue
+    return found
+
+
+def _roce_v2_gid(device: str, port: int) -> int | None:
+    """The GID index of the port's RoCE v2 IPv4 address (InfiniBand ports: 0)."""
+    port_dir = SYSFS / device / "ports" / str(port)
+    if (port_dir / "link_layer").read_text().strip() == "InfiniBand":
+        return 0
+    types = port_dir / "gid_attrs" / "types"
+    candidates = []
+    for entry in sorted(types.iterdir(), key=lambda p: int(p.name)) if types.is_dir() else []:
+        try:
+            kind = entry.read_text().strip()
+            gid = (port_dir / "gids" / entry.name).read_text().strip()
+        except OSError:  # unused entries cannot be read
+            continue
+        if kind == "RoCE v2" and gid != "0000:0000:0000:0000:0000:0000:0000:0000":
+            candidates.append((not gid.startswith("0000:0000:0000:0000:0000:ffff:"), int(entry.name)))
+    return min(candidates)[1] if candidates else None
+
+
+@dataclass
+class Endpoint:
+    """What a peer needs to connect a queue pair to ours (sent over the TCP control channel)."""
+
+    qp_num: int
+    psn: int
+    gid: str
+
+
+@dataclass
+class MemoryRegion:
+    mr: Any
+    address: int
+    length: int
+
+    @property
+    def lkey(self) -> int:
+        return int(self.mr.lkey)
+
+    @property
+    def rkey(self) -> int:
+        return int(self.mr.rkey)
+
+    def close(self) -> None:
+        self.mr.close()
+
+
+class RdmaDevice:
+    """One opened RDMA port: protection domain, completion channel and queue, dispatch."""
+
+    def __init__(self, name: str, port: int, gid_index: int) -> None:
+        from pyverbs.cq import CQ, CompChannel
+        from pyverbs.device import Context
+        from pyverbs.pd import PD
+
+        self.name, self.port, self.gid_index = name, port, gid_index
+        self.context = Context(name=name)
+        self.gid = str(self.context.query_gid(port, gid_index))
+        self.pd = PD(self.context)
+        # pyverbs does not expose the channel's fd: it is the one descriptor the channel opened.
+        before = _event_fds()
+        self.channel = CompChannel(self.context)
+        opened = _event_fds() - before
+        if len(opened) != 1:
+            raise RdmaUnavailable(f"{name}: cannot find the completion channel's file descriptor ({opened})")
+        self.channel_fd = opened.pop()
+        flags = fcntl.fcntl(self.channel_fd, fcntl.F_GETFL)
+        fcntl.fcntl(self.channel_fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+        self.cq = CQ(self.context, CQ_ENTRIES, None, self.channel, 0)
+        self.cq.req_notify()
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, tuple[trio.Event, list[Any]]] = {}
+        self.closed = False
+
+    def describe(self) -> str:
+        return f"{self.name} port {self.port} GID {self.gid} (index {self.gid_index})"
+
+    # Memory ---------------------------------------------------------------------------
+
+    def register(self, view: memoryview, remote_read: bool) -> MemoryRegion:
+        """Registers a buffer: for READs into it (local write), or for peers to READ from."""
+        import pyverbs.enums as e
+
+        access = e.IBV_ACCESS_LOCAL_WRITE | (e.IBV_ACCESS_REMOTE_READ if remote_read else 0)
+        from pyverbs.mr import MR
+
+        address = buffer_address(view)
+        return MemoryRegion(MR(self.pd, len(view), access, address=address), address, len(view))
+
+    # Queue pairs ----------------------------------------------------------------------
+
+    def create_queue_pair(self) -> QueuePair:
+        return QueuePair(self)
+
+    # Completions ----------------------------------------------------------------------
+
+    async def run_completions(self) -> None:
+        """Delivers completions to the tasks waiting for them (a background task)."""
+        while not self.closed:
+            await trio.lowlevel.wait_readable(self.channel_fd)
+            try:
+                self.channel.get_cq_event(self.cq)
+            except Exception:  # EAGAIN: woken without an event
+                continue
+            self.cq.ack_events(1)
+            self.cq.req_notify()  # before draining: a completion after the drain raises a new event
+            self._drain()
+
+    def _drain(self) -> None:
+        import pyverbs.enums as e
+
+        while True:
+            count, completions = self.cq.poll(32)
+            for wc in completions:
+                waiter = self._waiting.pop(wc.wr_id, None)
+                if waiter is None:
+                    continue
+                event, result = waiter
+                result.append(None if wc.status == e.IBV_WC_SUCCESS else _status_name(wc.status))
+                event.set()
+            if count < 32:
+                return
+
+    async def read(self, qp: QueuePair, local: MemoryRegion, local_address: int, length: int,
+                   remote_address: int, rkey: int) -> None:
+        """One RDMA READ of `length` bytes; raises RdmaError on an error completion or timeout."""
+        from pyverbs.wr import SGE, SendWR
+        import pyverbs.enums as e
+
+        if qp.broken:
+            raise RdmaError(f"queue pair {qp.qp_num} is in error", "qp_error")
+        wr_id = next(self._ids)
+        event, result = trio.Event(), []
+        self._waiting[wr_id] = (event, result)
+        wr = SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_READ, num_sge=1, sg=[SGE(local_address, length, local.lkey)],
+                    send_flags=e.IBV_SEND_SIGNALED)
+        wr.set_wr_rdma(rkey, remote_address)
+        try:
+            qp.qp.post_send(wr)
+        except Exception as error:
+            self._waiting.pop(wr_id, None)
+            qp.broken = True
+            raise RdmaError(f"posting a READ failed: {error}", "post_failed") from None
+        with trio.move_on_after(READ_TIMEOUT_S):
+            await event.wait()
+        if not event.is_set():
+            self._waiting.pop(wr_id, None)
+            qp.broken = True  # an unanswered READ may still land later: never reuse this QP
+            raise RdmaError(f"READ of {length} bytes not completed within {READ_TIMEOUT_S:.0f} s", "timeout")
+        if result[0] is not None:
+            qp.broken = True  # any error completion moves an RC QP to the error state
+            raise RdmaError(f"READ of {length} bytes failed: {result[0]}", result[0])
+
+    def close(self) -> None:
+        self.closed = True
+        for event, result in self._waiting.values():
+            result.append("closed")
+            event.set()
+        self._waiting.clear()
+        for resource in (self.cq, self.channel, self.pd, self.context):
+            try:
+                resource.close()
+            except Exception as error:  # teardown goes on: the process may be exiting
+                log.debug("closing %s: %s", type(resource).__name__, error)
+
+
+class QueuePair:
+    """A reliable-connected queue pair to one peer, for READs (ours) or being READ (theirs)."""
+
+    def __init__(self, device: RdmaDevice) -> None:
+        from pyverbs.qp import QP, QPCap, QPInitAttr
+        import pyverbs.enums as e
+
+        self.device = device
+        cap = QPCap(max_send_wr=MAX_READS_IN_FLIGHT, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+        self.qp = QP(device.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=device.cq, rcq=device.cq, cap=cap))
+        self.qp_num = int(self.qp.qp_num)
+        self.psn = random.getrandbits(24)
+        self.broken = False
+
+    def endpoint(self) -> Endpoint:
+        return Endpoint(self.qp_num, self.psn, self.device.gid)
+
+    def connect(self, remote: Endpoint) -> None:
+        """INIT → RTR → RTS towards the peer's queue pair."""
+        from pyverbs.addr import GID, AHAttr, GlobalRoute
+        from pyverbs.qp import QPAttr
+        import pyverbs.enums as e
+
+        device = self.device
+        attr = QPAttr(port_num=device.port)
+        attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ
+        attr.path_mtu = e.IBV_MTU_1024
+        attr.max_dest_rd_atomic = 16
+        attr.max_rd_atomic = 16
+        attr.min_rnr_timer = 12
+        attr.timeout = 14  # 4.096 µs × 2^14 ≈ 67 ms per retry
+        attr.retry_cnt = 7
+        attr.rnr_retry = 7
+        route = GlobalRoute(dgid=GID(remote.gid), sgid_index=device.gid_index)
+        attr.ah_attr = AHAttr(port_num=device.port, is_global=1, gr=route)
+        attr.dest_qp_num = remote.qp_num
+        attr.rq_psn = remote.psn
+        attr.sq_psn = self.psn
+        self.qp.to_rts(attr)
+
+    def close(self) -> None:
+        try:
+            self.qp.close()
+        except Exception as error:
+            log.debug("closing queue pair %d: %s", self.qp_num, error)
+
+
+def _status_name(status: int) -> str:
+    import pyverbs.enums as e
+
+    for name in dir(e):
+        if name.startswith("IBV_WC_") and getattr(e, name) == status and name != "IBV_WC_SUCCESS":
+            return name[len("IBV_WC_"):].lower()
+    return f"status_{status}"
+
+
+def probe(device_name: str | None = None) -> RdmaDevice:
+    """Opens the first active RDMA port (RoCE v2 or InfiniBand), or raises RdmaUnavailable
+    with the reason."""
+    try:
+        from pyverbs.device import get_device_list
+        from pyverbs.pyverbs_error import PyverbsError
+    except ImportError as error:
+        raise RdmaUnavailable(f"pyverbs is not importable ({error}); on Debian: apt install python3-pyverbs "
+                              "and a virtual environment made with --system-site-packages") from None
+    try:
+        devices = [d.name.decode() for d in get_device_list()]
+    except PyverbsError as error:
+        raise RdmaUnavailable(f"no RDMA devices ({error})") from None
+    if device_name is not None:
+        devices = [d for d in devices if d == device_name]
+    if not devices:
+        raise RdmaUnavailable("no RDMA devices" + (f" named {device_name}" if device_name else ""))
+    reasons = []
+    for name in devices:
+        ports = sorted(int(p.name) for p in (SYSFS / name / "ports").iterdir()) if (SYSFS / name).is_dir() else [1]
+        for port in ports:
+            state = (SYSFS / name / "ports" / str(port) / "state").read_text().strip() if (SYSFS / name).is_dir() else ""
+            if "ACTIVE" not in state:
+                reasons.append(f"{name} port {port} is {state or 'not active'}")
+                continue
+            gid_index = _roce_v2_gid(name, port)
+            if gid_index is None:
+                reasons.append(f"{name} port {port} has no RoCE v2 address")
+                continue
+            try:
+                return RdmaDevice(name, port, gid_index)
+            except Exception as error:
+                reasons.append(f"{name} port {port}: {error}")
+    raise RdmaUnavailable("; ".join(reasons))
