@@ -92,6 +92,8 @@ def _add_store_options(command: argparse.ArgumentParser) -> None:
     ssd.add_argument("--low-watermark", type=float, default=0.7, help="fraction of DRAM offloading brings DRAM-only data to")
     ssd.add_argument("--direct-io", action=argparse.BooleanOptionalAction, default=True,
                      help="O_DIRECT on the segment files (default on)")
+    ssd.add_argument("--io-engine", default="auto", choices=["auto", "io_uring", "threads"],
+                     help="SSD I/O through io_uring (auto: when the kernel allows it) or a thread pool")
     ssd.add_argument("--backpressure-timeout", type=float, default=30.0,
                      help="seconds a writer may wait for the offloader before ENOSPC")
 
@@ -136,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="stable node name, kept across restarts (default: hostname:mountpoint)")
     node.add_argument("--master-wait", type=float, default=10.0,
                       help="seconds a request waits for an unreachable master before failing with EIO")
+    node.add_argument("--transport", default="auto", choices=["auto", "tcp", "rdma"],
+                      help="chunks between nodes: auto (RDMA READs where both nodes have RDMA, else TCP), "
+                           "tcp, or rdma (refuse to start without it)")
+    node.add_argument("--rdma-device", default=None,
+                      help="the RDMA device to use, e.g. mlx5_0 (default: the first active port)")
     _add_store_options(node)
     _add_metrics(node, DEFAULT_NODE_METRICS)
     _add_common(node)
@@ -206,6 +213,7 @@ def _mount_config(args: argparse.Namespace, **cluster) -> MountConfig:
         high_watermark=args.high_watermark,
         low_watermark=args.low_watermark,
         direct_io=args.direct_io,
+        io_engine=args.io_engine,
         backpressure_timeout_s=args.backpressure_timeout,
         metrics_listen=args.metrics_listen if args.metrics else None,
         **cluster,
@@ -228,7 +236,8 @@ def run_mount(args: argparse.Namespace) -> int:
 
 def run_node(args: argparse.Namespace) -> int:
     config = _mount_config(args, master=args.master, listen=args.listen, advertise=args.advertise,
-                           node_name=args.name or "", secret=_secret(args), master_wait_s=args.master_wait)
+                           node_name=args.name or "", secret=_secret(args), master_wait_s=args.master_wait,
+                           transport=args.transport, rdma_device=args.rdma_device)
     return _start(config, args)
 
 

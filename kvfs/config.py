@@ -71,6 +71,7 @@ class MountConfig:
     high_watermark: float = 0.9
     low_watermark: float = 0.7
     direct_io: bool = True
+    io_engine: str = "auto"  # SSD I/O: auto (io_uring, else threads), io_uring, threads
     backpressure_timeout_s: float = 30.0
     # Cluster mode (`kvfs node`): the master's address; None runs an embedded master.
     master: str | None = None
@@ -80,6 +81,8 @@ class MountConfig:
     secret: bytes = b""
     master_wait_s: float = 10.0  # how long a request waits for an unreachable master
     metrics_listen: str | None = DEFAULT_NODE_METRICS  # the Prometheus endpoint; None: off
+    transport: str = "auto"  # chunks between nodes: auto (RDMA where both have it), tcp, rdma
+    rdma_device: str | None = None  # e.g. mlx5_0; None: the first active RoCE v2 / InfiniBand port
 
     def __post_init__(self) -> None:
         if self.dram_bytes < (16 << 20):
@@ -92,6 +95,10 @@ class MountConfig:
                 raise ConfigError(f"{name}: must not be negative")
         if not self.temp_suffix:
             raise ConfigError("temp_suffix: must not be empty")
+        if self.io_engine not in ("auto", "io_uring", "threads"):
+            raise ConfigError(f"io_engine: {self.io_engine!r} is not auto, io_uring or threads")
+        if self.transport not in ("auto", "tcp", "rdma"):
+            raise ConfigError(f"transport: {self.transport!r} is not auto, tcp or rdma")
         if self.offload not in ("eager", "watermark"):
             raise ConfigError(f"offload: {self.offload!r} is not eager or watermark")
         if not 0 < self.low_watermark < self.high_watermark <= 1:

@@ -3,12 +3,21 @@
 # $KVFS_PREFIX (default /opt/kvfs) and the `kvfs` command in /usr/local/bin.
 #   scripts/install.sh          kvfs only
 #   scripts/install.sh --test   kvfs and what its test suite needs
+#   scripts/install.sh --rdma   kvfs with the RDMA transport: Debian's python3-pyverbs (the PyPI
+#                               sdist does not build), visible in the virtual environment
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 prefix=${KVFS_PREFIX:-/opt/kvfs}
 extras=""
-[[ ${1:-} == "--test" ]] && extras="[test]"
+rdma=""
+for arg in "$@"; do
+    case $arg in
+        --test) extras="[test]" ;;
+        --rdma) rdma=1 ;;
+        *) echo "install.sh: unknown argument $arg (--test, --rdma)" >&2; exit 1 ;;
+    esac
+done
 
 if [[ $(id -u) -ne 0 ]]; then
     echo "install.sh: run as root (it installs packages and mounts file systems)" >&2
@@ -19,12 +28,17 @@ echo "kvfs: installing system packages (fuse3, libfuse3 headers, compiler, pytho
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 packages=(fuse3 libfuse3-dev pkg-config gcc libc6-dev python3 python3-dev python3-venv attr util-linux)
-[[ -n $extras ]] && packages+=(systemd)  # the tests verify the units with systemd-analyze
+# The tests verify the units with systemd-analyze and boot a soft-RoCE VM for the RDMA transport.
+[[ -n $extras ]] && packages+=(systemd qemu-system-x86 debootstrap e2fsprogs)
+[[ -n $rdma ]] && packages+=(rdma-core ibverbs-providers python3-pyverbs)
 apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null
 
 if [[ ! -x $prefix/bin/python ]]; then
     echo "kvfs: creating virtual environment in $prefix" >&2
     /usr/bin/python3 -m venv "$prefix"
+fi
+if [[ -n $rdma ]]; then  # pyverbs lives in the system's dist-packages
+    sed -i 's/^include-system-site-packages = false/include-system-site-packages = true/' "$prefix/pyvenv.cfg"
 fi
 echo "kvfs: installing kvfs$extras into $prefix (pyfuse3 compiles against libfuse3)" >&2
 "$prefix/bin/pip" install -q --disable-pip-version-check --upgrade pip setuptools wheel

@@ -110,7 +110,7 @@ def run(script: Path, out: Path, args: list[str], timeout_s: float, memory_mb: i
     venv = Path(os.environ.get("KVFS_PREFIX", "/opt/kvfs"))
     site = next((venv / "lib").glob("python3*/site-packages"))
     command = [
-        "qemu-system-x86_64", "-accel", "tcg", "-m", str(memory_mb), "-smp", "2", "-nographic", "-no-reboot",
+        "qemu-system-x86_64", "-accel", "tcg", "-cpu", "max", "-m", str(memory_mb), "-smp", "2", "-nographic", "-no-reboot",
         "-kernel", str(paths["kernel"]), "-initrd", str(paths["initrd"]),
         "-append", "root=/dev/vda rw console=ttyS0 init=/kvfs-init panic=-1 quiet",
         "-drive", f"file={paths['image']},format=raw,if=virtio,snapshot=on",

@@ -19,7 +19,7 @@ import logging
 import os
 import select
 import socket
-from typing import Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol, Union
 
 import msgspec
 import trio
@@ -28,6 +28,7 @@ from kvfs.checksum import chunk_checksum
 from kvfs.cluster.auth import AuthError
 from kvfs.cluster.protocol import (PREFIX_SIZE, ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame,
                                    parse_prefix)
+from kvfs.cluster.rdma_messages import RDMA_REQUESTS, Unlease
 from kvfs.cluster.rpc import FrameStream, handshake, peer_name, serve_tcp
 from kvfs.errors import KvfsError, StorageError
 from kvfs.metrics.histogram import OperationStats
@@ -88,13 +89,26 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class PeerServer:
-    """Serves chunk reads of this node's versions to authenticated peers."""
+class RdmaService(Protocol):
+    """The owner's side of the RDMA transport (`kvfs.cluster.rdma.RdmaExporter`)."""
 
-    def __init__(self, store: ChunkSource, secret: bytes) -> None:
+    async def handle(self, session: Any, request: Any,
+                     reply: Callable[[FrameKind, Any], Awaitable[None]]) -> Any:
+        """Serves one RDMA control request; returns the connection's session (or None)."""
+
+    async def close_session(self, session: Any) -> None:
+        """The connection ended: revoke what it was granted."""
+
+
+class PeerServer:
+    """Serves chunk reads of this node's versions to authenticated peers, over TCP, and the
+    control requests of the RDMA transport when this node has one."""
+
+    def __init__(self, store: ChunkSource, secret: bytes, rdma: RdmaService | None = None) -> None:
         self.store = store
         self.secret = secret
-        self._requests = HeaderDecoder(FetchChunks)
+        self.rdma = rdma
+        self._requests = HeaderDecoder(Union[(FetchChunks, *RDMA_REQUESTS)])  # type: ignore[misc]
         self.refused = 0
         self.served_bytes = 0
 
@@ -112,18 +126,36 @@ class PeerServer:
                 self.refused += 1
                 log.warning("refused peer connection from %s: %s", peer, error or type(error).__name__)
                 return
+            session = None
             try:
                 while True:
                     prefix, header, payload = await frames.receive()
                     if prefix.kind != FrameKind.REQUEST or payload:
                         raise ProtocolError(f"unexpected {prefix.kind.name} frame with {len(payload)} payload bytes")
-                    await self._fetch(stream, prefix.request_id, self._requests.decode(header))
+                    request = self._requests.decode(header)
+                    if isinstance(request, FetchChunks):
+                        await self._fetch(stream, prefix.request_id, request)
+                    else:
+                        session = await self._rdma_request(stream, prefix.request_id, session, request)
             except ProtocolError as error:
                 log.warning("closing peer connection from %s: %s", peer, error)
             except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
             except Exception:  # never let one connection take the server down
                 log.exception("peer connection from %s failed", peer)
+            finally:
+                if session is not None and self.rdma is not None:
+                    await self.rdma.close_session(session)
+
+    async def _rdma_request(self, stream: trio.SocketStream, request_id: int, session: Any, request: Any) -> Any:
+        async def reply(kind: FrameKind, header: Any) -> None:
+            await stream.send_all(encode_frame(kind, request_id, header))
+
+        if self.rdma is not None:
+            return await self.rdma.handle(session, request, reply)
+        if not isinstance(request, Unlease):  # one-way: no answer
+            await reply(FrameKind.ERROR, ErrorReply(errno.ENOTSUP, "this node has no RDMA transport"))
+        return None
 
     async def _fetch(self, stream: trio.SocketStream, request_id: int, request: FetchChunks) -> None:
         fd = stream.socket.fileno()

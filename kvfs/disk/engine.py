@@ -24,6 +24,8 @@ from typing import Callable
 
 import trio
 
+from kvfs.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 ALIGN = 4096
@@ -333,12 +335,16 @@ class ThreadEngine(AlignedIo):
         pass
 
 
-def open_engine(regions: list[memoryview] = (), prefer_uring: bool = True) -> AlignedIo:  # type: ignore[assignment]
-    """io_uring where the kernel allows it; otherwise threads, with one log line saying why."""
-    if prefer_uring:
+def open_engine(regions: list[memoryview] = (), prefer_uring: bool = True,  # type: ignore[assignment]
+                require_uring: bool = False) -> AlignedIo:
+    """io_uring where the kernel allows it; otherwise threads, with one log line saying why
+    (or, with `require_uring`, an error)."""
+    if prefer_uring or require_uring:
         try:
             return UringEngine(regions=regions)
         except (ImportError, OSError) as error:
             reason = getattr(error, "strerror", None) or str(error)
+            if require_uring:
+                raise ConfigError(f"io_engine io_uring: unavailable here ({reason})") from None
             log.warning("io_uring unavailable (%s); using a thread pool for SSD I/O", reason)
     return ThreadEngine(regions)

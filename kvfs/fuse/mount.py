@@ -23,7 +23,9 @@ from kvfs.clock import SystemClock
 from kvfs.cluster.embedded import EmbeddedMaster
 from kvfs.cluster.link import MasterLink
 from kvfs.cluster.master import MasterSettings, MetadataService
+from kvfs.cluster.rdma import RdmaExporter, RdmaTransport, open_rdma
 from kvfs.cluster.transport import PeerServer, TcpTransport, split_address
+from kvfs.cluster.verbs import RdmaDevice
 from kvfs.concurrency import single_error
 from kvfs.config import MountConfig, format_size
 from kvfs.errors import KvfsError
@@ -131,7 +133,9 @@ class Daemon:
         read_buffers = None
         if config.disk_path is not None:
             read_buffers = ReadBufferPool(READ_BUFFERS, self.dram.chunk_size)
-            self.engine = open_engine(regions=[self.dram.arena.view, read_buffers.view])
+            self.engine = open_engine(regions=[self.dram.arena.view, read_buffers.view],
+                                      prefer_uring=config.io_engine != "threads",
+                                      require_uring=config.io_engine == "io_uring")
             ssd = SsdTier(Path(config.disk_path), config.disk_bytes, self.engine, self.dram.chunk_size, config.direct_io)
             log.info("SSD tier: %s in %s (%s I/O, %s offload)", format_size(ssd.capacity), config.disk_path,
                      self.engine.kind, config.offload)
@@ -140,7 +144,14 @@ class Daemon:
         if config.master is not None and read_buffers is None:  # remote reads land in read buffers
             read_buffers = ReadBufferPool(READ_BUFFERS, self.dram.chunk_size)
         self.store = TieredStore(self.dram, ssd, tier_settings, read_buffers)
-        transport = TcpTransport(config.secret) if config.master is not None else None
+        transport: TcpTransport | RdmaTransport | None = None
+        self.rdma: RdmaDevice | None = None
+        if config.master is not None:
+            assert read_buffers is not None
+            transport = TcpTransport(config.secret)
+            self.rdma = open_rdma(config.transport, config.rdma_device)
+            if self.rdma is not None:
+                transport = RdmaTransport(self.rdma, config.secret, transport, read_buffers)
         self.node = Node(EmbeddedMaster(self.service), self.store, clock, forget_entries=self._forget_entries,
                          transport=transport,
                          invalidate_attrs=self._invalidate_attrs if config.master is not None else None)
@@ -178,6 +189,8 @@ class Daemon:
                 self.store.ssd.close()
             if self.engine is not None:
                 self.engine.close()
+            if self.rdma is not None:
+                self.rdma.close()
 
     def _mount(self) -> None:
         mountpoint = self.config.mountpoint
@@ -211,7 +224,7 @@ class Daemon:
         if self.config.master is None:
             return NodeMetrics(self.node, self.operations.operation_stats, embedded=self.service)
         return NodeMetrics(self.node, self.operations.operation_stats, peer_server=self.peer_server,
-                           name=self._node_name())
+                           name=self._node_name(), rdma_exporter=self.peer_server.rdma if self.peer_server else None)
 
     def _node_name(self) -> str:
         return self.config.node_name or f"{socket.gethostname()}:{self.config.mountpoint}"
@@ -220,7 +233,12 @@ class Daemon:
         """Starts the peer server, then registers with the master (reporting the SSD's files)."""
         config = self.config
         host, port = split_address(config.listen)
-        self.peer_server = PeerServer(self.store, config.secret)
+        exporter = None
+        if self.rdma is not None:
+            exporter = RdmaExporter(self.rdma, self.store)
+            nursery.start_soon(self.rdma.run_completions)
+            nursery.start_soon(exporter.expire_leases)
+        self.peer_server = PeerServer(self.store, config.secret, exporter)
         bound = await nursery.start(self.peer_server.serve, host, port)
         advertised = config.advertise or (host if host not in ("0.0.0.0", "::", "") else socket.gethostname())
         address = f"{advertised}:{bound}"

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvfs import __version__
 from kvfs.cluster.master import MetadataService
+from kvfs.cluster.rdma import RdmaExporter, RdmaTransport
 from kvfs.cluster.transport import PeerServer, TcpTransport
 from kvfs.metrics.families import Families
 from kvfs.metrics.histogram import OperationStats
@@ -20,6 +21,7 @@ class NodeMetrics:
     embedded: MetadataService | None = None  # single-node mode: the in-process master
     peer_server: PeerServer | None = None
     name: str = "local"
+    rdma_exporter: RdmaExporter | None = None
 
     def describe(self, out: Families) -> None:
         node, store = self.node, self.node.store
@@ -64,12 +66,33 @@ class NodeMetrics:
         out.counter("backpressure_wait_seconds", "time writers spent waiting for the offloader",
                     stats.backpressure_seconds)
         checksum_failures = {("ssd",): stats.checksum_failures}
-        transport = node.transport
-        if isinstance(transport, TcpTransport):
-            checksum_failures[("peer",)] = transport.checksum_failures
+        if node.transport is not None:
+            checksum_failures[("peer",)] = node.transport.checksum_failures
         out.counters("checksum_failures", "chunks that failed their checksum, by where they came from",
                      ("source",), checksum_failures)
         out.counter("read_buffer_misses", "reads that found no free read buffer", node.store.read_buffers.misses)
+
+    def _transports(self, out: Families, transport: object) -> None:
+        if isinstance(transport, RdmaTransport):
+            tcp = transport.tcp
+            out.counters("transport_bytes", "bytes fetched from other nodes by transport", ("transport",),
+                         {("rdma",): transport.rdma_bytes, ("tcp",): tcp.fetched_bytes})
+            out.counters("transport_operations", "fetch operations by transport (RDMA: one READ per chunk)",
+                         ("transport",), {("rdma",): transport.rdma_reads,
+                                          ("tcp",): sum(tcp.fetches.counts.values())})
+            out.counters("rdma_errors", "RDMA failures by type (a completion status, timeout, control)",
+                         ("type",), {(kind,): count for kind, count in transport.errors.items()})
+            out.counters("rdma_fallbacks", "fetches moved to TCP, by reason", ("reason",),
+                         {(reason,): count for reason, count in transport.fallbacks.items()})
+        elif isinstance(transport, TcpTransport):
+            out.counters("transport_bytes", "bytes fetched from other nodes by transport", ("transport",),
+                         {("tcp",): transport.fetched_bytes})
+            out.counters("transport_operations", "fetch operations by transport", ("transport",),
+                         {("tcp",): sum(transport.fetches.counts.values())})
+        if self.rdma_exporter is not None:
+            out.counter("rdma_windows_granted", "chunks granted to peers as memory windows",
+                        self.rdma_exporter.granted)
+            out.counter("rdma_windows_revoked", "memory windows invalidated", self.rdma_exporter.revoked)
 
     def _cluster(self, out: Families) -> None:
         node = self.node
@@ -79,10 +102,11 @@ class NodeMetrics:
         up = getattr(node.master, "connected", True)
         out.gauge("master_connected", "1 while this node is connected and registered to the master", int(up))
         transport = node.transport
-        if isinstance(transport, TcpTransport):
+        if transport is not None:
             out.counter("peer_fetched_bytes", "bytes fetched from other nodes", transport.fetched_bytes)
             out.operations("peer_fetches", "chunk runs fetched from other nodes", "operation", transport.fetches)
             out.counter("remote_reads", "reader opens of files stored on another node", node.remote_reads)
+            self._transports(out, transport)
         if self.peer_server is not None:
             out.counter("peer_served_bytes", "bytes sent to other nodes", self.peer_server.served_bytes)
             out.counter("peer_connections_refused", "peer connections that failed authentication",

@@ -210,6 +210,13 @@ class DramTier:
         self._versions[version] = extents
         return [self.block_view(version, index) for index in range(len(lengths))]
 
+    def chunk_offsets(self, version: int, first: int, count: int) -> list[int | None]:
+        """Where chunks first..first+count-1 of a sealed version start in the arena (None: a
+        hole, which reads as zeros and has no storage)."""
+        extents = self._versions[version]
+        return [extents[i].offset if i < len(extents) and extents[i] is not None else None  # type: ignore[union-attr]
+                for i in range(first, first + count)]
+
     def block_view(self, version: int, index: int) -> memoryview:
         """The whole page-rounded block of one chunk (for I/O straight from or into the arena)."""
         extent = self._versions[version][index]

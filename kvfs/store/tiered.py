@@ -352,6 +352,25 @@ class TieredStore:
         finally:
             self.read_buffers.give_back(buffer)
 
+    def lease_dram(self, version: int, first: int, count: int) -> tuple[list[int | None], list[int]] | None:
+        """Pins a sealed version's DRAM copy for a peer that READs it over RDMA: the arena
+        offsets and lengths of chunks first..first+count-1, or None when the version is not
+        in DRAM (the peer fetches it over TCP then). `end_lease` unpins it."""
+        sealed = self._sealed.get(version)
+        if sealed is None:
+            raise StorageError(errno.ENOENT, f"version {version} is not stored on this node")
+        lengths = sealed.lengths(self.chunk_size)
+        if first < 0 or count < 0 or first + count > len(lengths):
+            raise StorageError(errno.EINVAL, f"version {version} has {len(lengths)} chunks, not {first + count}")
+        if version not in self.dram or version in self._promoting:
+            return None
+        self._pin(version)
+        self._in_dram_order.touch(version, time.monotonic())
+        return self.dram.chunk_offsets(version, first, count), lengths[first:first + count]
+
+    def end_lease(self, version: int) -> None:
+        self._unpin(version)
+
     async def open_remote(self, version: int, size: int,
                           fetch: Callable[[ReadSource, int, int], Awaitable[None]], streams: int) -> ReadSource:
         """A reader of a version stored on another node: `start_remote`, then `remote_answered`."""

@@ -1,0 +1,485 @@
+"""The RDMA transport: a node READs chunks straight from the owner's DRAM arena.
+
+Control goes over the owner's peer server (the same authenticated TCP port as
+the TCP transport); data goes by one-sided RDMA READ into the reader's
+registered read buffers, with no owner CPU and no copy in Python:
+
+1. `RdmaConnect`: the two nodes connect a pair of RC queue pairs; the owner
+   grants a small probe window, and the reader READs it and checks its checksum
+   before it trusts the path (`transport = auto` uses RDMA only after this).
+2. `Locate(version, chunks)`: the owner pins the version's DRAM copy and binds a
+   type 2 memory window per chunk on that connection's queue pair: an rkey that
+   only this peer can use, for exactly that chunk. The arena's own registration
+   grants no remote access.
+3. The reader READs each chunk and verifies its checksum, then sends `Unlease`:
+   the owner invalidates the windows, then unpins, so the memory can be reused
+   only once no rkey reaches it. A lease not returned within `LEASE_TTL_S` is
+   revoked the same way.
+
+Whatever the RDMA path cannot do falls back to TCP for that fetch, counted by
+reason: the owner has no RDMA, the version is only on its SSD, a READ fails
+(revoked rkey, dead peer, timeout), a checksum does not match, or the target
+buffer is not registered memory.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import mmap
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import msgspec
+import trio
+
+from kvfs.checksum import chunk_checksum
+from kvfs.cluster.auth import AuthError
+from kvfs.cluster.protocol import ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame
+from kvfs.cluster.rdma_messages import (NOT_IN_DRAM, Locate, Located, RdmaAccepted, RdmaConnect, RevokeForTest,
+                                         Unlease)
+from kvfs.cluster.rpc import FrameStream, handshake
+from kvfs.cluster.transport import CONNECT_TIMEOUT_S, TcpTransport, split_address
+from kvfs.cluster.verbs import Endpoint, QueuePair, RdmaDevice, RdmaError, Window, buffer_address
+from kvfs.errors import KvfsError, StorageError
+from kvfs.metrics.histogram import OperationStats
+from kvfs.store.buffers import ReadBufferPool
+
+log = logging.getLogger(__name__)
+
+LEASE_TTL_S = 10.0  # a reader holds chunks this long at most; then its windows are revoked
+PROBE_SIZE = 4096
+RETRY_RDMA_AFTER_S = 30.0  # a peer whose RDMA failed is fetched over TCP this long
+CONTROL_TIMEOUT_S = 10.0
+
+
+# The owner's side ------------------------------------------------------------------------
+
+
+@dataclass
+class _Lease:
+    version: int
+    windows: list[Window]
+    started: float
+
+
+class RdmaExporter:
+    """Lets peers READ this node's DRAM arena through memory windows (one per peer server)."""
+
+    def __init__(self, device: RdmaDevice, store: Any) -> None:
+        self.device = device
+        self.store = store
+        self.arena = device.register(store.dram.arena.view, windows=True)
+        self._probe_map = mmap.mmap(-1, PROBE_SIZE)
+        self._probe_map[:] = msgspec.json.encode({"kvfs": "rdma probe", "gid": device.gid}).ljust(PROBE_SIZE, b".")
+        self.probe = device.register(memoryview(self._probe_map), windows=True)
+        self.probe_checksum = chunk_checksum(self._probe_map)
+        self.sessions: set[RdmaSession] = set()
+        self.granted = 0
+        self.revoked = 0
+
+    async def accept(self, request: RdmaConnect) -> tuple[RdmaSession, RdmaAccepted]:
+        qp = self.device.create_queue_pair()
+        try:
+            qp.connect(Endpoint(request.qp_num, request.psn, request.gid))
+            probe = await self.device.grant(qp, self.probe, self.probe.address, PROBE_SIZE)
+        except BaseException:
+            qp.close()
+            raise
+        session = RdmaSession(self, qp, probe)
+        self.sessions.add(session)
+        mine = qp.endpoint()
+        return session, RdmaAccepted(mine.qp_num, mine.psn, mine.gid, self.probe.address, probe.rkey,
+                                     self.probe_checksum)
+
+    async def handle(self, session: RdmaSession | None, request: Any,
+                     reply: Callable[[FrameKind, Any], Awaitable[None]]) -> RdmaSession | None:
+        return await serve_rdma_request(self, session, request, reply)
+
+    async def close_session(self, session: RdmaSession) -> None:
+        await session.close()
+
+    async def expire_leases(self) -> None:
+        """Revokes leases not returned in time (a background task)."""
+        while True:
+            await trio.sleep(1.0)
+            deadline = time.monotonic() - LEASE_TTL_S
+            for session in list(self.sessions):
+                for lease_id, lease in list(session.leases.items()):
+                    if lease.started < deadline:
+                        log.warning("rdma: lease %d of version %d not returned in %.0f s; revoking its rkeys",
+                                    lease_id, lease.version, LEASE_TTL_S)
+                        await session.unlease(lease_id)
+
+
+@dataclass(eq=False)
+class RdmaSession:
+    """One peer connection's RDMA state on the owner: its queue pair and its leases."""
+
+    exporter: RdmaExporter
+    qp: QueuePair
+    probe: Window
+    leases: dict[int, _Lease] = field(default_factory=dict)
+    _ids: Any = field(default_factory=lambda: itertools.count(1))
+
+    async def locate(self, request: Locate) -> Located:
+        store, device = self.exporter.store, self.exporter.device
+        found = store.lease_dram(request.version, request.first, request.count)
+        if found is None:
+            raise StorageError(NOT_IN_DRAM, f"version {request.version} is not in DRAM here")
+        offsets, lengths = found
+        lease = _Lease(request.version, [], time.monotonic())
+        lease_id = next(self._ids)
+        self.leases[lease_id] = lease  # from now on unlease() unpins, whatever happens below
+        addresses, rkeys = [], []
+        try:
+            for offset, length in zip(offsets, lengths):
+                if offset is None:
+                    addresses.append(-1)
+                    rkeys.append(0)
+                    continue
+                address = self.exporter.arena.address + offset
+                window = await device.grant(self.qp, self.exporter.arena, address, length)
+                lease.windows.append(window)
+                addresses.append(address)
+                rkeys.append(window.rkey)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await self.unlease(lease_id)
+            raise
+        self.exporter.granted += len(lease.windows)
+        return Located(lease_id, addresses, rkeys, lengths)
+
+    async def unlease(self, lease_id: int) -> None:
+        """Invalidates the lease's windows, then unpins its version (in that order)."""
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return
+        try:
+            for window in lease.windows:
+                await self._revoke(window)
+        finally:
+            self.exporter.store.end_lease(lease.version)
+
+    async def _revoke(self, window: Window) -> None:
+        try:
+            await self.exporter.device.revoke(self.qp, window)
+        except RdmaError as error:  # the QP is broken: deallocating the window revoked it anyway
+            log.debug("rdma: invalidating rkey %#x: %s", window.rkey, error)
+        self.exporter.revoked += 1
+
+    async def revoke_all(self) -> None:
+        for lease_id in list(self.leases):
+            await self.unlease(lease_id)
+
+    async def close(self) -> None:
+        with trio.CancelScope(shield=True):
+            await self.revoke_all()
+            await self._revoke(self.probe)
+        self.qp.close()
+        self.exporter.sessions.discard(self)
+
+
+async def serve_rdma_request(exporter: RdmaExporter, session: RdmaSession | None, request: Any,
+                             reply: Callable[[FrameKind, Any], Awaitable[None]]) -> RdmaSession | None:
+    """One RDMA control request on a peer connection; returns the connection's session."""
+    if isinstance(request, RdmaConnect):
+        if session is not None:
+            await session.close()
+        try:
+            session, accepted = await exporter.accept(request)
+        except RdmaError as error:
+            await reply(FrameKind.ERROR, ErrorReply(errno.EIO, f"rdma connect failed: {error}"))
+            return None
+        await reply(FrameKind.RESPONSE, accepted)
+        return session
+    if session is None:
+        await reply(FrameKind.ERROR, ErrorReply(errno.ENOTCONN, "no RDMA connection on this peer connection"))
+        return session
+    if isinstance(request, Locate):
+        try:
+            located = await session.locate(request)
+        except (KvfsError, RdmaError) as error:
+            code = error.errno if isinstance(error, KvfsError) else errno.EIO
+            await reply(FrameKind.ERROR, ErrorReply(code, str(error)))
+            return session
+        await reply(FrameKind.RESPONSE, located)
+    elif isinstance(request, Unlease):
+        await session.unlease(request.lease)  # no answer: the reader does not wait for it
+    elif isinstance(request, RevokeForTest):
+        await session.revoke_all()
+        await reply(FrameKind.RESPONSE, RevokeForTest())
+    return session
+
+
+# The reader's side -----------------------------------------------------------------------
+
+
+class _Refused(Exception):
+    """The owner cannot serve this over RDMA (no RDMA there, or the version is not in DRAM)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+_REPLIES = HeaderDecoder(RdmaAccepted | Located | RevokeForTest)  # type: ignore[operator]
+_ERRORS = HeaderDecoder(ErrorReply)
+
+
+class _RdmaPeer:
+    """The reader's RDMA connection to one owner: a control stream and a queue pair."""
+
+    def __init__(self, address: str, stream: trio.SocketStream, qp: QueuePair) -> None:
+        self.address = address
+        self.stream = stream
+        self.frames = FrameStream(stream)
+        self.qp = qp
+        self.lock = trio.Lock()
+        self._ids = itertools.count(1)
+
+    async def call(self, request: Any) -> Any:
+        async with self.lock:
+            request_id = next(self._ids)
+            with trio.fail_after(CONTROL_TIMEOUT_S):
+                await self.stream.send_all(encode_frame(FrameKind.REQUEST, request_id, request))
+                prefix, header, _ = await self.frames.receive()
+            if prefix.request_id != request_id:
+                raise ProtocolError(f"reply to request {prefix.request_id}, expected {request_id}")
+            if prefix.kind == FrameKind.ERROR:
+                error = _ERRORS.decode(header)
+                raise StorageError(error.errno, f"peer {self.address}: {error.message}")
+            return _REPLIES.decode(header)
+
+    async def send_only(self, request: Any) -> None:
+        async with self.lock:
+            await self.stream.send_all(encode_frame(FrameKind.REQUEST, next(self._ids), request))
+
+    async def aclose(self) -> None:
+        self.qp.close()
+        await self.stream.aclose()
+
+
+class RdmaTransport:
+    """Fetches chunks with RDMA READs where the owner supports it, over TCP otherwise."""
+
+    def __init__(self, device: RdmaDevice, secret: bytes, tcp: TcpTransport, read_buffers: ReadBufferPool) -> None:
+        self.device = device
+        self.secret = secret
+        self.tcp = tcp
+        self.read_buffers = read_buffers
+        self.landing = device.register(read_buffers.view)
+        self._probe_map = mmap.mmap(-1, PROBE_SIZE)
+        self._probe_landing = device.register(memoryview(self._probe_map))
+        self._peers: dict[str, _RdmaPeer] = {}
+        self._connecting: dict[str, trio.Lock] = {}
+        self._tcp_until: dict[str, float] = {}  # peers fetched over TCP for now, until then
+        self.fetches = OperationStats()
+        self.rdma_bytes = 0
+        self.rdma_reads = 0
+        self.errors: dict[str, int] = {}
+        self.fallbacks: dict[str, int] = {}
+        # Tests only: awaited between the owner's grant and the READs (to revoke in between).
+        self.after_locate: Callable[[str], Awaitable[None]] | None = None
+
+    # What the node and the metrics read, as for TcpTransport.
+    @property
+    def fetched_bytes(self) -> int:
+        return self.tcp.fetched_bytes + self.rdma_bytes
+
+    @property
+    def checksum_failures(self) -> int:
+        return self.tcp.checksum_failures + self.fallbacks.get("checksum", 0)
+
+    def _count(self, table: dict[str, int], key: str) -> None:
+        table[key] = table.get(key, 0) + 1
+
+    async def fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
+                    checksums: list[int], on_chunk: Callable[[int], None],
+                    on_answer: Callable[[], None] = lambda: None) -> None:
+        await self.fetches.measure("fetch", self._fetch(address, version, first, targets, lengths, checksums,
+                                                        on_chunk, on_answer))
+
+    async def _fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
+                     checksums: list[int], on_chunk: Callable[[int], None], on_answer: Callable[[], None]) -> None:
+        delivered: set[int] = set()
+        answered = False
+
+        def deliver(index: int) -> None:
+            if index not in delivered:
+                delivered.add(index)
+                on_chunk(index)
+
+        def answer() -> None:
+            nonlocal answered
+            if not answered:
+                answered = True
+                on_answer()
+
+        try:
+            if not all(target.obj is self.read_buffers.view.obj for target in targets):
+                raise _Refused("unregistered_buffer", "a target buffer is not registered memory")
+            peer = await self._peer(address)
+            await self._read_run(peer, version, first, targets, lengths, checksums, deliver, answer)
+            return
+        except _Refused as refused:
+            self._count(self.fallbacks, refused.reason)
+            log.debug("rdma: version %d from %s over TCP: %s", version, address, refused)
+        except (RdmaError, OSError, EOFError, ProtocolError, AuthError, trio.TooSlowError,
+                trio.BrokenResourceError, trio.ClosedResourceError) as error:
+            reason = error.status if isinstance(error, RdmaError) else "control"
+            self._count(self.errors, reason)
+            self._count(self.fallbacks, reason)
+            log.warning("rdma: fetching version %d from %s failed (%s); over TCP instead", version, address, error)
+            await self._drop_peer(address)
+        missing = [first + i for i in range(len(targets)) if first + i not in delivered]
+        if not missing:
+            return
+        start = missing[0] - first  # one TCP run from the first chunk not delivered
+        await self.tcp.fetch(address, version, first + start, targets[start:], lengths[start:], checksums,
+                             deliver, answer)
+
+    async def _read_run(self, peer: _RdmaPeer, version: int, first: int, targets: list[memoryview],
+                        lengths: list[int], checksums: list[int], deliver: Callable[[int], None],
+                        answer: Callable[[], None]) -> None:
+        try:
+            located = await peer.call(Locate(version, first, len(targets)))
+        except StorageError as error:
+            if error.errno == NOT_IN_DRAM:
+                raise _Refused("not_in_dram", str(error)) from None
+            raise
+        answer()
+        if self.after_locate is not None:
+            await self.after_locate(peer.address)
+        # Every READ runs to its completion (none is cancelled while it may still write into
+        # its target); the chunks that failed are then fetched over TCP by the caller.
+        failures: list[Exception] = []
+
+        async def read_one(offset: int) -> None:
+            try:
+                await self._read_chunk(peer, located, offset, first + offset, targets[offset], lengths[offset],
+                                       checksums, deliver)
+            except (RdmaError, _Refused, ProtocolError) as error:
+                failures.append(error)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for offset in range(len(targets)):
+                    nursery.start_soon(read_one, offset)
+            if failures:  # the cause first (the other READs of a broken queue pair are only flushed)
+                broken = [f for f in failures if isinstance(f, RdmaError)]
+                raise next((f for f in broken if f.status != "wr_flush_err"), (broken or failures)[0])
+        finally:
+            if not peer.qp.broken:
+                with trio.CancelScope(shield=True):
+                    try:
+                        await peer.send_only(Unlease(located.lease))
+                    except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass  # the owner ends the lease when the connection goes
+
+    async def _read_chunk(self, peer: _RdmaPeer, located: Located, offset: int, index: int, target: memoryview,
+                          length: int, checksums: list[int], deliver: Callable[[int], None]) -> None:
+        if located.lengths[offset] != length:
+            raise ProtocolError(f"chunk {index} is {located.lengths[offset]} bytes there, {length} expected")
+        if located.addresses[offset] < 0:  # a hole
+            target[:length] = bytes(length)
+        else:
+            await self.device.read(peer.qp, self.landing, buffer_address(target), length,
+                                   located.addresses[offset], located.rkeys[offset])
+            self.rdma_reads += 1
+            self.rdma_bytes += length
+        if index < len(checksums) and chunk_checksum(target[:length]) != checksums[index]:
+            # Bytes of another block (a reused region) or damaged: never delivered; TCP redoes it.
+            raise _Refused("checksum", f"chunk {index} read over RDMA fails its checksum")
+        deliver(index)
+
+    async def _peer(self, address: str) -> _RdmaPeer:
+        if self._tcp_until.get(address, 0) > time.monotonic():
+            raise _Refused("peer_without_rdma", f"{address} is fetched over TCP for now")
+        peer = self._peers.get(address)
+        if peer is not None and not peer.qp.broken:
+            return peer
+        lock = self._connecting.setdefault(address, trio.Lock())
+        async with lock:
+            peer = self._peers.get(address)
+            if peer is not None and not peer.qp.broken:
+                return peer
+            try:
+                peer = await self._connect(address)
+            except _Refused:
+                self._tcp_until[address] = time.monotonic() + RETRY_RDMA_AFTER_S
+                raise
+            self._peers[address] = peer
+            return peer
+
+    async def _connect(self, address: str) -> _RdmaPeer:
+        host, port = split_address(address)
+        with trio.fail_after(CONNECT_TIMEOUT_S * 5):
+            stream = await trio.open_tcp_stream(host, port)
+        qp = self.device.create_queue_pair()
+        peer = _RdmaPeer(address, stream, qp)
+        try:
+            with trio.fail_after(CONTROL_TIMEOUT_S):
+                await handshake(peer.frames, self.secret, "node")
+            mine = qp.endpoint()
+            try:
+                accepted = await peer.call(RdmaConnect(mine.qp_num, mine.psn, mine.gid))
+            except StorageError as error:
+                raise _Refused("peer_without_rdma", str(error)) from None
+            qp.connect(Endpoint(accepted.qp_num, accepted.psn, accepted.gid))
+            # The test READ: only a path that really moves the right bytes is used.
+            landing = memoryview(self._probe_map)
+            landing[:] = bytes(PROBE_SIZE)
+            await self.device.read(qp, self._probe_landing, self._probe_landing.address, PROBE_SIZE,
+                                   accepted.probe_address, accepted.probe_rkey)
+            if chunk_checksum(landing) != accepted.probe_checksum:
+                raise _Refused("probe_mismatch", f"the test READ from {address} returned other bytes")
+        except BaseException as error:
+            with trio.CancelScope(shield=True):
+                await peer.aclose()
+            if isinstance(error, RdmaError):
+                raise _Refused("probe_failed", f"the test READ from {address} failed: {error}") from None
+            raise
+        log.info("rdma: connected to %s (queue pair %d to %d)", address, qp.qp_num, accepted.qp_num)
+        return peer
+
+    async def _drop_peer(self, address: str) -> None:
+        peer = self._peers.pop(address, None)
+        if peer is not None:
+            with trio.CancelScope(shield=True):
+                await peer.aclose()
+
+    async def revoke_for_test(self, address: str) -> None:
+        """Asks the owner to invalidate every window it granted this node (tests only)."""
+        peer = await self._peer(address)
+        await peer.call(RevokeForTest())
+
+    async def aclose(self) -> None:
+        for address in list(self._peers):
+            await self._drop_peer(address)
+        await self.tcp.aclose()
+
+
+TRANSPORTS = ("auto", "tcp", "rdma")
+
+
+def open_rdma(mode: str, device_name: str | None = None) -> RdmaDevice | None:
+    """The RDMA device a node uses under `transport = mode`, or None for TCP only. `rdma`
+    without a usable device is a configuration error; `auto` says in one line why it uses TCP."""
+    from kvfs.cluster.verbs import RdmaUnavailable, probe
+    from kvfs.errors import ConfigError
+
+    if mode == "tcp":
+        log.info("transport tcp: chunks move over TCP")
+        return None
+    try:
+        device = probe(device_name)
+    except RdmaUnavailable as reason:
+        if mode == "rdma":
+            raise ConfigError(f"transport rdma: RDMA is unavailable here: {reason}") from None
+        log.info("transport auto: using TCP, RDMA is unavailable here (%s)", reason)
+        return None
+    log.info("transport %s: RDMA on %s; peers without RDMA over TCP", mode, device.describe())
+    return device
