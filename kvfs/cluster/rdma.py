@@ -164,10 +164,8 @@ class RdmaSession:
             self.exporter.store.end_lease(lease.version)
 
     async def _revoke(self, window: Window) -> None:
-        try:
-            await self.exporter.device.revoke(self.qp, window)
-        except RdmaError as error:  # the QP is broken: deallocating the window revoked it anyway
-            log.debug("rdma: invalidating rkey %#x: %s", window.rkey, error)
+        if not await self.exporter.device.revoke(self.qp, window):
+            self.qp.broken = True  # in error: nothing passes through it; it goes at close
         self.exporter.revoked += 1
 
     async def revoke_all(self) -> None:
@@ -178,7 +176,7 @@ class RdmaSession:
         with trio.CancelScope(shield=True):
             await self.revoke_all()
             await self._revoke(self.probe)
-        self.qp.close()
+        self.qp.close()  # after its windows (see RdmaDevice.revoke)
         self.exporter.sessions.discard(self)
 
 

@@ -254,19 +254,31 @@ class RdmaDevice:
             raise
         return Window(window, int(wr.rkey), address, length)
 
-    async def revoke(self, qp: QueuePair, window: Window) -> None:
-        """Invalidates a granted window: a READ with its rkey fails from now on."""
+    async def revoke(self, qp: QueuePair, window: Window) -> bool:
+        """Invalidates a granted window (a READ with its rkey fails from then on), then frees
+        it; False if the queue pair is in error (no READ passes through it any more).
+
+        The order matters on soft-RoCE: freeing a window still bound to a working queue
+        pair, or destroying an errored queue pair that a window is still bound to, stalls
+        the process for ~50 s; invalidating first, or freeing the window of an errored
+        pair before the pair, does not."""
         from pyverbs.wr import SendWR
         import pyverbs.enums as e
 
         try:
-            if not qp.broken:
-                wr_id = next(self._ids)
-                wr = SendWR(wr_id=wr_id, opcode=e.IBV_WR_LOCAL_INV, send_flags=e.IBV_SEND_SIGNALED)
-                wr.imm_data = window.rkey  # the union member invalidate_rkey
+            if qp.broken:
+                return False
+            wr_id = next(self._ids)
+            wr = SendWR(wr_id=wr_id, opcode=e.IBV_WR_LOCAL_INV, send_flags=e.IBV_SEND_SIGNALED)
+            wr.imm_data = window.rkey  # the union member invalidate_rkey
+            try:
                 await self._post_and_wait(qp, wr, wr_id, f"invalidating rkey {window.rkey:#x}")
+            except RdmaError as error:
+                log.debug("rdma: %s", error)
+                return False
+            return True
         finally:
-            window.close()  # deallocating invalidates it too (and a broken QP accepts no READs)
+            window.close()
 
     def close(self) -> None:
         self.closed = True

@@ -34,9 +34,10 @@ async def main() -> None:
         owner.connect(reader.endpoint())
         return reader, owner
 
+    pairs = [pair() for _ in range(4)]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(device.run_completions)
-        reader, owner = pair()
+        reader, owner = pairs.pop()
         local = buffer_address(local_view)
         await device.read(reader, landing, local, 11, exposed.address, exposed.rkey)
         assert bytes(local_map[:11]) == b"hello rdma!", bytes(local_map[:11])
@@ -49,7 +50,7 @@ async def main() -> None:
                                                                exposed.rkey + 7)))
 
         # A window grants one range to one queue pair; the MR's own rkey grants nothing remotely.
-        reader, owner = pair()
+        reader, owner = pairs.pop()
         window = await device.grant(owner, windowed, windowed.address + 65536, 4096)
         local_map[:5] = b"....."
         await device.read(reader, landing, local, 5, windowed.address + 65536, window.rkey)
@@ -59,16 +60,19 @@ async def main() -> None:
             print("outside the window: allowed by this rxe")
         except RdmaError as error:
             print("outside the window:", error.status)
-            reader, owner = pair()
-        print("the region's own rkey:", await expect_refused(
-            device.read(reader, landing, local, 11, windowed.address, windowed.rkey)))
-        reader, owner = pair()
+        # Always invalidated before it is deallocated: on rxe, deallocating a bound window
+        # stalls for ~50 s.
+        await device.revoke(owner, window)
+        reader, owner = pairs.pop()
         window = await device.grant(owner, windowed, windowed.address, 4096)
         await device.read(reader, landing, local, 11, windowed.address, window.rkey)
         assert bytes(local_map[:11]) == b"hello rdma!"
         await device.revoke(owner, window)
         print("revoked window:", await expect_refused(
             device.read(reader, landing, local, 11, windowed.address, window.rkey)))
+        reader, owner = pairs.pop()
+        print("the region's own rkey:", await expect_refused(
+            device.read(reader, landing, local, 11, windowed.address, windowed.rkey)))
         nursery.cancel_scope.cancel()
     device.close()
     print("SMOKE OK")

@@ -253,6 +253,9 @@ def main() -> None:
 
     for daemon in reversed(daemons):
         daemon.stop()
+    if Path("/out").is_dir():  # the daemons' logs, for the host to read
+        for log in ROOT.glob("*.log"):
+            (Path("/out") / f"daemon-{log.name}").write_text(log.read_text(errors="replace"))
     logs = "".join(d.text() for d in (reader,))
     unexpected = [line for line in logs.splitlines() if "Traceback" in line]
     if unexpected:
