@@ -42,8 +42,9 @@ from kvfs.cluster.rdma_messages import (NOT_IN_DRAM, Locate, Located, RdmaAccept
                                          Unlease)
 from kvfs.cluster.rpc import FrameStream, handshake
 from kvfs.cluster.transport import CONNECT_TIMEOUT_S, TcpTransport, split_address
-from kvfs.cluster.verbs import Endpoint, QueuePair, RdmaDevice, RdmaError, Window, buffer_address
-from kvfs.errors import KvfsError, StorageError
+from kvfs.cluster.verbs import (Endpoint, QueuePair, RdmaDevice, RdmaError, RdmaUnavailable, Window, buffer_address,
+                                probe)
+from kvfs.errors import ConfigError, KvfsError, StorageError
 from kvfs.metrics.histogram import OperationStats
 from kvfs.store.buffers import ReadBufferPool
 
@@ -460,15 +461,9 @@ class RdmaTransport:
         await self.tcp.aclose()
 
 
-TRANSPORTS = ("auto", "tcp", "rdma")
-
-
 def open_rdma(mode: str, device_name: str | None = None) -> RdmaDevice | None:
     """The RDMA device a node uses under `transport = mode`, or None for TCP only. `rdma`
     without a usable device is a configuration error; `auto` says in one line why it uses TCP."""
-    from kvfs.cluster.verbs import RdmaUnavailable, probe
-    from kvfs.errors import ConfigError
-
     if mode == "tcp":
         log.info("transport tcp: chunks move over TCP")
         return None
