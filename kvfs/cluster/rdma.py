@@ -41,11 +41,10 @@ from kvfs.cluster.protocol import ErrorReply, FrameKind, HeaderDecoder, Protocol
 from kvfs.cluster.rdma_messages import (NOT_IN_DRAM, Locate, Located, RdmaAccepted, RdmaConnect, RevokeForTest,
                                          Unlease)
 from kvfs.cluster.rpc import FrameStream, handshake
-from kvfs.cluster.transport import CONNECT_TIMEOUT_S, TcpTransport, split_address
+from kvfs.cluster.transport import CONNECT_TIMEOUT_S, MeasuredTransport, TcpTransport, split_address
 from kvfs.cluster.verbs import (Endpoint, QueuePair, RdmaDevice, RdmaError, RdmaUnavailable, Window, buffer_address,
                                 probe)
 from kvfs.errors import ConfigError, KvfsError, StorageError
-from kvfs.metrics.histogram import OperationStats
 from kvfs.store.buffers import ReadBufferPool
 
 log = logging.getLogger(__name__)
@@ -261,10 +260,11 @@ class _RdmaPeer:
         await self.stream.aclose()
 
 
-class RdmaTransport:
+class RdmaTransport(MeasuredTransport):
     """Fetches chunks with RDMA READs where the owner supports it, over TCP otherwise."""
 
     def __init__(self, device: RdmaDevice, secret: bytes, tcp: TcpTransport, read_buffers: ReadBufferPool) -> None:
+        super().__init__()
         self.device = device
         self.secret = secret
         self.tcp = tcp
@@ -275,7 +275,6 @@ class RdmaTransport:
         self._peers: dict[str, _RdmaPeer] = {}
         self._connecting: dict[str, trio.Lock] = {}
         self._tcp_until: dict[str, float] = {}  # peers fetched over TCP for now, until then
-        self.fetches = OperationStats()
         self.rdma_bytes = 0
         self.rdma_reads = 0
         self.errors: dict[str, int] = {}
@@ -294,12 +293,6 @@ class RdmaTransport:
 
     def _count(self, table: dict[str, int], key: str) -> None:
         table[key] = table.get(key, 0) + 1
-
-    async def fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
-                    checksums: list[int], on_chunk: Callable[[int], None],
-                    on_answer: Callable[[], None] = lambda: None) -> None:
-        await self.fetches.measure("fetch", self._fetch(address, version, first, targets, lengths, checksums,
-                                                        on_chunk, on_answer))
 
     async def _fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
                      checksums: list[int], on_chunk: Callable[[int], None], on_answer: Callable[[], None]) -> None:

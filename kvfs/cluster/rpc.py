@@ -52,6 +52,13 @@ class FrameStream:
         payload = await self._exactly(prefix.payload_length) if prefix.payload_length else b""
         return prefix, header, payload
 
+    async def receive_request(self, decoder: HeaderDecoder) -> tuple[int, Any]:
+        """The next frame, which must be a request without payload: (request id, request)."""
+        prefix, header, payload = await self.receive()
+        if prefix.kind != FrameKind.REQUEST or payload:
+            raise ProtocolError(f"unexpected {prefix.kind.name} frame with {len(payload)} payload bytes")
+        return prefix.request_id, decoder.decode(header)
+
     async def send(self, kind: FrameKind, request_id: int, header: Any, payload: bytes | memoryview = b"") -> None:
         await self.stream.send_all(encode_frame(kind, request_id, header, len(payload)))
         if payload:
@@ -167,10 +174,7 @@ class MetadataServer:
         send_lock = trio.Lock()
         try:
             while True:
-                prefix, header, payload = await frames.receive()
-                if prefix.kind != FrameKind.REQUEST or payload:
-                    raise ProtocolError(f"unexpected {prefix.kind.name} frame with {len(payload)} payload bytes")
-                request = self._requests.decode(header)
+                request_id, request = await frames.receive_request(self._requests)
                 try:
                     response = self.handle(request, caller)
                     if isinstance(response, m.Registered):  # this connection now speaks for that node
@@ -187,10 +191,10 @@ class MetadataServer:
                     reply = (FrameKind.ERROR, ErrorReply(errno.EIO, f"{type(request).__name__} failed: {error!r}"))
                 self.wake_pushers()
                 try:
-                    frame = encode_frame(reply[0], prefix.request_id, reply[1])
+                    frame = encode_frame(reply[0], request_id, reply[1])
                 except ProtocolError as error:  # an answer too large to send: the caller gets an errno
                     log.error("%s from %s: %s", type(request).__name__, peer, error)
-                    frame = encode_frame(FrameKind.ERROR, prefix.request_id, ErrorReply(errno.EFBIG, str(error)))
+                    frame = encode_frame(FrameKind.ERROR, request_id, ErrorReply(errno.EFBIG, str(error)))
                 async with send_lock:
                     await frames.stream.send_all(frame)
         except ProtocolError as error:

@@ -129,14 +129,11 @@ class PeerServer:
             session = None
             try:
                 while True:
-                    prefix, header, payload = await frames.receive()
-                    if prefix.kind != FrameKind.REQUEST or payload:
-                        raise ProtocolError(f"unexpected {prefix.kind.name} frame with {len(payload)} payload bytes")
-                    request = self._requests.decode(header)
+                    request_id, request = await frames.receive_request(self._requests)
                     if isinstance(request, FetchChunks):
-                        await self._fetch(stream, prefix.request_id, request)
+                        await self._fetch(stream, request_id, request)
                     else:
-                        session = await self._rdma_request(stream, prefix.request_id, session, request)
+                        session = await self._rdma_request(stream, request_id, session, request)
             except ProtocolError as error:
                 log.warning("closing peer connection from %s: %s", peer, error)
             except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
@@ -223,10 +220,29 @@ class _PeerConnection:
         self.sock.close()
 
 
-class TcpTransport:
+class MeasuredTransport:
+    """A `Transport` whose fetches are timed and counted by outcome (`fetches`); subclasses
+    implement `_fetch`."""
+
+    def __init__(self) -> None:
+        self.fetches = OperationStats()  # one "fetch" per chunk run, by outcome
+
+    async def fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
+                    checksums: list[int], on_chunk: Callable[[int], None],
+                    on_answer: Callable[[], None] = lambda: None) -> None:
+        await self.fetches.measure("fetch", self._fetch(address, version, first, targets, lengths, checksums,
+                                                        on_chunk, on_answer))
+
+    async def _fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
+                     checksums: list[int], on_chunk: Callable[[int], None], on_answer: Callable[[], None]) -> None:
+        raise NotImplementedError
+
+
+class TcpTransport(MeasuredTransport):
     """Fetches chunks from peers over persistent, authenticated TCP connections."""
 
     def __init__(self, secret: bytes, streams_per_peer: int = STREAMS_PER_PEER) -> None:
+        super().__init__()
         self.secret = secret
         self.streams_per_peer = streams_per_peer
         self._idle: dict[str, list[_PeerConnection]] = {}
@@ -234,7 +250,6 @@ class TcpTransport:
         self._errors = HeaderDecoder(ErrorReply)
         self._next_id = 1
         self.fetched_bytes = 0
-        self.fetches = OperationStats()  # one "fetch" per chunk run, by outcome
         self.checksum_failures = 0
 
     async def _connect(self, address: str) -> _PeerConnection:
@@ -260,12 +275,6 @@ class TcpTransport:
             idle.append(connection)
         else:
             connection.close()
-
-    async def fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
-                    checksums: list[int], on_chunk: Callable[[int], None],
-                    on_answer: Callable[[], None] = lambda: None) -> None:
-        await self.fetches.measure("fetch", self._fetch(address, version, first, targets, lengths, checksums,
-                                                        on_chunk, on_answer))
 
     async def _fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
                      checksums: list[int], on_chunk: Callable[[int], None], on_answer: Callable[[], None]) -> None:

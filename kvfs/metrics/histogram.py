@@ -8,10 +8,11 @@ Prometheus scrapes.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import errno
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, Iterator, TypeVar
 
 from kvfs.errors import errno_of
 
@@ -70,30 +71,25 @@ class OperationStats:
             histogram = self.latency[name] = Histogram()
         histogram.observe(seconds)
 
-    async def measure(self, name: str, operation: Awaitable[T]) -> T:
-        """Awaits `operation`, recording its latency and outcome under `name`."""
+    @contextlib.contextmanager
+    def _recording(self, name: str) -> Iterator[None]:
         started = time.perf_counter()
-        code = errno.EINTR  # cancelled
+        code = errno.EINTR  # what stays when the operation is cancelled
         try:
-            result = await operation
+            yield
             code = 0
-            return result
         except Exception as error:
             code = errno_of(error)
             raise
         finally:
             self.record(name, code, time.perf_counter() - started)
 
+    async def measure(self, name: str, operation: Awaitable[T]) -> T:
+        """Awaits `operation`, recording its latency and outcome under `name`."""
+        with self._recording(name):
+            return await operation
+
     def timed(self, name: str, operation: Callable[[], T]) -> T:
         """Calls `operation`, recording its latency and outcome under `name`."""
-        started = time.perf_counter()
-        code = errno.EIO
-        try:
-            result = operation()
-            code = 0
-            return result
-        except Exception as error:
-            code = errno_of(error)
-            raise
-        finally:
-            self.record(name, code, time.perf_counter() - started)
+        with self._recording(name):
+            return operation()
