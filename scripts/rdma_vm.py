@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""A Debian VM with Soft-RoCE (rdma_rxe) under qemu, for testing kvfs's RDMA transport for real.
+"""A Debian VM with Soft-RoCE (rdma_rxe) under qemu, for testing kvfs's RDMA transport for real
+(and, booted with systemd as PID 1, kvfs's systemd units).
 
-    python scripts/rdma_vm.py build              # once: debootstrap an image (about 3 min), cached
+    python scripts/rdma_vm.py build              # once: debootstrap an image (about 2 min), cached
     python scripts/rdma_vm.py run SCRIPT [ARGS]  # boot it, run SCRIPT as root inside, power off
+    python scripts/rdma_vm.py run --systemd SCRIPT  # the same, under systemd
 
 The host kernel has no RDMA; a guest kernel can load rdma_rxe and run real RDMA
 over a dummy network device. The guest sees this checkout and the host's kvfs
@@ -26,9 +28,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("KVFS_RDMA_VM_CACHE", "/var/cache/kvfs/rdma-vm"))
-IMAGE_VERSION = "1"  # bump when the package list or the init script changes
+IMAGE_VERSION = "2"  # bump when the package list or the init scripts change
 PACKAGES = ["linux-image-amd64", "rdma-core", "ibverbs-utils", "python3-pyverbs", "iproute2", "kmod", "procps",
-            "fuse3", "python3", "attr"]
+            "fuse3", "python3", "attr", "systemd", "systemd-sysv", "util-linux"]
 INITRAMFS_MODULES = ["virtio_pci", "virtio_blk", "ext4"]
 
 # The guest's PID 1: mounts what a test needs, runs the host's script, powers off.
@@ -51,6 +53,31 @@ echo "exit=$?" >> /out/guest.log
 sync
 echo o > /proc/sysrq-trigger
 sleep 10
+"""
+
+
+# Under systemd the same steps run as a service, which powers the VM off when done.
+SYSTEMD_TEST_UNIT = """[Unit]
+Description=kvfs test run
+After=local-fs.target systemd-journald.service
+[Service]
+Type=oneshot
+ExecStart=/kvfs-systemd-test
+StandardOutput=journal+console
+[Install]
+WantedBy=multi-user.target
+"""
+SYSTEMD_TEST_SCRIPT = """#!/bin/sh
+modprobe 9p; modprobe 9pnet_virtio; modprobe fuse
+mkdir -p /share /venv /out
+mount -t 9p -o trans=virtio,version=9p2000.L,ro host0 /share
+mount -t 9p -o trans=virtio,version=9p2000.L,ro venv0 /venv
+mount -t 9p -o trans=virtio,version=9p2000.L out0 /out
+cd /share
+sh /out/guest.sh > /out/guest.log 2>&1
+echo "exit=$?" >> /out/guest.log
+sync
+systemctl poweroff --no-block
 """
 
 
@@ -85,9 +112,15 @@ def build(force: bool = False) -> dict[str, Path]:
         print("rdma-vm: initramfs", file=sys.stderr, flush=True)
         subprocess.run(["chroot", str(root), "update-initramfs", "-u", "-k", "all"], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        init = root / "kvfs-init"
-        init.write_text(GUEST_INIT)
-        init.chmod(0o755)
+        for name, text in (("kvfs-init", GUEST_INIT), ("kvfs-systemd-test", SYSTEMD_TEST_SCRIPT)):
+            (root / name).write_text(text)
+            (root / name).chmod(0o755)
+        (root / "etc/systemd/system/kvfs-test-run.service").write_text(SYSTEMD_TEST_UNIT)
+        (root / "etc/systemd/system/multi-user.target.wants").mkdir(parents=True, exist_ok=True)
+        (root / "etc/systemd/system/multi-user.target.wants/kvfs-test-run.service").symlink_to(
+            "/etc/systemd/system/kvfs-test-run.service")
+        (root / "etc/hostname").write_text("kvfs-vm\n")
+        (root / "etc/machine-id").write_text("")  # systemd makes one at boot
         shutil.copy(sorted((root / "boot").glob("vmlinuz-*"))[-1], paths["kernel"])
         shutil.copy(sorted((root / "boot").glob("initrd.img-*"))[-1], paths["initrd"])
         print("rdma-vm: filesystem image", file=sys.stderr, flush=True)
@@ -98,8 +131,10 @@ def build(force: bool = False) -> dict[str, Path]:
     return paths
 
 
-def run(script: Path, out: Path, args: list[str], timeout_s: float, memory_mb: int = 3072) -> int:
-    """Boots the image, runs `script ARGS` inside (as /out/guest.sh), returns its exit status."""
+def run(script: Path, out: Path, args: list[str], timeout_s: float, memory_mb: int = 3072,
+        systemd: bool = False) -> int:
+    """Boots the image, runs `script ARGS` inside (as /out/guest.sh), returns its exit status;
+    with `systemd`, under systemd as PID 1 (the script runs as a service)."""
     paths = build()
     out.mkdir(parents=True, exist_ok=True)
     guest = out / "guest.sh"
@@ -112,7 +147,8 @@ def run(script: Path, out: Path, args: list[str], timeout_s: float, memory_mb: i
     command = [
         "qemu-system-x86_64", "-accel", "tcg", "-cpu", "max", "-m", str(memory_mb), "-smp", "2", "-nographic", "-no-reboot",
         "-kernel", str(paths["kernel"]), "-initrd", str(paths["initrd"]),
-        "-append", "root=/dev/vda rw console=ttyS0 init=/kvfs-init panic=-1 quiet",
+        "-append", "root=/dev/vda rw console=ttyS0 panic=-1 quiet "
+                   + ("init=/lib/systemd/systemd systemd.show_status=0" if systemd else "init=/kvfs-init"),
         "-drive", f"file={paths['image']},format=raw,if=virtio,snapshot=on",
         "-virtfs", f"local,path={REPO},mount_tag=host0,security_model=none,readonly=on",
         "-virtfs", f"local,path={site},mount_tag=venv0,security_model=none,readonly=on",
@@ -143,6 +179,7 @@ def main() -> int:
     run_command.add_argument("args", nargs="*")
     run_command.add_argument("--out", type=Path, default=Path("/tmp/kvfs-rdma-vm-out"))
     run_command.add_argument("--timeout", type=float, default=900)
+    run_command.add_argument("--systemd", action="store_true", help="boot with systemd as PID 1")
     args = parser.parse_args()
     if os.getuid() != 0:
         print("rdma_vm.py: run as root (debootstrap, chroot, qemu with 9p)", file=sys.stderr)
@@ -150,7 +187,7 @@ def main() -> int:
     if args.command == "build":
         build(args.force)
         return 0
-    return run(args.script, args.out, args.args, args.timeout)
+    return run(args.script, args.out, args.args, args.timeout, systemd=args.systemd)
 
 
 if __name__ == "__main__":

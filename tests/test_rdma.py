@@ -63,6 +63,7 @@ def test_a_node_without_rdma_answers_the_rdma_handshake_with_enotsup(cluster: Cl
     assert "transport tcp: chunks move over TCP" in node.log_text()
 
 
+@pytest.mark.vm
 @pytest.mark.rdma
 def test_rdma_transport_in_a_soft_roce_vm(tmp_path: Path) -> None:
     """Boots the cached VM (built on first use), runs tests/rdma/vm_checks.py inside: master and

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -119,3 +120,21 @@ def test_without_systemd_nothing_is_sent(monkeypatch: pytest.MonkeyPatch) -> Non
     assert systemd.watchdog_interval() is None
     monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
     assert systemd.watchdog_interval() == 15.0
+
+
+@pytest.mark.vm
+def test_the_units_under_a_real_systemd_in_the_vm(tmp_path: Path) -> None:
+    """systemd is not PID 1 here: boots the test VM with it (scripts/rdma_vm.py run --systemd) and
+    runs tests/vm/systemd_units.sh: kvfs-mount@ ready only when the mount answers, status text,
+    journald priorities, metrics, a crashed daemon restarted with its stale mount cleaned, clean
+    stops; kvfs-master (sandboxed) and kvfs-node@ joining, a master restart — all with the units'
+    hardening in force."""
+    out = tmp_path / "vm"
+    result = subprocess.run([sys.executable, str(UNITS.parent / "rdma_vm.py"), "run", "--systemd",
+                             "tests/vm/systemd_units.sh", "--out", str(out), "--timeout", "900"],
+                            capture_output=True, text=True, timeout=1800)
+    log = (out / "guest.log").read_text(errors="replace") if (out / "guest.log").exists() else ""
+    summary = re.search(r"SYSTEMD-VM-SUMMARY passed=(\d+) failed=(\d+)", log)
+    assert summary, f"no summary from the VM:\n{result.stderr[-2000:]}\n{log[-4000:]}"
+    assert summary.groups() == ("9", "0"), log[-6000:]
+    assert result.returncode == 0, result.stderr[-2000:]
