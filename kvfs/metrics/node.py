@@ -73,22 +73,20 @@ class NodeMetrics:
         out.counter("read_buffer_misses", "reads that found no free read buffer", node.store.read_buffers.misses)
 
     def _transports(self, out: Families, transport: object) -> None:
-        if isinstance(transport, RdmaTransport):
-            tcp = transport.tcp
-            out.counters("transport_bytes", "bytes fetched from other nodes by transport", ("transport",),
-                         {("rdma",): transport.rdma_bytes, ("tcp",): tcp.fetched_bytes})
-            out.counters("transport_operations", "fetch operations by transport (RDMA: one READ per chunk)",
-                         ("transport",), {("rdma",): transport.rdma_reads,
-                                          ("tcp",): sum(tcp.fetches.counts.values())})
+        rdma = transport if isinstance(transport, RdmaTransport) else None
+        tcp = rdma.tcp if rdma is not None else transport
+        assert isinstance(tcp, TcpTransport)
+        moved = {("tcp",): tcp.fetched_bytes}
+        operations = {("tcp",): sum(tcp.fetches.counts.values())}
+        if rdma is not None:
+            moved[("rdma",)], operations[("rdma",)] = rdma.rdma_bytes, rdma.rdma_reads
             out.counters("rdma_errors", "RDMA failures by type (a completion status, timeout, control)",
-                         ("type",), {(kind,): count for kind, count in transport.errors.items()})
+                         ("type",), {(kind,): count for kind, count in rdma.errors.items()})
             out.counters("rdma_fallbacks", "fetches moved to TCP, by reason", ("reason",),
-                         {(reason,): count for reason, count in transport.fallbacks.items()})
-        elif isinstance(transport, TcpTransport):
-            out.counters("transport_bytes", "bytes fetched from other nodes by transport", ("transport",),
-                         {("tcp",): transport.fetched_bytes})
-            out.counters("transport_operations", "fetch operations by transport", ("transport",),
-                         {("tcp",): sum(transport.fetches.counts.values())})
+                         {(reason,): count for reason, count in rdma.fallbacks.items()})
+        out.counters("transport_bytes", "bytes fetched from other nodes by transport", ("transport",), moved)
+        out.counters("transport_operations", "fetches by transport (RDMA: one READ per chunk; TCP: one "
+                     "request per chunk run)", ("transport",), operations)
         if self.rdma_exporter is not None:
             out.counter("rdma_windows_granted", "chunks granted to peers as memory windows",
                         self.rdma_exporter.granted)
