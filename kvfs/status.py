@@ -11,13 +11,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import msgspec
+
 from kvfs.cluster import messages as m
 from kvfs.config import format_size
 
 
 def info_from_mount_stats(mountpoint: str, stats: dict) -> m.ClusterInfo:
     """A single-node mount's `user.kvfs.stats` as a one-node cluster."""
-    activity = m.Activity(**{field: int(stats.get(field, 0)) for field in m.Activity.__struct_fields__})
+    activity = msgspec.convert({field: stats[field] for field in m.Activity.__struct_fields__ if field in stats},
+                               m.Activity)
     node = m.NodeStatus(int(stats.get("node", 1)), mountpoint, "", True, 0.0, int(stats["dram_capacity"]),
                         int(stats["dram_used"]), int(stats.get("ssd_capacity", 0)), int(stats.get("ssd_used", 0)),
                         int(stats["stored_files"]), int(stats["dram_only_files"]), int(stats["ssd_files"]),
@@ -36,7 +39,8 @@ def _use(used: int, capacity: int) -> str:
 def render_status(source: str, info: m.ClusterInfo) -> str:
     lines = [f"{source}: {info.files} files, {format_size(info.sealed_bytes)}, {info.inodes} inodes",
              f"{'NODE':>4} {'NAME':<24} {'ADDRESS':<21} {'STATE':<5} {'DRAM USED/CAP':>21} {'SSD USED/CAP':>21} "
-             f"{'FILES':>7} {'DRAM-ONLY':>9} {'ON SSD':>7} {'HIT':>4} {'DRAM HIT':>8} {'BACKLOG':>10}"]
+             f"{'FILES':>7} {'DRAM-ONLY':>9} {'ON SSD':>7} {'HIT':>4} {'DRAM HIT':>8} {'BACKLOG':>10} "
+             f"{'TRANSPORT':<9}"]
     for n in info.nodes:
         a = n.activity
         opens = a.opens_dram + a.opens_ssd + a.opens_peer
@@ -45,7 +49,8 @@ def render_status(source: str, info: m.ClusterInfo) -> str:
                      f"{n.files:>7} {n.dram_only_files:>9} {n.ssd_files:>7} "
                      f"{percent(a.lookups_found, a.lookups_found + a.lookups_absent):>4} "
                      f"{percent(a.opens_dram, opens):>8} "
-                     f"{format_size(a.offload_backlog_bytes) if n.ssd_capacity else '-':>10}")
+                     f"{format_size(a.offload_backlog_bytes) if n.ssd_capacity else '-':>10} "
+                     f"{a.transport or '-':<9}")
     lines.append("HIT: names looked up that existed; DRAM HIT: reads served from the node's own DRAM; "
                  "since each node started")
     return "\n".join(lines)

@@ -270,6 +270,7 @@ class Activity(msgspec.Struct):
     read_bytes: int = 0  # read through the mount (every tier)
     written_bytes: int = 0
     evicted_files: int = 0
+    transport: str = ""  # how it fetches from peers: "tcp", or "rdma" (TCP with peers without it)
 
 
 class Heartbeat(Request):

@@ -263,6 +263,8 @@ class _RdmaPeer:
 class RdmaTransport(MeasuredTransport):
     """Fetches chunks with RDMA READs where the owner supports it, over TCP otherwise."""
 
+    kind = "rdma"
+
     def __init__(self, device: RdmaDevice, secret: bytes, tcp: TcpTransport, read_buffers: ReadBufferPool) -> None:
         super().__init__()
         self.device = device

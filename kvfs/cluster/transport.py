@@ -241,6 +241,8 @@ class MeasuredTransport:
 class TcpTransport(MeasuredTransport):
     """Fetches chunks from peers over persistent, authenticated TCP connections."""
 
+    kind = "tcp"
+
     def __init__(self, secret: bytes, streams_per_peer: int = STREAMS_PER_PEER) -> None:
         super().__init__()
         self.secret = secret

@@ -119,10 +119,14 @@ def main() -> None:
 
         trio.run(verbs_checks)
 
-    @check("auto chooses RDMA inside the VM")
+    @check("auto chooses RDMA inside the VM, and kvfs status shows it")
     def _() -> None:
         assert "transport auto: RDMA on rxe0" in reader.text(), reader.text()[-2000:]
         assert "transport rdma: RDMA on rxe0" in owner.text()
+        status = subprocess.run([sys.executable, "-m", "kvfs", "status", "--master", master_address, "--json"],
+                                capture_output=True, text=True, env=ENV, timeout=60)
+        nodes = json.loads(status.stdout)["nodes"]
+        assert {n["name"]: n["activity"]["transport"] for n in nodes} == {"owner": "rdma", "reader": "rdma"}, nodes
 
     @check("cross-node reads are byte-exact and move over RDMA")
     def _() -> None:
