@@ -36,10 +36,12 @@ class NoSpace(StorageError):
 
 
 class ConfigError(KvfsError):
-    """A configuration value is invalid; the message names the field."""
+    """A configuration value is invalid; the message names the field (and says why: no
+    "Invalid argument" appended)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(_errno.EINVAL, message)
+        self.args = (message,)
 
 
 def errno_of(error: BaseException) -> int:
