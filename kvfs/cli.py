@@ -261,7 +261,7 @@ def ask_master(args: argparse.Namespace, request):  # type: ignore[no-untyped-de
     import trio
 
     from kvfs.cluster.rpc import RemoteMaster
-    from kvfs.cluster.transport import split_address
+    from kvfs.config import split_address
 
     host, port = split_address(args.master)
     secret = _secret(args)

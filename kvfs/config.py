@@ -33,11 +33,20 @@ DEFAULT_NODE_METRICS = "0.0.0.0:9740"  # node_exporter style: every interface, a
 DEFAULT_MASTER_METRICS = "0.0.0.0:9741"
 
 
-def check_address(address: str, field: str) -> None:
-    """A HOST:PORT setting: a clear error naming the field, at start rather than at first use."""
+def split_address(address: str) -> tuple[str, int]:
+    """HOST:PORT (or [IPv6]:PORT) as (host, port); ValueError if it is not that."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"{field}: {address!r} is not HOST:PORT")
+        raise ValueError(f"address {address!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def check_address(address: str, field: str) -> None:
+    """A HOST:PORT setting: a clear error naming the field, at start rather than at first use."""
+    try:
+        split_address(address)
+    except ValueError:
+        raise ConfigError(f"{field}: {address!r} is not HOST:PORT") from None
 
 
 def physical_memory() -> int:

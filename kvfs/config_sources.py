@@ -25,7 +25,7 @@ _FALSE = {"0", "false", "no", "off"}
 _NOT_SETTINGS = {"config", "help", "version"}
 
 
-def _config_path(argv: list[str], environ: Mapping[str, str]) -> tuple[str | None, bool]:
+def _config_path(argv: list[str], environ: Mapping[str, str]) -> tuple[str, bool]:
     """The config file and whether it was asked for (a missing default file is fine)."""
     for index, arg in enumerate(argv):
         if arg == "--config" and index + 1 < len(argv):
@@ -104,12 +104,11 @@ def parse_with_sources(parser: argparse.ArgumentParser, argv: list[str],
     settings = _settings(subparser)
     path, required = _config_path(argv, environ)
     defaults: dict[str, Any] = {}
-    if path is not None:
-        for key, value in _load_table(path, command, required).items():
-            action = settings.get(str(key).replace("_", "-"))
-            if action is None:
-                raise ConfigError(f"{path}: [{command}] has no setting {key!r}")
-            defaults[action.dest] = _coerce(action, value, f"{path}: [{command}] {key}")
+    for key, value in _load_table(path, command, required).items():
+        action = settings.get(str(key).replace("_", "-"))
+        if action is None:
+            raise ConfigError(f"{path}: [{command}] has no setting {key!r}")
+        defaults[action.dest] = _coerce(action, value, f"{path}: [{command}] {key}")
     for name, action in settings.items():
         variable = "KVFS_" + name.replace("-", "_").upper()
         if variable in environ and variable != "KVFS_SECRET":

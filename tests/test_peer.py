@@ -121,6 +121,7 @@ BAD_FRAMES = [
     PREFIX.pack(b"KV", 1, FrameKind.REQUEST, 1000, 0, 1) + b"\x01" * 10,  # truncated, then closed
     encode_frame(FrameKind.RESPONSE, 1, FetchChunks(VERSION, 0, 1)),  # a response where a request belongs
     encode_frame(FrameKind.REQUEST, 1, FetchChunks(VERSION, 0, 99)),  # beyond the file: an error reply
+    encode_frame(FrameKind.REQUEST, 1, FetchChunks(VERSION, -1, 2)),  # before the file: an error reply
 ]
 
 

@@ -18,7 +18,7 @@ from conftest import CLUSTER_SECRET, Cluster
 from kvfs.cluster.protocol import ErrorReply, FrameKind, HeaderDecoder, encode_frame
 from kvfs.cluster.rdma_messages import Locate, RdmaConnect
 from kvfs.cluster.rpc import FrameStream, handshake
-from kvfs.cluster.transport import split_address
+from kvfs.config import split_address
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -18,9 +18,9 @@ from kvfs.cluster import messages as m
 from kvfs.cluster.auth import AuthError
 from kvfs.cluster.protocol import ProtocolError
 from kvfs.cluster.rpc import MasterUnavailable, RemoteMaster
+from kvfs.config import split_address
 from kvfs.errors import KvfsError
 from kvfs.metrics.histogram import OperationStats
-from kvfs.cluster.transport import split_address
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from kvfs.cluster import messages as m
 from kvfs.cluster.master import MasterSettings, MetadataService
 from kvfs.cluster.persist import MasterState
 from kvfs.cluster.rpc import MetadataServer
-from kvfs.cluster.transport import split_address
+from kvfs.config import split_address
 from kvfs.config import DEFAULT_MASTER_METRICS
 from kvfs.metrics.exporter import serve_metrics
 from kvfs.metrics.histogram import OperationStats

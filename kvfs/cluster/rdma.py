@@ -41,9 +41,10 @@ from kvfs.cluster.protocol import ErrorReply, FrameKind, HeaderDecoder, Protocol
 from kvfs.cluster.rdma_messages import (NOT_IN_DRAM, Locate, Located, RdmaAccepted, RdmaConnect, RevokeForTest,
                                          Unlease)
 from kvfs.cluster.rpc import FrameStream, handshake
-from kvfs.cluster.transport import CONNECT_TIMEOUT_S, MeasuredTransport, TcpTransport, split_address
+from kvfs.cluster.transport import CONNECT_TIMEOUT_S, MeasuredTransport, TcpTransport
 from kvfs.cluster.verbs import (Endpoint, QueuePair, RdmaDevice, RdmaError, RdmaUnavailable, Window, buffer_address,
                                 probe)
+from kvfs.config import split_address
 from kvfs.errors import ConfigError, KvfsError, StorageError
 from kvfs.store.buffers import ReadBufferPool
 
@@ -96,7 +97,35 @@ class RdmaExporter:
 
     async def handle(self, session: RdmaSession | None, request: Any,
                      reply: Callable[[FrameKind, Any], Awaitable[None]]) -> RdmaSession | None:
-        return await serve_rdma_request(self, session, request, reply)
+        """One RDMA control request on a peer connection; returns the connection's session."""
+        if isinstance(request, RdmaConnect):
+            if session is not None:
+                await session.close()
+            try:
+                session, accepted = await self.accept(request)
+            except RdmaError as error:
+                await reply(FrameKind.ERROR, ErrorReply(errno.EIO, f"rdma connect failed: {error}"))
+                return None
+            await reply(FrameKind.RESPONSE, accepted)
+            return session
+        if session is None:
+            if not isinstance(request, Unlease):  # one-way: an answer would be read as the next call's
+                await reply(FrameKind.ERROR, ErrorReply(errno.ENOTCONN, "no RDMA connection on this peer connection"))
+            return session
+        if isinstance(request, Locate):
+            try:
+                located = await session.locate(request)
+            except (KvfsError, RdmaError) as error:
+                code = error.errno if isinstance(error, KvfsError) else errno.EIO
+                await reply(FrameKind.ERROR, ErrorReply(code, str(error)))
+                return session
+            await reply(FrameKind.RESPONSE, located)
+        elif isinstance(request, Unlease):
+            await session.unlease(request.lease)  # no answer: the reader does not wait for it
+        elif isinstance(request, RevokeForTest):
+            await session.revoke_all()
+            await reply(FrameKind.RESPONSE, RevokeForTest())
+        return session
 
     async def close_session(self, session: RdmaSession) -> None:
         await session.close()
@@ -178,38 +207,6 @@ class RdmaSession:
             await self._revoke(self.probe)
         self.qp.close()  # after its windows (see RdmaDevice.revoke)
         self.exporter.sessions.discard(self)
-
-
-async def serve_rdma_request(exporter: RdmaExporter, session: RdmaSession | None, request: Any,
-                             reply: Callable[[FrameKind, Any], Awaitable[None]]) -> RdmaSession | None:
-    """One RDMA control request on a peer connection; returns the connection's session."""
-    if isinstance(request, RdmaConnect):
-        if session is not None:
-            await session.close()
-        try:
-            session, accepted = await exporter.accept(request)
-        except RdmaError as error:
-            await reply(FrameKind.ERROR, ErrorReply(errno.EIO, f"rdma connect failed: {error}"))
-            return None
-        await reply(FrameKind.RESPONSE, accepted)
-        return session
-    if session is None:
-        await reply(FrameKind.ERROR, ErrorReply(errno.ENOTCONN, "no RDMA connection on this peer connection"))
-        return session
-    if isinstance(request, Locate):
-        try:
-            located = await session.locate(request)
-        except (KvfsError, RdmaError) as error:
-            code = error.errno if isinstance(error, KvfsError) else errno.EIO
-            await reply(FrameKind.ERROR, ErrorReply(code, str(error)))
-            return session
-        await reply(FrameKind.RESPONSE, located)
-    elif isinstance(request, Unlease):
-        await session.unlease(request.lease)  # no answer: the reader does not wait for it
-    elif isinstance(request, RevokeForTest):
-        await session.revoke_all()
-        await reply(FrameKind.RESPONSE, RevokeForTest())
-    return session
 
 
 # The reader's side -----------------------------------------------------------------------

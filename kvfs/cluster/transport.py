@@ -30,6 +30,7 @@ from kvfs.cluster.protocol import (PREFIX_SIZE, ErrorReply, FrameKind, HeaderDec
                                    parse_prefix)
 from kvfs.cluster.rdma_messages import RDMA_REQUESTS, Unlease
 from kvfs.cluster.rpc import FrameStream, handshake, peer_name, serve_tcp
+from kvfs.config import split_address
 from kvfs.errors import KvfsError, StorageError
 from kvfs.metrics.histogram import OperationStats
 
@@ -80,13 +81,6 @@ def _tune(sock: trio.socket.SocketType) -> None:
         except OSError:
             pass
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"address {address!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)
 
 
 class RdmaService(Protocol):
@@ -167,9 +161,7 @@ class PeerServer:
             await trio.to_thread.run_sync(send_all_blocking, fd, [data])
             self.served_bytes += len(data)
 
-        try:
-            if request.count < 0 or request.first < 0:
-                raise StorageError(errno.EINVAL, f"bad chunk range {request.first}+{request.count}")
+        try:  # the store checks the chunk range, for this path and the RDMA one
             await self.store.serve_chunks(request.version, request.first, request.count, send)
         except KvfsError as error:
             await stream.send_all(encode_frame(FrameKind.ERROR, request_id, ErrorReply(error.errno, str(error))))

@@ -24,10 +24,10 @@ from kvfs.cluster.embedded import EmbeddedMaster
 from kvfs.cluster.link import MasterLink
 from kvfs.cluster.master import MasterSettings, MetadataService
 from kvfs.cluster.rdma import RdmaExporter, RdmaTransport, open_rdma
-from kvfs.cluster.transport import PeerServer, TcpTransport, split_address
+from kvfs.cluster.transport import PeerServer, TcpTransport
 from kvfs.cluster.verbs import RdmaDevice
 from kvfs.concurrency import single_error
-from kvfs.config import MountConfig, format_size
+from kvfs.config import MountConfig, format_size, split_address
 from kvfs.errors import KvfsError
 from kvfs.fuse.operations import KvfsOperations
 from kvfs.metrics.exporter import serve_metrics
@@ -224,7 +224,7 @@ class Daemon:
         if self.config.master is None:
             return NodeMetrics(self.node, self.operations.operation_stats, embedded=self.service)
         return NodeMetrics(self.node, self.operations.operation_stats, peer_server=self.peer_server,
-                           name=self._node_name(), rdma_exporter=self.peer_server.rdma if self.peer_server else None)
+                           name=self._node_name())
 
     def _node_name(self) -> str:
         return self.config.node_name or f"{socket.gethostname()}:{self.config.mountpoint}"

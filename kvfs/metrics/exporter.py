@@ -15,7 +15,7 @@ import trio
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.core import Metric
 
-from kvfs.cluster.transport import split_address
+from kvfs.config import split_address
 from kvfs.metrics.families import Families
 
 log = logging.getLogger("kvfs.metrics")

@@ -32,7 +32,7 @@ class MasterMetrics:
         out.operations("master_requests", "requests handled by the master (including the lmdb save)", "request",
                        self.requests)
         out.counter("master_connections_refused", "connections that failed authentication", self.server.refused)
-        nodes = [node for node in self.service.registry.nodes.values()]
+        nodes = list(self.service.registry.nodes.values())
         out.gauges("node_up", "1 while a node heartbeats, 0 once it is declared dead", ("node",),
                    {(node.name,): int(node.live) for node in nodes})
         out.gauges("node_capacity_bytes", "capacity of each node's tiers, from its heartbeats", ("node", "tier"),

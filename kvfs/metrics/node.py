@@ -21,7 +21,6 @@ class NodeMetrics:
     embedded: MetadataService | None = None  # single-node mode: the in-process master
     peer_server: PeerServer | None = None
     name: str = "local"
-    rdma_exporter: RdmaExporter | None = None
 
     def describe(self, out: Families) -> None:
         node, store = self.node, self.node.store
@@ -87,10 +86,10 @@ class NodeMetrics:
         out.counters("transport_bytes", "bytes fetched from other nodes by transport", ("transport",), moved)
         out.counters("transport_operations", "fetches by transport (RDMA: one READ per chunk; TCP: one "
                      "request per chunk run)", ("transport",), operations)
-        if self.rdma_exporter is not None:
-            out.counter("rdma_windows_granted", "chunks granted to peers as memory windows",
-                        self.rdma_exporter.granted)
-            out.counter("rdma_windows_revoked", "memory windows invalidated", self.rdma_exporter.revoked)
+        exporter = self.peer_server.rdma if self.peer_server is not None else None
+        if isinstance(exporter, RdmaExporter):
+            out.counter("rdma_windows_granted", "chunks granted to peers as memory windows", exporter.granted)
+            out.counter("rdma_windows_revoked", "memory windows invalidated", exporter.revoked)
 
     def _cluster(self, out: Families) -> None:
         node = self.node

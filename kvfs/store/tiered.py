@@ -325,17 +325,23 @@ class TieredStore:
 
     # Chunks for and from other nodes ------------------------------------------------------
 
+    def _chunk_lengths(self, version: int, first: int, count: int) -> list[int]:
+        """The lengths of every chunk of a sealed version stored here, after checking that a
+        peer's run first..first+count-1 lies within it."""
+        sealed = self._sealed.get(version)
+        if sealed is None:
+            raise StorageError(errno.ENOENT, f"version {version} is not stored on this node")
+        lengths = sealed.lengths(self.chunk_size)
+        if first < 0 or count < 0 or first + count > len(lengths):
+            raise StorageError(errno.EINVAL, f"version {version} has {len(lengths)} chunks, not {first}+{count}")
+        return lengths
+
     async def serve_chunks(self, version: int, first: int, count: int,
                            send: Callable[[int, memoryview | bytes], Awaitable[None]]) -> None:
         """Hands chunks of a sealed version to `send` in order (the peer server's source).
         A whole-file request counts as a read (it may promote the version into DRAM); a
         partial one from SSD reads just its chunks."""
-        sealed = self._sealed.get(version)
-        if sealed is None:
-            raise StorageError(errno.ENOENT, f"version {version} is not stored on this node")
-        lengths = sealed.lengths(self.chunk_size)
-        if first + count > len(lengths):
-            raise StorageError(errno.EINVAL, f"version {version} has {len(lengths)} chunks, not {first + count}")
+        lengths = self._chunk_lengths(version, first, count)
         if version in self.dram or version in self._promoting or (first == 0 and count == len(lengths)):
             source = await self.open_read(version)
             try:
@@ -356,12 +362,7 @@ class TieredStore:
         """Pins a sealed version's DRAM copy for a peer that READs it over RDMA: the arena
         offsets and lengths of chunks first..first+count-1, or None when the version is not
         in DRAM (the peer fetches it over TCP then). `end_lease` unpins it."""
-        sealed = self._sealed.get(version)
-        if sealed is None:
-            raise StorageError(errno.ENOENT, f"version {version} is not stored on this node")
-        lengths = sealed.lengths(self.chunk_size)
-        if first < 0 or count < 0 or first + count > len(lengths):
-            raise StorageError(errno.EINVAL, f"version {version} has {len(lengths)} chunks, not {first + count}")
+        lengths = self._chunk_lengths(version, first, count)
         if version not in self.dram or version in self._promoting:
             return None
         self._pin(version)
