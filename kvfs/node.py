@@ -262,8 +262,8 @@ class Node(NodeMembership):
                 return await self._open_without_master(ino)
             try:
                 source = await self._open_source(opened)
-            except BaseException:
-                await self.master.call(m.Release(opened.version, writer=False))
+            except BaseException:  # (a corrupt first chunk's file is dropped here, its reader gone)
+                self._drop((await self.master.call(m.Release(opened.version, writer=False))).dropped)
                 raise
             self._count_open(opened.version, False, 1)
             self.reader_opens[source.tier] += 1
@@ -449,9 +449,10 @@ class Node(NodeMembership):
                     pass  # a new registration reports only the handles still open
 
     async def fsync(self, handle: OpenFile) -> None:
-        """A sealed file is durable once it is on SSD: fsync waits for its offload."""
+        """A sealed file is durable once it is on SSD: fsync waits for its offload, and
+        fails with EIO if the SSD tier cannot take it."""
         if not handle.writable and self.store.ssd is not None:
-            await self.store.wait_offloaded()
+            await self.store.wait_saved(handle.version)
 
     # The store's owner: its requests to the master ------------------------------------
 
@@ -574,22 +575,35 @@ class Node(NodeMembership):
 
     async def _control(self, command: str) -> None:
         if command == "sync":  # what the offloader has queued is on SSD when this returns
+            self.store.retry_now()
             await self.store.wait_offloaded()
+            self._check_offloaded("sync")
         elif command == "flush":  # everything sealed is on SSD when this returns (also in watermark mode)
+            self.store.retry_now()
             self.store.queue_all_dram_only()
             await self.store.wait_offloaded()
+            self._check_offloaded("flush")
         elif command == "drop-dram":
             demoted = self.store.demote_all()
             log.info("control: dropped the DRAM copies of %d files already on SSD", demoted)
         else:
             raise StorageError(errno.EINVAL, f"unknown control command {command!r} (sync, flush, drop-dram)")
 
+    def _check_offloaded(self, command: str) -> None:
+        """sync and flush fail with EIO while files wait for the SSD tier to work again."""
+        failed, nbytes = self.store.offload_failed()
+        if failed:
+            raise StorageError(errno.EIO, f"control {command}: {failed} files ({format_size(nbytes)}) could not be "
+                                          f"copied to SSD: {self.store.faults.last_error()}")
+
     def activity(self) -> m.Activity:
         backlog_files, backlog_bytes = self.store.offload_backlog()
+        failed_files, failed_bytes = self.store.offload_failed()
+        error = self.store.faults.last_error()
         return m.Activity(self.lookups_found, self.lookups_absent, self.reader_opens["dram"],
                           self.reader_opens["ssd"], self.reader_opens["peer"], backlog_files, backlog_bytes,
                           sum(self.served_bytes.values()), self.written_bytes, self.evicted_files,
-                          getattr(self.transport, "kind", ""))
+                          getattr(self.transport, "kind", ""), failed_files, failed_bytes, error)
 
     def store_stats(self) -> dict[str, float]:
         stats = asdict(self.store.stats)

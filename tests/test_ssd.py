@@ -221,7 +221,23 @@ def test_corrupt_chunks_are_never_served(make_mount, tmp_path: Path) -> None:
             open(root / name, "rb")
     assert (root / "a.bin").read_bytes() == content("a.bin", 8 * MiB)
     assert sorted(os.listdir(root)) == ["a.bin"]
-    assert stats(root)["checksum_failures"] == 2
+    counters = stats(root)
+    assert counters["checksum_failures"] == 2 and counters["quarantined_files"] == 2
+    quarantined = [line for line in mount.log_text().splitlines() if "quarantined" in line]
+    assert len(quarantined) == 2 and " ERROR " in quarantined[0], quarantined  # once per file, with its path
+    assert sorted(line.split(" kvfs.store.tiered: ")[1].split(":")[0] for line in quarantined) == ["/b.bin", "/c.bin"]
+    # Quarantined for good: their records and extents are gone, so a restart never lists them again.
+    mount.stop()
+    mount.start()
+    assert sorted(os.listdir(root)) == ["a.bin"]
+    for name in ("b.bin", "c.bin"):
+        assert not os.path.lexists(root / name)
+    assert "recovered 1 files" in mount.log_text()
+    assert stats(root)["ssd_used"] == 8 * MiB  # a.bin's two chunks: the others' extents were freed
+    assert (root / "a.bin").read_bytes() == content("a.bin", 8 * MiB)
+    mount.stop()
+    mount.start()
+    assert sorted(os.listdir(root)) == ["a.bin"] and stats(root)["checksum_failures"] == 0
 
 
 @pytest.mark.parametrize("kill_after_acknowledged", [1, 10, 40])

@@ -271,6 +271,10 @@ class Activity(msgspec.Struct):
     written_bytes: int = 0
     evicted_files: int = 0
     transport: str = ""  # how it fetches from peers: "tcp", or "rdma" (TCP with peers without it)
+    # Files the SSD tier failed to take (a storage failure; they stay in DRAM), and why.
+    offload_failed_files: int = 0
+    offload_failed_bytes: int = 0
+    storage_error: str = ""
 
 
 class Heartbeat(Request):

@@ -159,6 +159,7 @@ class Daemon:
         self.link: MasterLink | None = None
         self.peer_server: PeerServer | None = None
         self._mounted = False
+        self.unsaved = (0, 0)  # files (and bytes) a clean stop could not copy to SSD
 
     @staticmethod
     def _forget_entries(entries: list[tuple[int, bytes]]) -> None:
@@ -172,7 +173,8 @@ class Daemon:
         # From a thread: the notification is a write to /dev/fuse that must not block the loop.
         await trio.to_thread.run_sync(lambda: pyfuse3.invalidate_inode(ino, attr_only=True))
 
-    def run(self, on_ready: Callable[[], None] = lambda: None) -> None:
+    def run(self, on_ready: Callable[[], None] = lambda: None) -> int:
+        """Serves until stopped; the exit status: 1 if a clean stop lost files (named in the log)."""
         prepare_mountpoint(self.config.mountpoint)
         try:
             trio.run(self._main, on_ready)
@@ -191,6 +193,7 @@ class Daemon:
                 self.engine.close()
             if self.rdma is not None:
                 self.rdma.close()
+        return 1 if self.unsaved[0] else 0
 
     def _mount(self) -> None:
         mountpoint = self.config.mountpoint
@@ -274,17 +277,27 @@ class Daemon:
             nursery.cancel_scope.cancel()
 
     async def _flush_to_disk(self) -> None:
-        """On a clean stop, copies what is only in DRAM to SSD so that a restart finds it."""
-        if self.store.ssd is None:
+        """On a clean stop, copies what is only in DRAM to SSD so that a restart finds it
+        (failed copies are tried once more), and names what it could not copy."""
+        store = self.store
+        if store.ssd is None:
             return
-        pending = self.store.queue_all_dram_only()
+        store.retry_now()
+        pending = store.queue_all_dram_only()
         if pending:
-            log.info("stopping: copying %d files still only in DRAM to %s", pending, self.store.ssd.directory)
+            log.info("stopping: copying %d files still only in DRAM to %s", pending, store.ssd.directory)
             systemd.notify(f"STATUS=stopping: copying {pending} files to SSD")
         with trio.move_on_after(SHUTDOWN_FLUSH_S) as scope:
-            await self.store.wait_offloaded()
-        if scope.cancelled_caught:
-            log.warning("stopping: offload did not finish within %d s; files only in DRAM are lost", SHUTDOWN_FLUSH_S)
+            await store.wait_offloaded()
+            await store.flush_removals_now()  # quarantined and deleted files must not come back
+        files, nbytes = self.unsaved = store.unsaved()
+        if not files:
+            return
+        why = (f"the copy did not finish within {SHUTDOWN_FLUSH_S} s" if scope.cancelled_caught
+               else store.faults.last_error() or "the SSD tier is full")
+        log.error("stopping: %d files (%s) could not be copied to %s and are lost: %s", files, format_size(nbytes),
+                  store.ssd.directory, why)
+        systemd.notify(f"STATUS=stopped: {files} files ({format_size(nbytes)}) could not be copied to SSD")
 
     async def _stop_on_signal(self) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -337,8 +350,7 @@ def mount(config: MountConfig, foreground: bool, log_file: str | None = None) ->
     """
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` dumps the stacks of a hung daemon
     if foreground:
-        Daemon(config).run()
-        return 0
+        return Daemon(config).run()
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid:
@@ -366,8 +378,7 @@ def mount(config: MountConfig, foreground: bool, log_file: str | None = None) ->
         notified.set()
 
     try:
-        Daemon(config).run(ready)
-        code = 0
+        code = Daemon(config).run(ready)
     except (KvfsError, OSError) as error:
         log.error("%s", error)
         if not notified.is_set():
