@@ -271,6 +271,7 @@ class Activity(msgspec.Struct):
     written_bytes: int = 0
     evicted_files: int = 0
     transport: str = ""  # how it fetches from peers: "tcp", or "rdma" (TCP with peers without it)
+    io_engine: str = ""  # how its SSD tier does I/O: "io_uring" or "threads" ("" without an SSD tier)
     # Files the SSD tier failed to take (a storage failure; they stay in DRAM), and why.
     offload_failed_files: int = 0
     offload_failed_bytes: int = 0
