@@ -1,8 +1,10 @@
 """Storage failures of the SSD tier through real mounts: its directory's file system (and
-so the lmdb index in it) filling up mid-run and freed again, and a clean stop while full.
+so the lmdb index in it) filling up mid-run and freed again, a clean stop while full, and
+a thin-provisioned device that runs out under the segments' chunk writes.
 
-The file system is a real, small tmpfs mounted for the test; filling it is a real file
-written until ENOSPC, so lmdb itself fails its commits.
+The file systems are real (a small tmpfs, an ext4 on a loop device) mounted for the
+test; filling one is a real file written until ENOSPC, so lmdb and the block layer fail
+the writes themselves.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ FULL = ("No space left on device", "Input/output error")
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A 72 MiB tmpfs: room for a 64 MiB SSD tier and a little index."""
+    """A 72 MiB tmpfs: room for a 64 MiB SSD tier and a little index (asked for before
+    make_mount, so that the daemon stops before it goes)."""
     directory = tmp_path / "fs"
     directory.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=72m", "tmpfs", str(directory)], check=True)
@@ -102,7 +105,7 @@ def metric(url: str, name: str, labels: str) -> float:
 
 
 def test_a_full_index_file_system_keeps_files_in_dram_and_offload_resumes_when_freed(
-        make_mount, small_fs: Path) -> None:
+        small_fs: Path, make_mount) -> None:
     disk = small_fs / "disk"
     mount = make_mount("32M", "--disk", str(disk), "--disk-size", "64M", "--backpressure-timeout", "2")
     mount.allowed_errors.extend(FAILURE_LINES)
@@ -178,7 +181,7 @@ def test_a_full_index_file_system_keeps_files_in_dram_and_offload_resumes_when_f
         assert path.read_bytes() == content(path.name, 512 * KiB), path
 
 
-def test_a_clean_stop_while_full_names_what_it_loses_and_exits_non_zero(make_mount, small_fs: Path) -> None:
+def test_a_clean_stop_while_full_names_what_it_loses_and_exits_non_zero(small_fs: Path, make_mount) -> None:
     disk = small_fs / "disk"
     mount = make_mount("32M", "--disk", str(disk), "--disk-size", "64M")
     mount.allowed_errors.extend(FAILURE_LINES + ("could not be copied to",))
@@ -215,3 +218,71 @@ def test_a_clean_stop_while_full_names_what_it_loses_and_exits_non_zero(make_mou
     assert sorted(os.listdir(root)) == sorted(path.name for path in kept)
     for path in kept:
         assert path.read_bytes() == content(path.name, 256 * KiB), path
+
+
+@pytest.fixture
+def thin_device(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """An ext4 file system (no journal) on a 256 MiB loop device whose backing file is
+    sparse, on a 48 MiB tmpfs: a thin-provisioned SSD. Once the tmpfs is full, writes of
+    new blocks fail in the block layer (the segments' preallocated extents are
+    unwritten, so chunk writes need new backing blocks). Returns (its mount point, the
+    backing tmpfs)."""
+    backing, device_fs = tmp_path / "backing", tmp_path / "ext4"
+    backing.mkdir()
+    device_fs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(backing)], check=True)
+    loop = ""
+    try:
+        (backing / "image").touch()
+        os.truncate(backing / "image", 256 * MiB)
+        loop = subprocess.run(["losetup", "-f", "--show", str(backing / "image")], check=True, capture_output=True,
+                              text=True).stdout.strip()
+        subprocess.run(["mkfs.ext4", "-q", "-O", "^has_journal", loop], check=True)
+        subprocess.run(["mount", "-o", "errors=continue", loop, str(device_fs)], check=True)
+        yield device_fs, backing
+    finally:  # (tests ask for this fixture before make_mount: their daemon has stopped by now)
+        if subprocess.run(["umount", str(device_fs)], check=False).returncode:
+            subprocess.run(["umount", "-l", str(device_fs)], check=False)
+        if loop:
+            subprocess.run(["losetup", "-d", loop], check=False, capture_output=True)
+        subprocess.run(["umount", "-l", str(backing)], check=False)
+
+
+def test_a_full_thin_device_fails_chunk_writes_and_offload_resumes_when_freed(
+        thin_device: tuple[Path, Path], make_mount) -> None:
+    device_fs, backing = thin_device
+    mount = make_mount("64M", "--disk", str(device_fs / "disk"), "--disk-size", "128M")
+    mount.allowed_errors.extend(FAILURE_LINES)
+    root = mount.path
+    first = [root / f"first{i}.bin" for i in range(8)]
+    for path in first:
+        put(path, MiB)
+    os.setxattr(root, "user.kvfs.control", b"sync")
+    filler = fill(backing)
+    second = [root / f"second{i:02d}.bin" for i in range(24)]
+    for path in second:
+        put(path, MiB)
+    with pytest.raises(OSError) as raised:
+        os.setxattr(root, "user.kvfs.control", b"sync")
+    assert raised.value.errno == errno.EIO
+    counters = stats(root)
+    assert counters["offload_failed_files"] == len(second) and counters["storage_errors"] >= 1
+    assert all(tier(path) == "dram" for path in second)
+    lines = failure_lines(mount.log_text())
+    assert len(lines) == 1 and "copying files to" in lines[0], lines
+    assert "Traceback" not in mount.log_text()
+    drop_page_cache()
+    for path in first + second:
+        assert path.read_bytes() == content(path.name, MiB), path
+
+    filler.unlink()
+    wait_for(lambda: stats(root)["dram_only_files"] == 0, 30, "every file on SSD once the device had room")
+    assert all("ssd" in tier(path) for path in second)
+    mount.stop()
+    assert mount.stop_status == 0
+    mount.start()
+    os.setxattr(root, "user.kvfs.control", b"drop-dram")  # nothing is in DRAM after a restart anyway
+    drop_page_cache()
+    for path in first + second:  # read back from the device
+        assert path.read_bytes() == content(path.name, MiB), path
+    assert stats(root)["ssd_reads"] >= len(first + second)
