@@ -36,6 +36,7 @@ from kvfs.config import format_size
 from kvfs.disk.index import DiskRecord
 from kvfs.errors import KvfsError, StorageError
 from kvfs.node_membership import NodeMembership
+from kvfs.store.faults import STORAGE_ERRORS
 from kvfs.store.tiered import ReadSource, TieredStore
 
 log = logging.getLogger(__name__)
@@ -503,7 +504,10 @@ class Node(NodeMembership):
                 log.info("recovering from %s: %d of %d files", ssd.directory, count, total)
         for version in discard:
             self.store.drop_recovered(version)
-        ssd.forget_recovered(discard)
+        try:
+            ssd.forget_recovered(discard)
+        except STORAGE_ERRORS as error:  # (a full index file system): the offloader retries
+            self.store.remove_later(discard, error)
         log.info("recovered %d files (%s) from %s in %.2f s; discarded %d", restored, format_size(restored_bytes),
                  ssd.directory, time.monotonic() - started, len(discard))
 

@@ -189,6 +189,7 @@ def test_a_clean_stop_while_full_names_what_it_loses_and_exits_non_zero(small_fs
     saved = [root / f"saved{i}.bin" for i in range(4)]
     for path in saved:
         put(path, 256 * KiB)
+    (root / "unpublished.bin.tmp").write_bytes(b"a writer died before renaming it")  # a restart discards it
     os.setxattr(root, "user.kvfs.control", b"sync")
     filler = fill(small_fs)
     written: list[Path] = []
@@ -200,7 +201,7 @@ def test_a_clean_stop_while_full_names_what_it_loses_and_exits_non_zero(small_fs
             break
     with pytest.raises(OSError):  # lets the offloader finish what it has queued
         os.setxattr(root, "user.kvfs.control", b"sync")
-    only_in_dram = [path for path in saved + written if tier(path) == "dram"]
+    only_in_dram = [path for path in saved + written if tier(path) == "dram"]  # (the temp file is on SSD)
     assert len(only_in_dram) >= 8
 
     mount.stop()
@@ -212,12 +213,24 @@ def test_a_clean_stop_while_full_names_what_it_loses_and_exits_non_zero(small_fs
     assert int(count) == len(only_in_dram) and size == format_size(len(only_in_dram) * 256 * KiB)
     assert directory == str(disk) and any(text in why for text in FULL)
 
-    filler.unlink()
+    # A start while still full: the temp file's record cannot be deleted yet (logged once,
+    # retried), and the mount serves what was saved.
+    start_offset = len(mount.log_text())
     mount.start()
     kept = [path for path in saved + written if path not in only_in_dram]
     assert sorted(os.listdir(root)) == sorted(path.name for path in kept)
     for path in kept:
         assert path.read_bytes() == content(path.name, 256 * KiB), path
+    started = mount.log_text()[start_offset:]
+    assert len(failure_lines(started)) == 1 and "updating the index in" in failure_lines(started)[0]
+    assert "Traceback" not in started and "discarded 1" in started
+    filler.unlink()
+    mount.stop()
+    assert mount.stop_status == 0
+    start_offset = len(mount.log_text())
+    mount.start()
+    assert sorted(os.listdir(root)) == sorted(path.name for path in kept)
+    assert "discarded 0" in mount.log_text()[start_offset:]  # the retry deleted it
 
 
 @pytest.fixture

@@ -732,6 +732,12 @@ class TieredStore:
             self._idle = trio.Event() if self._idle.is_set() else self._idle
             self._offload_wanted.set()
 
+    def remove_later(self, versions: list[int], error: BaseException) -> None:
+        """Records the index failed to delete (at start): the offloader retries them."""
+        self._disk_removals.extend(versions)
+        self._count_failure("index", error, f"removing {len(versions)} records")
+        self._schedule_retry()
+
     async def flush_removals_now(self) -> None:
         """At a stop: removes the records of dropped files (a failure is counted and logged)."""
         if self.ssd is not None:
@@ -739,13 +745,15 @@ class TieredStore:
 
     async def _flush_removals_counted(self) -> bool:
         """Removes records of dropped files; False (counted, retried later) if the index fails."""
+        assert self.ssd is not None
+        writes = any(v in self.ssd and v not in self._disk_readers for v in self._disk_removals)
         try:
             await self.flush_removals()
         except STORAGE_ERRORS as error:
             self._count_failure("index", error, f"removing {len(self._disk_removals)} records")
             self._schedule_retry()
             return False
-        if not self._resettle:
+        if writes:
             self.faults.succeeded("index")
         return True
 
@@ -842,6 +850,7 @@ class TieredStore:
             self._schedule_retry()
             return False
         self.faults.succeeded("offload")
+        self.faults.succeeded("index")  # the commit was an index write
         self._unsettled.update(version for version, _, _ in planned)
         for version, _, record in planned:
             self._offloading.discard(version)
@@ -899,6 +908,7 @@ class TieredStore:
         """Rewrites the records that an index failure left naming an older path; False if
         the index still fails."""
         assert self.ssd is not None
+        rewritten = False
         for version, first in list(self._resettle.items()):
             if version not in self._sealed or not self.on_disk(version):
                 self._resettle.pop(version, None)
@@ -916,12 +926,14 @@ class TieredStore:
                 self._count_failure("index", error, f"rewriting {len(self._resettle)} records")
                 self._schedule_retry()
                 return False
+            rewritten = True
             self._resettle.pop(version, None)
             if settled:
                 await self._saved(version, first)
             else:  # the file went meanwhile: its drop removes the record
                 self._unsettled.discard(version)
-        self.faults.succeeded("index")
+        if rewritten:
+            self.faults.succeeded("index")
         return True
 
     def _release_if_dropped(self, version: int) -> None:
