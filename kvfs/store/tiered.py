@@ -778,10 +778,10 @@ class TieredStore:
         return len(waiting), sum(self._sealed[v].size for v in waiting if v in self._sealed)
 
     async def wait_offloaded(self) -> None:
-        """Returns once every queued version is on SSD (or could not be)."""
-        if self.ssd is not None:
-            while self._offload_queue or self._offloading or not self._idle.is_set():
-                await self._idle.wait()
+        """Returns once every version queued so far is on SSD (or could not be): the end of
+        the offloader's pass that takes them (later seals do not prolong the wait)."""
+        if self.ssd is not None and (self._offload_queue or self._offloading or not self._idle.is_set()):
+            await self._idle.wait()
 
     async def wait_saved(self, version: int) -> None:
         """fsync of a sealed version: returns once it is on SSD under its current name (a
