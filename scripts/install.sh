@@ -45,6 +45,8 @@ echo "kvfs: installing kvfs$extras into $prefix (pyfuse3 compiles against libfus
 # liburing is compiled here for this CPU's baseline (a prebuilt wheel may need AVX-512: docs/ssd-tier.md);
 # pip keeps the wheel it built, so only the first install pays the ~2 minutes.
 "$prefix/bin/pip" install -q --disable-pip-version-check --no-binary liburing "$repo$extras"
+# liburing keeps an import cache in its package directory: write it now, while that is writable.
+"$prefix/bin/python" -c "import liburing" || echo "kvfs: liburing does not import; the SSD tier will use threads" >&2
 ln -sf "$prefix/bin/kvfs" /usr/local/bin/kvfs
 # Units (not enabled: see docs/operations.md), the documentation they point at, and an
 # example configuration next to where kvfs looks for one.

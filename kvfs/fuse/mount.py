@@ -134,8 +134,10 @@ class Daemon:
         read_buffers = None
         if config.disk_path is not None:
             read_buffers = ReadBufferPool(READ_BUFFERS, self.dram.chunk_size)
-            self.engine = open_engine(config.io_engine)
-            ssd = SsdTier(Path(config.disk_path), config.disk_bytes, self.engine, self.dram.chunk_size, config.direct_io)
+            disk_path = Path(config.disk_path)
+            disk_path.mkdir(parents=True, exist_ok=True)
+            self.engine = open_engine(config.io_engine, disk_path)
+            ssd = SsdTier(disk_path, config.disk_bytes, self.engine, self.dram.chunk_size, config.direct_io)
             log.info("SSD tier: %s in %s (%s I/O, %s offload)", format_size(ssd.capacity), config.disk_path,
                      self.engine.kind, config.offload)
         tier_settings = TierSettings(config.offload, config.high_watermark, config.low_watermark,
