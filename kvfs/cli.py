@@ -257,8 +257,9 @@ def _store_checks(config: MountConfig, nonempty: bool) -> list[preflight.Check]:
     checks = [preflight.check_memory(config.dram_bytes), preflight.check_fuse(),
               preflight.check_mountpoint(config.mountpoint, nonempty)]
     if config.disk_path is not None:
-        checks += [preflight.check_disk(config.disk_path, config.disk_bytes),
-                   preflight.check_io_uring(config.io_engine)]
+        checks.append(preflight.check_disk(config.disk_path, config.disk_bytes))
+        if config.io_engine == "io_uring":  # auto: the daemon's own probe falls back to threads
+            checks.append(preflight.check_io_uring(config.io_engine))
     if config.metrics_listen is not None:
         checks.append(preflight.check_port(config.metrics_listen, "metrics-listen"))
     if config.master is not None:

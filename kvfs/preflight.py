@@ -96,7 +96,7 @@ def check_io_uring(io_engine: str) -> Check:
     if reason is None:
         return Check("io_uring", OK, "usable")
     if io_engine == "io_uring":
-        return Check("io_uring", FAIL, f"--io-engine io_uring: {reason}")
+        return Check("io_uring", FAIL, f"io_engine io_uring: unavailable here: {reason}")
     return Check("io_uring", WARN, f"{reason}; the SSD tier uses threads")
 
 
