@@ -188,6 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (default: never)")
     _add_common(top)
 
+    du = commands.add_parser("du", help="per top-level directory (per model): files, bytes by tier, "
+                                        "hit rate, reads/s")
+    du.add_argument("path", nargs="?", help="a kvfs mount, or a directory in it (instead of --master)")
+    du.add_argument("--master", default=None, help="the master's HOST:PORT")
+    du.add_argument("--interval", type=float, default=1.0,
+                    help="seconds between the two samples that give the rates (0: no rates)")
+    du.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_common(du)
+
     inspect = commands.add_parser("inspect", help="where a file's chunks live, checksums, version, use, leases")
     inspect.add_argument("path", help="a file in a kvfs mount")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
@@ -420,6 +429,48 @@ def run_top(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dir_usage(args: argparse.Namespace, files: bool) -> tuple[str, str | None, m.DirUsageInfo]:
+    """(source, the top-level directory PATH is in or None, the usage) from --master or a mount."""
+    import msgspec
+
+    from kvfs.node import ROOT_USAGE, ROOT_USAGE_COUNTERS
+
+    if args.master:
+        return f"master {args.master}", None, ask_master(args, m.DirUsage(files=files))
+    if not args.path:
+        raise ConfigError("name a mount (kvfs du /mnt/kvfs) or the master (--master HOST:PORT)")
+    root = kvfs_mount_root(args.path)
+    inside = os.path.relpath(os.path.abspath(args.path), root)
+    top = None if inside == "." else inside.split(os.sep)[0]
+    name = (ROOT_USAGE if files else ROOT_USAGE_COUNTERS).decode()
+    try:
+        raw = os.getxattr(root, name)
+    except OSError as error:
+        raise KvfsError(error.errno or errno.EIO, f"{root}: cannot read {name}") from None
+    return f"mount {root}", top, msgspec.json.decode(raw, type=m.DirUsageInfo)
+
+
+def run_du(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from kvfs.du import render_du, select
+
+    if args.interval < 0:
+        raise ConfigError("interval: must not be negative")
+    previous, started = None, time.monotonic()
+    if args.interval > 0:
+        previous = _dir_usage(args, files=False)[2]
+        time.sleep(args.interval)
+    source, top, current = _dir_usage(args, files=True)
+    seconds = time.monotonic() - started
+    current.dirs = select(current.dirs, top)
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(current), indent=2))
+    else:
+        print(render_du(source, previous, current, seconds))
+    return 0
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     from kvfs.inspect import file_facts, render_facts
 
@@ -468,7 +519,8 @@ def run_umount(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"mount": run_mount, "node": run_node, "master": run_master, "status": run_status, "top": run_top,
-            "inspect": run_inspect, "remove-node": run_remove_node, "check": run_check, "umount": run_umount}
+            "du": run_du, "inspect": run_inspect, "remove-node": run_remove_node, "check": run_check,
+            "umount": run_umount}
 
 
 def fail(message: str) -> int:
@@ -492,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except KvfsError as error:
         return fail(str(error))
+    except BrokenPipeError:  # `kvfs du | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as error:
         where = error.filename or command
         return fail(f"{where}: {error.strerror or error}")
