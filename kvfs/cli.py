@@ -215,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_metrics(check, DEFAULT_NODE_METRICS)
     _add_common(check)
 
+    completion = commands.add_parser("completion", help="print the shell completion script (install.sh "
+                                                        "installs it)")
+    completion.add_argument("shell", choices=["bash"])
+
     umount = commands.add_parser("umount", help="unmount a kvfs mount")
     umount.add_argument("mountpoint")
     umount.add_argument("--lazy", action="store_true", help="detach now even if busy")
@@ -504,6 +508,13 @@ def run_check(args: argparse.Namespace) -> int:
     return 1 if preflight.failures(checks) else 0
 
 
+def run_completion(args: argparse.Namespace) -> int:
+    from kvfs.completion import bash_completion
+
+    print(bash_completion(build_parser()), end="")
+    return 0
+
+
 def run_umount(args: argparse.Namespace) -> int:
     from kvfs.fuse.mount import find_mount, unmount
 
@@ -520,7 +531,7 @@ def run_umount(args: argparse.Namespace) -> int:
 
 COMMANDS = {"mount": run_mount, "node": run_node, "master": run_master, "status": run_status, "top": run_top,
             "du": run_du, "inspect": run_inspect, "remove-node": run_remove_node, "check": run_check,
-            "umount": run_umount}
+            "completion": run_completion, "umount": run_umount}
 
 
 def fail(message: str) -> int:

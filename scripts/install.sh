@@ -54,5 +54,8 @@ install -m 644 "$repo"/scripts/systemd/*.service /etc/systemd/system/
 install -m 644 "$repo"/docs/*.md "$repo"/docs/grafana-dashboard.json "$repo"/docs/prometheus.yml \
     "$repo"/docs/alerts.yml /usr/share/doc/kvfs/
 install -m 644 "$repo"/scripts/kvfs.toml.example /etc/kvfs/kvfs.toml.example
+# Bash completion, generated from the command's own parser.
+install -d /usr/share/bash-completion/completions
+"$prefix/bin/kvfs" completion bash > /usr/share/bash-completion/completions/kvfs
 if [[ -d /run/systemd/system ]]; then systemctl daemon-reload; fi
 echo "kvfs: installed $("$prefix/bin/kvfs" --version) as /usr/local/bin/kvfs" >&2
