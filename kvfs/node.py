@@ -23,6 +23,7 @@ from typing import Awaitable, Callable, Iterable
 import msgspec
 import trio
 
+from kvfs import progress
 from kvfs.checksum import format_checksum
 from kvfs.clock import Clock
 from kvfs.cluster import messages as m
@@ -501,7 +502,7 @@ class Node(NodeMembership):
                 restored_bytes += record.file.size
             if time.monotonic() - last_report > 1:
                 last_report = time.monotonic()
-                log.info("recovering from %s: %d of %d files", ssd.directory, count, total)
+                progress.report(f"recovering from {ssd.directory}: {count} of {total} files", log)
         for version in discard:
             self.store.drop_recovered(version)
         ssd.forget_recovered(discard)

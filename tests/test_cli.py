@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -49,6 +50,7 @@ def test_background_mount_and_umount(tmp_path: Path) -> None:
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.05)
     assert "is ready" in log.read_text()
+    assert re.search(r"faulted in the 64\.0 MiB DRAM tier in \d+\.\d s", log.read_text())
 
 
 def test_sigint_unmounts_cleanly(make_mount) -> None:

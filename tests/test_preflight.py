@@ -79,6 +79,39 @@ def test_unreachable_master_in_the_background_fails_after_the_stated_timeout(tmp
     assert not daemons_of(mountpoint) and find_mount(str(mountpoint)) is None
 
 
+def test_a_background_start_shows_its_progress_on_a_terminal(tmp_path: Path) -> None:
+    import pty
+
+    mountpoint = tmp_path / "mnt"
+    terminal, stderr = pty.openpty()
+    started = time.monotonic()
+    process = subprocess.Popen([*KVFS, "node", "--master", "127.0.0.1:1", "--mount", str(mountpoint), "--dram", "64M",
+                                "--start-timeout", "7", "--log-file", str(tmp_path / "log")],
+                               stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
+    os.close(stderr)
+    shown = b""
+    try:
+        while True:
+            try:
+                chunk = os.read(terminal, 4096)
+            except OSError:  # the pty's other end closed: the command exited
+                break
+            if not chunk:
+                break
+            shown += chunk
+        assert process.wait(timeout=30) == 1
+    finally:
+        os.close(terminal)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    lines = shown.decode().splitlines()
+    assert time.monotonic() - started < BOUND_S
+    progress = [line for line in lines if line.startswith("kvfs: master 127.0.0.1:1: cannot register")]
+    assert len(progress) >= 2, lines  # every 5 s while it waits
+    assert lines[-1].startswith(f"kvfs: error: {mountpoint}: the daemon was not up within 7 s"), lines
+
+
 def test_unreachable_master_in_the_foreground_is_reported_every_few_seconds(tmp_path: Path) -> None:
     mountpoint = tmp_path / "mnt"
     process = subprocess.Popen([*KVFS, "node", "--master", "127.0.0.1:1", "--mount", str(mountpoint), "-f",
