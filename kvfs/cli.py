@@ -11,12 +11,11 @@ import sys
 import time
 from typing import NoReturn
 
-from kvfs import __version__
+from kvfs import __version__, preflight
 from kvfs.cluster import messages as m
 from kvfs.config import (DEFAULT_MASTER_METRICS, DEFAULT_NODE_METRICS, MountConfig, check_address,
                          default_disk_bytes, default_dram_bytes, format_size, parse_size)
 from kvfs.config_sources import parse_with_sources
-from kvfs import preflight
 from kvfs.errors import CommandError, ConfigError, KvfsError, reason_of
 from kvfs.fstab import mount_helper_argv
 from kvfs.policy import DEFAULT_POLICY, POLICIES

@@ -416,7 +416,7 @@ def _wait_until_up(pid: int, status_fd: int, mountpoint: str, timeout: float) ->
                 reason = (f"killed by {signal.Signals(-os.waitstatus_to_exitcode(code)).name}"
                           if os.WIFSIGNALED(code) else f"exit status {os.waitstatus_to_exitcode(code)}")
                 raise CommandError(errno.EIO, f"{mountpoint}: the daemon exited before the mount came up ({reason}"
-                                           f"{f'; last: {last}' if last else ''})")
+                                              f"{f'; last: {last}' if last else ''})")
             buffered += chunk
             while b"\n" in buffered:
                 line, buffered = buffered.split(b"\n", 1)
