@@ -344,20 +344,21 @@ def ask_master(args: argparse.Namespace, request):  # type: ignore[no-untyped-de
 
     refused = (AuthError, ProtocolError, EOFError, trio.BrokenResourceError)
     try:
-        try:
-            return trio.run(call)
-        except BaseExceptionGroup as group:
-            error = single_error(group, (KvfsError, OSError, trio.TooSlowError) + refused)
-            if error is None:
-                raise
-            raise error from None
-    except trio.TooSlowError:
-        raise CommandError(errno.ETIMEDOUT, f"master {args.master}: no answer within 10 s") from None
-    except refused as error:
+        return trio.run(call)
+    except BaseExceptionGroup as group:
+        error = single_error(group, (KvfsError, OSError, trio.TooSlowError) + refused)
+        if error is None:
+            raise
+    except (KvfsError, OSError, trio.TooSlowError) + refused as raised:
+        error = raised
+    if isinstance(error, trio.TooSlowError):
+        raise CommandError(errno.ETIMEDOUT, f"master {args.master}: no answer within 10 s")
+    if isinstance(error, refused):
         raise CommandError(errno.EACCES, f"master {args.master} refused this client (is the cluster secret "
-                                      f"the same as the master's?): {error or type(error).__name__}") from None
-    except OSError as error:
-        raise CommandError(error.errno or errno.EIO, f"master {args.master}: {reason_of(error)}") from None
+                                         f"the same as the master's?): {error or type(error).__name__}")
+    if isinstance(error, OSError):
+        raise CommandError(error.errno or errno.EIO, f"master {args.master}: {reason_of(error)}")
+    raise error
 
 
 def run_remove_node(args: argparse.Namespace) -> int:

@@ -146,6 +146,7 @@ def test_wrong_secret_for_status(tmp_path: Path) -> None:
     finally:
         master.stop()
     assert line.startswith(f"kvfs: error: master {master.address} refused this client (is the cluster secret")
+    assert refused("status", "--master", "127.0.0.1:1") == "kvfs: error: master 127.0.0.1:1: Connection refused"
 
 
 def test_master_on_a_port_in_use(tmp_path: Path, taken_port: int) -> None:
@@ -243,7 +244,8 @@ def test_check_prints_the_preflight_as_a_table(tmp_path: Path, small_disk: Path,
     env = {key: value for key, value in os.environ.items() if key != "KVFS_SECRET"}
     result = subprocess.run([*KVFS, "check", str(full), "--dram", "64M", "--disk", str(small_disk), "--disk-size",
                              "1G", "--metrics-listen", f"127.0.0.1:{taken_port}", "--secret-file", str(secret),
-                             "--io-engine", "threads"], capture_output=True, text=True, timeout=60, env=env)
+                             "--io-engine", "threads", "--master", "127.0.0.1:1"],
+                            capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 1, result.stderr
     rows = {line[:20].strip(): line[20:].split(None, 1) for line in result.stdout.splitlines()[1:]}
     assert result.stdout.splitlines()[0].split() == ["CHECK", "RESULT", "DETAIL"]
@@ -252,6 +254,7 @@ def test_check_prints_the_preflight_as_a_table(tmp_path: Path, small_disk: Path,
     assert rows["disk space"][0] == "fail" and "128.0 MiB free" in rows["disk space"][1]
     assert rows["port metrics-listen"][0] == "fail" and "Address already in use" in rows["port metrics-listen"][1]
     assert rows["credentials"][0] == "fail" and "mode 0640" in rows["credentials"][1]
+    assert rows["master"] == ["fail", "master 127.0.0.1:1: Connection refused"]
     secret.chmod(0o600)
     result = subprocess.run([*KVFS, "check", str(tmp_path / "new"), "--dram", "64M", "--no-metrics",
                              "--secret-file", str(secret)], capture_output=True, text=True, timeout=60, env=env)
