@@ -271,7 +271,7 @@ def _store_checks(config: MountConfig, nonempty: bool) -> list[preflight.Check]:
     if config.disk_path is not None:
         checks.append(preflight.check_disk(config.disk_path, config.disk_bytes))
         if config.io_engine == "io_uring":  # auto: the daemon's own probe falls back to threads
-            checks.append(preflight.check_io_uring(config.io_engine))
+            checks.append(preflight.check_io_uring(config.io_engine, config.disk_path))
     if config.metrics_listen is not None:
         checks.append(preflight.check_port(config.metrics_listen, "metrics-listen"))
     if config.master is not None:
@@ -493,7 +493,7 @@ def run_check(args: argparse.Namespace) -> int:
             checks.append(preflight.check_mountpoint(os.path.abspath(args.mountpoint), args.nonempty))
         if args.disk:
             size = _disk_bytes(args)
-            checks += [preflight.check_disk(args.disk, size), preflight.check_io_uring(args.io_engine)]
+            checks += [preflight.check_disk(args.disk, size), preflight.check_io_uring(args.io_engine, args.disk)]
     except ConfigError as error:
         checks.append(preflight.Check("settings", preflight.FAIL, str(error)))
     if args.metrics:

@@ -87,12 +87,13 @@ def check_disk(disk_path: str, disk_bytes: int) -> Check:
     return Check("disk space", OK, f"--disk-size {format_size(disk_bytes)} of {format_size(room)} free in {measured}")
 
 
-def check_io_uring(io_engine: str) -> Check:
+def check_io_uring(io_engine: str, disk_path: str | None = None) -> Check:
+    """io_uring proven in a child process, in the SSD tier's directory when it exists already."""
     from kvfs.disk.probe import probe_io_uring
 
     if io_engine == "threads":
         return Check("io_uring", OK, "not used (--io-engine threads)")
-    reason = probe_io_uring()
+    reason = probe_io_uring(Path(disk_path) if disk_path and os.path.isdir(disk_path) else None)
     if reason is None:
         return Check("io_uring", OK, "usable")
     if io_engine == "io_uring":
