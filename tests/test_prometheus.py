@@ -23,7 +23,7 @@ def promtool(*args: str) -> str:
 
 
 def test_promtool_accepts_the_rules_and_the_scrape_configuration() -> None:
-    assert "SUCCESS: 6 rules found" in promtool("check", "rules", "docs/alerts.yml")
+    assert "SUCCESS: 7 rules found" in promtool("check", "rules", "docs/alerts.yml")
     checked = promtool("check", "config", "docs/prometheus.yml")
     assert "1 rule files found" in checked and "valid prometheus config file" in checked
 
@@ -33,7 +33,7 @@ def test_each_alert_fires_when_it_should() -> None:
     rules = set(re.findall(r"alert: (\w+)", (ROOT / "docs" / "alerts.yml").read_text()))
     tested = set(re.findall(r"alertname: (\w+)", (ROOT / "tests" / "prometheus" / "alerts_test.yml").read_text()))
     assert rules == tested == {"KvfsNodeDown", "KvfsTargetDown", "KvfsMasterUnreachable", "KvfsOffloadBacklogGrowing",
-                               "KvfsChecksumFailures", "KvfsEnospcRate"}
+                               "KvfsChecksumFailures", "KvfsEnospcRate", "KvfsStorageFailing"}
 
 
 def test_the_alerts_use_exported_metrics(cluster: Cluster) -> None:
@@ -43,5 +43,5 @@ def test_the_alerts_use_exported_metrics(cluster: Cluster) -> None:
                 for name, _ in samples}
     used = set(re.findall(r"\b(kvfs_[a-z_]+)", (ROOT / "docs" / "alerts.yml").read_text()))
     assert used == {"kvfs_node_up", "kvfs_master_connected", "kvfs_offload_backlog_bytes",
-                    "kvfs_checksum_failures_total", "kvfs_fuse_operations_total"}
+                    "kvfs_checksum_failures_total", "kvfs_fuse_operations_total", "kvfs_offload_failed_files"}
     assert used <= exported, sorted(used - exported)
