@@ -209,14 +209,15 @@ def test_corrupt_chunks_are_never_served(make_mount, tmp_path: Path) -> None:
             f.write(b"\xde\xad\xbe\xef")
     mount.start()
     mount.allowed_errors.append("failed its checksum on disk")
-    with pytest.raises(FileNotFoundError):  # verified before the open returns
+    with pytest.raises(OSError) as raised:  # verified before the open returns
         open(root / "c.bin", "rb")
+    assert raised.value.errno == errno.EIO
     with open(root / "b.bin", "rb") as f:  # the first chunk is good: served; the second is not
         assert f.read(4 * MiB) == content("b.bin", 8 * MiB)[: 4 * MiB]
         with pytest.raises(OSError) as raised:
             f.read()
         assert raised.value.errno == errno.EIO
-    for name in ("b.bin", "c.bin"):  # both now absent, as a miss
+    for name in ("b.bin", "c.bin"):  # both quarantined: absent from now on
         with pytest.raises(FileNotFoundError):
             open(root / name, "rb")
     assert (root / "a.bin").read_bytes() == content("a.bin", 8 * MiB)

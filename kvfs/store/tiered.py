@@ -546,7 +546,7 @@ class TieredStore:
         return True
 
     async def _read_from_disk(self, version: int, targets: list[memoryview], first_index: int = 0) -> None:
-        """Reads and verifies chunks; a corrupt one makes the file disappear (ESTALE/EIO)."""
+        """Reads and verifies chunks; a corrupt one quarantines the file and fails with EIO."""
         assert self.ssd is not None
         self._hold_disk_copy(version)
         try:
@@ -555,7 +555,7 @@ class TieredStore:
         except CorruptChunk as error:
             self.stats.checksum_failures += 1
             await self._quarantine(version, error)
-            raise StorageError(errno.ESTALE if first_index == 0 else errno.EIO, str(error)) from None
+            raise StorageError(errno.EIO, str(error)) from None
         except OSError as error:  # the device failed the read: counted, logged once per run
             self._count_failure("read", error, f"version {version}")
             raise StorageError(errno.EIO, f"version {version}: reading {self.ssd.directory} failed: {error}") from None
