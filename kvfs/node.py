@@ -67,6 +67,7 @@ class WriteState:
     size: int
     writers: int
     mtime_ns: int
+    ctime_ns: int = 0  # the last write or truncate (mtime_ns may since have been set by utimensat)
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ class Node(NodeMembership):
         state = self._writing.get(attr.version)
         if state is not None:
             attr.size, attr.mtime_ns = state.size, state.mtime_ns
+            attr.ctime_ns = max(attr.ctime_ns, state.ctime_ns)
         if self.invalidate_attrs is not None and attr.version:
             self._kernel_versions[attr.ino] = (attr.version, attr.size)
         return attr
@@ -188,6 +190,9 @@ class Node(NodeMembership):
             await self._truncate(ino, size, handle)
         if (mode, uid, gid, atime_ns, mtime_ns) != (None,) * 5:
             attr = await self.master.call(m.SetAttr(ino, mode, uid, gid, atime_ns, mtime_ns))
+            state = self._writing.get(attr.version)
+            if mtime_ns is not None and state is not None:  # else the seal would put back the last write's
+                state.mtime_ns = mtime_ns
             if mode is not None or uid is not None or gid is not None:
                 await self.store.refresh_record(attr.version)
         return await self.getattr(ino)
@@ -208,7 +213,8 @@ class Node(NodeMembership):
         state = self._writing[version]
         if size < state.size:
             self.store.truncate(version, size)
-        state.size, state.mtime_ns = size, self.clock.wall_ns()
+        state.size = size
+        state.mtime_ns = state.ctime_ns = self.clock.wall_ns()
 
     def _check_file_size(self, size: int) -> None:
         capacity = self.store.dram.capacity
@@ -221,6 +227,12 @@ class Node(NodeMembership):
         attr = await self.master.call(m.MkDir(parent, name, mode, uid, gid))
         self._remember_dir(attr)
         return attr
+
+    async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> m.Attr:
+        return await self.master.call(m.Symlink(parent, name, target, uid, gid))
+
+    async def readlink(self, ino: int) -> bytes:
+        return (await self.master.call(m.ReadLink(ino))).target
 
     async def unlink(self, parent: int, name: bytes) -> None:
         self._drop((await self.master.call(m.Unlink(parent, name))).dropped)
@@ -361,7 +373,8 @@ class Node(NodeMembership):
                 self._resize(version, 0)
         else:
             self.store.create(version)
-            state = self._writing[version] = WriteState(0, 1, self.clock.wall_ns())
+            now = self.clock.wall_ns()
+            state = self._writing[version] = WriteState(0, 1, now, now)
             if opened.copy_from:
                 self._count_open(opened.copy_from, False, 1)
                 try:
@@ -403,7 +416,7 @@ class Node(NodeMembership):
         self.written_bytes += len(data)
         state = self._writing[handle.version]
         state.size = max(state.size, end)
-        state.mtime_ns = self.clock.wall_ns()
+        state.mtime_ns = state.ctime_ns = self.clock.wall_ns()
         return len(data)
 
     async def flush(self, handle: OpenFile) -> None:
@@ -427,7 +440,8 @@ class Node(NodeMembership):
         # Until the master confirms, a registration reports the seal (with its mtime) itself.
         self._unreported_seals[handle.version] = state.mtime_ns
         try:
-            attr = await self.master.call(m.Seal(handle.version, state.size, state.mtime_ns, checksums))
+            attr = await self.master.call(m.Seal(handle.version, state.size, state.mtime_ns, checksums,
+                                                 state.ctime_ns))
         except MasterUnavailable:
             log.warning("inode %d: the master is unreachable; its seal is reported on reconnection", handle.ino)
             return
