@@ -29,7 +29,7 @@ from kvfs.cluster import messages as m
 from kvfs.cluster.dircache import DirectoryCache
 from kvfs.cluster.embedded import MasterClient
 from kvfs.cluster.prefetch import Prefetches
-from kvfs.cluster.namespace import ROOT_INO
+from kvfs.cluster.namespace import ROOT_INO, check_name
 from kvfs.cluster.rpc import MasterUnavailable
 from kvfs.cluster.transport import Transport
 from kvfs.config import format_size
@@ -143,6 +143,7 @@ class Node(NodeMembership):
         return attr
 
     async def lookup(self, parent: int, name: bytes) -> m.Attr | None:
+        check_name(name)  # as the master would: a name that cannot exist is no miss (ENAMETOOLONG)
         if self.dircache is not None and self.dircache.absent(parent, name):
             self.lookups_absent += 1
             return None

@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from conftest import CLUSTER_SECRET, Cluster, KvfsMount, is_stored, run_writers_then_readers
 from test_consumers import MiB, fill, key_path, run_vllm_pattern, vllm_load, vllm_store
 
@@ -391,6 +392,10 @@ def test_symlinks_and_link_counts_across_nodes_and_a_master_restart(cluster: Clu
     (a.path / "models" / "v1" / "block.bin").write_bytes(b"kv" * 1000)
     for i in range(5):  # misses: node B keeps a copy of the directory's names from now on
         assert not os.path.lexists(b.path / "models" / f"absent-{i}")
+    assert stats(b)["cached_directories"] >= 1
+    with pytest.raises(OSError) as raised:  # a name too long is not a miss (pjdfstest */02.t)
+        os.lstat(b.path / "models" / ("n" * 256))
+    assert raised.value.errno == errno.ENAMETOOLONG
     os.symlink("v1", a.path / "models" / "current")  # created on A ...
     os.symlink("/an/absolute/target", a.path / "models" / "dangling")
 
