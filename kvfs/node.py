@@ -58,6 +58,7 @@ class OpenFile:
     source: ReadSource | None = None  # where a reader's bytes come from
     leased: bool = True  # the master counts this handle (not when opened while it was unreachable)
     finished: bool = False  # a writer whose part is done (sealed at close in cluster mode)
+    reopening: trio.Event | None = None  # set when a finished writer's new version is ready
 
 
 @dataclass(slots=True)
@@ -201,6 +202,7 @@ class Node(NodeMembership):
     async def _truncate(self, ino: int, size: int, handle: OpenFile | None) -> None:
         self._check_file_size(size)
         if handle is not None and handle.writable:
+            await self._writable(handle)
             self._resize(handle.version, size)
             return
         # A path truncate is a short write session: copy-on-write, resize, seal.
@@ -406,11 +408,31 @@ class Node(NodeMembership):
         self.served_bytes[handle.source.tier] += len(data)
         return data
 
+    async def _writable(self, handle: OpenFile) -> None:
+        """Makes sure a writer's handle has a version being written. In cluster mode the close
+        of a descriptor seals the file even while a duplicate of it (dup, a shell's redirection)
+        stays open: a write through that one starts a new version, as opening it again would."""
+        while handle.finished:
+            if handle.reopening is not None:  # another request of this handle is at it
+                await handle.reopening.wait()
+                continue
+            handle.reopening = trio.Event()
+            try:
+                fresh = await self._open_version(handle.ino, truncate=False)
+            except KvfsError as error:
+                raise StorageError(errno.EBADF, f"inode {handle.ino} was sealed when a descriptor of it was "
+                                                f"closed, and cannot be written again: {error}") from None
+            finally:
+                handle.reopening.set()
+                handle.reopening = None
+            sealed = OpenFile(handle.ino, handle.version, True, 0, leased=handle.leased, finished=True)
+            handle.version, handle.leased, handle.finished = fresh.version, fresh.leased, False
+            await self.release(sealed)  # the handle's lease moves to the new version
+
     async def write(self, handle: OpenFile, offset: int, data: bytes) -> int:
         if not handle.writable:
             raise StorageError(errno.EBADF, f"inode {handle.ino} is not open for writing")
-        if handle.finished:
-            raise StorageError(errno.EBADF, f"inode {handle.ino} was sealed when a descriptor of it was closed")
+        await self._writable(handle)
         end = offset + len(data)
         self._check_file_size(end)
         await self.store.write(handle.version, offset, data)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import subprocess
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator
@@ -102,6 +103,25 @@ def test_write_and_ftruncate_on_a_descriptor_update_mtime_and_ctime(d: Path) -> 
     assert times(path) == last  # close (the seal) keeps them
     path.read_bytes()
     assert times(path) == last  # a read changes neither
+
+
+def test_a_duplicate_descriptor_writes_on_after_another_is_closed(d: Path) -> None:
+    """A shell's `echo test > f` opens f, dup2s it to stdout and closes the original (pjdfstest
+    open/00.t): on a cluster node that close seals the file, and writes go on in a new version."""
+    path = d / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    duplicate = os.dup(fd)
+    os.close(fd)
+    try:
+        assert os.write(duplicate, b"test\n") == 5
+        assert os.fstat(duplicate).st_size == 5 and path.stat().st_size == 5
+        os.ftruncate(duplicate, 3)
+        assert os.write(duplicate, b"!") == 1  # at offset 5: a hole of two bytes
+    finally:
+        os.close(duplicate)
+    assert path.read_bytes() == b"tes\0\0!"
+    result = subprocess.run(["sh", "-c", f"echo test > '{path}'"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and result.stderr == "" and path.read_bytes() == b"test\n"
 
 
 def test_truncate_chmod_chown_utimens_and_xattrs_update_ctime(d: Path) -> None:
