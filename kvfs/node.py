@@ -23,6 +23,7 @@ from typing import Awaitable, Callable, Iterable
 import msgspec
 import trio
 
+from kvfs import progress
 from kvfs.checksum import format_checksum
 from kvfs.clock import Clock
 from kvfs.cluster import messages as m
@@ -46,6 +47,8 @@ VIRTUAL_XATTRS = (b"user.kvfs.tier", b"user.kvfs.size", b"user.kvfs.version", b"
                   b"user.kvfs.ssd_extents", b"user.kvfs.info")
 VIRTUAL_PREFIX = b"user.kvfs."
 ROOT_STATS = b"user.kvfs.stats"  # JSON counters of the node's store, on the root directory
+ROOT_USAGE = b"user.kvfs.usage"  # JSON use per top-level directory (`kvfs du`), on the root directory
+ROOT_USAGE_COUNTERS = b"user.kvfs.usage_counters"  # the same without summing the files (cheap)
 ROOT_CONTROL = b"user.kvfs.control"  # "sync" (wait for offload), "flush" (offload all), "drop-dram"
 
 
@@ -536,7 +539,7 @@ class Node(NodeMembership):
                 restored_bytes += record.file.size
             if time.monotonic() - last_report > 1:
                 last_report = time.monotonic()
-                log.info("recovering from %s: %d of %d files", ssd.directory, count, total)
+                progress.report(f"recovering from {ssd.directory}: {count} of {total} files", log)
         for version in discard:
             self.store.drop_recovered(version)
         ssd.forget_recovered(discard)
@@ -586,6 +589,9 @@ class Node(NodeMembership):
                      "stored_bytes": sum(holding[1] for holding in holdings), "ssd_files": on_ssd,
                      "dram_only_files": len(holdings) - on_ssd}
             return json.dumps(stats, sort_keys=True).encode()
+        if ino == ROOT_INO and name in (ROOT_USAGE, ROOT_USAGE_COUNTERS):
+            usage = await self.master.call(m.DirUsage(files=name == ROOT_USAGE))
+            return msgspec.json.encode(usage)
         if name.startswith(VIRTUAL_PREFIX):
             return await self._virtual_xattr(ino, name)
         return (await self.master.call(m.GetXattr(ino, name))).value
@@ -626,7 +632,8 @@ class Node(NodeMembership):
         return m.Activity(self.lookups_found, self.lookups_absent, self.reader_opens["dram"],
                           self.reader_opens["ssd"], self.reader_opens["peer"], backlog_files, backlog_bytes,
                           sum(self.served_bytes.values()), self.written_bytes, self.evicted_files,
-                          getattr(self.transport, "kind", ""))
+                          getattr(self.transport, "kind", ""),
+                          self.store.ssd.engine.kind if self.store.ssd is not None else "")
 
     def store_stats(self) -> dict[str, float]:
         stats = asdict(self.store.stats)
@@ -651,7 +658,7 @@ class Node(NodeMembership):
     async def listxattr(self, ino: int) -> list[bytes]:
         names = (await self.master.call(m.ListXattr(ino))).names
         if ino == ROOT_INO:
-            return names + [ROOT_STATS]
+            return names + [ROOT_STATS, ROOT_USAGE]
         attr = await self.getattr(ino)
         return names + list(VIRTUAL_XATTRS) if attr.version else names
 

@@ -40,12 +40,12 @@ def tier(path: Path) -> str:
     return os.getxattr(path, "user.kvfs.tier").decode()
 
 
-def ssd_mount(make_mount, tmp_path: Path, dram: str = "64M", disk_size: str = "1G", *extra: str):
+def ssd_mount(make_mount, tmp_path: Path, dram: str = "64M", disk_size: str = "256M", *extra: str):
     return make_mount(dram, "--disk", str(tmp_path / "disk"), "--disk-size", disk_size, *extra)
 
 
 def test_writing_four_times_dram_keeps_every_byte(make_mount, tmp_path: Path) -> None:
-    mount = ssd_mount(make_mount, tmp_path, "64M", "1G")
+    mount = ssd_mount(make_mount, tmp_path, "64M", "512M")  # room for all 273 MiB
     root = mount.path
     sizes = [2 * MiB, 4 * MiB, 8 * MiB, 3 * MiB + 4096]
     names = [(root / f"b{i}.bin", sizes[i % 4]) for i in range(64)]  # 273 MiB
@@ -95,7 +95,7 @@ def test_tiers_promotion_and_stats(make_mount, tmp_path: Path) -> None:
 
 
 def test_watermark_offload_waits_for_dram_pressure(make_mount, tmp_path: Path) -> None:
-    mount = ssd_mount(make_mount, tmp_path, "64M", "1G", "--offload", "watermark",
+    mount = ssd_mount(make_mount, tmp_path, "64M", "256M", "--offload", "watermark",
                       "--high-watermark", "0.5", "--low-watermark", "0.25")
     root = mount.path
     store(root / "first.bin", 8 * MiB)
@@ -177,7 +177,7 @@ def test_restart_recovers_names_attributes_and_renames(make_mount, tmp_path: Pat
 
 
 def test_clean_restart_with_ten_thousand_files(make_mount, tmp_path: Path) -> None:
-    mount = ssd_mount(make_mount, tmp_path, "256M", "1G", "--log-level", "info")
+    mount = ssd_mount(make_mount, tmp_path, "256M", "256M", "--log-level", "info")
     root = mount.path
     for d in range(10):
         (root / f"d{d}").mkdir()
