@@ -304,7 +304,7 @@ class MetadataService(Membership):
         check_name(req.name)
         inode = self._entry(req.parent, req.name)
         if not self._is_temp(req.name):  # a writer's check for its temp file is no miss
-            self.usage.looked_up(self.ns, req.parent, req.name, inode is not None)
+            self.usage.looked_up(self.ns, req.parent, req.name, inode)
         if inode is None:
             return m.Entry(None)
         entry = m.Entry(self._referenced(inode))
