@@ -79,6 +79,8 @@ def _add_store_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--negative-timeout", type=float, default=1.0, help="seconds the kernel caches absent names")
     command.add_argument("--temp-grace", type=float, default=300.0,
                          help="seconds before an abandoned *.tmp file is collected")
+    command.add_argument("--publish-grace", type=float, default=30.0,
+                         help="seconds after close during which a new file not yet renamed or read is evicted last")
     command.add_argument("--gc-interval", type=float, default=30.0, help="seconds between orphan collections")
     command.add_argument("--no-allow-other", dest="allow_other", action="store_false",
                          help="only the mounting user may access the mount")
@@ -155,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     master.add_argument("--eviction-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
     master.add_argument("--temp-grace", type=float, default=300.0,
                         help="seconds before an abandoned *.tmp file is collected")
+    master.add_argument("--publish-grace", type=float, default=30.0,
+                        help="seconds after close during which a new file not yet renamed or read is evicted last")
     master.add_argument("--dead-after", type=float, default=2.5,
                         help="seconds without a heartbeat before a node is declared dead")
     master.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -204,6 +208,7 @@ def _mount_config(args: argparse.Namespace, **cluster) -> MountConfig:
         entry_timeout_s=args.entry_timeout,
         negative_timeout_s=args.negative_timeout,
         temp_grace_s=args.temp_grace,
+        publish_grace_s=args.publish_grace,
         gc_interval_s=args.gc_interval,
         allow_other=args.allow_other,
         disk_path=os.path.abspath(args.disk) if args.disk else None,
@@ -250,7 +255,8 @@ def run_master(args: argparse.Namespace) -> int:
     if args.metrics:
         check_address(args.metrics_listen, "metrics_listen")
     config = MasterConfig(args.listen, os.path.abspath(args.data), _secret(args), args.eviction_policy,
-                          temp_grace_s=args.temp_grace, dead_after_s=args.dead_after,
+                          temp_grace_s=args.temp_grace, publish_grace_s=args.publish_grace,
+                          dead_after_s=args.dead_after,
                           metrics_listen=args.metrics_listen if args.metrics else None)
     trio.run(MasterProcess(config).run)
     return 0

@@ -36,6 +36,7 @@ from kvfs.config import format_size
 from kvfs.disk.index import DiskRecord
 from kvfs.errors import KvfsError, StorageError
 from kvfs.node_membership import NodeMembership
+from kvfs.store.evictions import EvictionSummary
 from kvfs.store.tiered import ReadSource, TieredStore
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class Node(NodeMembership):
         self._unreported_seals: dict[int, int] = {}  # version -> mtime of seals the master did not confirm
         self._dir_attrs: dict[int, m.Attr] = {}  # last known directory attributes (for a master outage)
         self.evicted_files = 0
+        self.evictions = EvictionSummary()  # logged at INFO, at most every few seconds
         self.remote_reads = 0
         self.degraded_reads = 0
         # Activity, for metrics and `kvfs status`: names found or absent, and by which
@@ -461,7 +463,14 @@ class Node(NodeMembership):
         self.evicted_files += len(removed.dropped)
         if removed.dropped:
             log.debug("evicted %d files (%s) from %s", len(removed.dropped), format_size(removed.freed_bytes), tier)
+            self.evictions.record(tier, len(removed.dropped), removed.freed_bytes)
+            self.log_evictions()
         return bool(removed.dropped)
+
+    def log_evictions(self) -> None:
+        line = self.evictions.summary(self.clock.monotonic())
+        if line is not None:
+            log.info(line)
 
     async def describe(self, version: int) -> DiskRecord | None:
         try:
@@ -474,7 +483,9 @@ class Node(NodeMembership):
         await self.master.call(m.Offloaded(versions))
 
     async def lost(self, version: int) -> None:
-        self._apply_removed(await self.master.call(m.Lost(version)))
+        removed = await self.master.call(m.Lost(version))
+        self._apply_removed(removed)
+        self.evictions.record("lost", len(removed.entries), removed.freed_bytes)
 
     async def recover(self, temp_suffix: bytes) -> None:
         """Rebuilds the namespace from the SSD index after a restart (before mounting)."""
@@ -509,12 +520,15 @@ class Node(NodeMembership):
     # Capacity ------------------------------------------------------------------------------
 
     async def collect_orphans(self) -> int:
+        """Runs every gc interval; also gives the eviction summary held back by its rate limit."""
+        self.log_evictions()
         try:
             removed = await self.master.call(m.CollectOrphans(), wait_s=0)
         except MasterUnavailable:
             return 0  # next time
         if removed.dropped:
             log.info("collected %d orphaned temp files (%d bytes)", len(removed.dropped), removed.freed_bytes)
+            self.evictions.record("orphan", len(removed.dropped), removed.freed_bytes)
         self._apply_removed(removed)
         return len(removed.entries)
 

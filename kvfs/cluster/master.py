@@ -39,6 +39,7 @@ def name_identity(parent: int, name: bytes) -> int:
 class MasterSettings:
     temp_suffix: bytes = b".tmp"  # names that writers publish by rename
     temp_grace_s: float = 300.0  # an untouched sealed temp file older than this is an orphan
+    publish_grace_s: float = 30.0  # a new file closed this recently, not yet renamed or read, is evicted last
     root_mode: int = 0o755
     root_uid: int = 0
     root_gid: int = 0
@@ -61,6 +62,9 @@ class MetadataService(Membership):
         if not settings.cluster:
             self.registry.add_local()
         self._temp_files: set[int] = set()
+        # Files being published: created here and not yet renamed or read. The value is
+        # when the file was closed (sealed), None while it is still being written.
+        self._unpublished: dict[int, float | None] = {}
         self._caller = LOCAL_NODE  # the node whose request is being handled
         self._opens: dict[int, dict[tuple[int, bool], int]] = {}  # node -> (version, writer) -> handles
         self._removed_names: list[tuple[int, bytes]] = []  # for the other nodes' kernels to forget
@@ -266,6 +270,7 @@ class MetadataService(Membership):
         before then reads the old file, as on a local file system, instead of failing.
         (Only that node's kernel: it saw the unlink, so it forgets the inode at once.)"""
         self._temp_files.discard(inode.ino)
+        self._unpublished.pop(inode.ino, None)
         self.policy.remove(inode.ino)
         self._removed_names.append((inode.parent, inode.name))
         self.ns.unlink(inode, now)
@@ -351,6 +356,7 @@ class MetadataService(Membership):
         self._count_open(version.version, True, 1)
         inode.version = version.version
         self._link(directory, req.name, inode, now)
+        self._unpublished[inode.ino] = None
         return m.Opened(self._referenced(inode), version.version)
 
     def _existing(self, parent: int, name: bytes) -> Inode:
@@ -406,6 +412,7 @@ class MetadataService(Membership):
             else:
                 self._remove_file(target, now, dropped, linger=True)
         self._removed_names.append((source.parent, source.name))
+        self._unpublished.pop(source.ino, None)  # renamed: published
         self.ns.detach(source, now)
         self._link(new_parent, req.name_new, source, now)
         return m.Done(dropped, self._files_on_disk(source))
@@ -454,6 +461,7 @@ class MetadataService(Membership):
         version.readers += 1
         self._count_open(version.version, False, 1)
         version.hits += 1
+        self._unpublished.pop(inode.ino, None)  # read: published
         now = self.clock.wall_ns()
         version.last_access_ns = inode.atime_ns = now
         self.policy.touch(inode.ino, self.clock.monotonic())
@@ -516,6 +524,8 @@ class MetadataService(Membership):
         self.ns.dirty.add(inode.ino)
         if newly and version.current and inode.linked:
             self._admit(inode, req.size)
+            if inode.ino in self._unpublished:
+                self._unpublished[inode.ino] = self.clock.monotonic()  # the grace runs from close
         return self.attr(inode)
 
     def _get_version(self, req: m.GetVersion) -> m.VersionInfo:
@@ -572,9 +582,24 @@ class MetadataService(Membership):
             return None
         return version
 
+    def _publishing(self, ino: int, now: float) -> bool:
+        """Whether a file is still within its publish grace: closed at most `publish_grace_s`
+        ago and neither renamed nor read since it was created. Writers publish by rename
+        (vLLM, llm-d and LMCache write every temp file of a batch before renaming them), so
+        such a file is about to become a name someone asked for."""
+        if ino not in self._unpublished:
+            return False
+        closed = self._unpublished[ino]
+        if closed is not None and now - closed >= self.settings.publish_grace_s:
+            del self._unpublished[ino]  # ranked by the policy from now on
+            return False
+        return True
+
     def _reclaim(self, req: m.Reclaim) -> m.Removed:
         victims: list[Inode] = []
         freed = 0
+        now = self.clock.monotonic()
+        publishing: list[tuple[Inode, FileVersion]] = []  # ranked after every published file
         for ino in self.policy.candidates():
             # Bytes of small files free less than their sum (blocks are powers of two, and
             # a writer needs a whole chunk): a few at a time; the node asks again if needed.
@@ -582,9 +607,18 @@ class MetadataService(Membership):
                 break
             inode = self.ns.inodes.get(ino)
             version = self._evictable(inode, req.node, req.tier)
-            if version is not None:
-                victims.append(inode)  # type: ignore[arg-type]
-                freed += max(version.size, 1)
+            if version is None:
+                continue
+            if self._publishing(ino, now):
+                publishing.append((inode, version))  # type: ignore[arg-type]
+                continue
+            victims.append(inode)  # type: ignore[arg-type]
+            freed += max(version.size, 1)
+        for inode, version in publishing:
+            if freed >= req.nbytes or len(victims) >= RECLAIM_MAX_FILES:
+                break
+            victims.append(inode)
+            freed += max(version.size, 1)
         self.evicted_files += len(victims)
         self.evicted_bytes += freed
         return self._remove_files(victims, freed)

@@ -125,7 +125,7 @@ class Daemon:
         self.config = config
         clock = SystemClock()
         settings = MasterSettings(temp_suffix=config.temp_suffix.encode(), temp_grace_s=config.temp_grace_s,
-                                  root_uid=os.getuid(), root_gid=os.getgid())
+                                  publish_grace_s=config.publish_grace_s, root_uid=os.getuid(), root_gid=os.getgid())
         self.service = MetadataService(clock, make_policy(config.eviction_policy), settings)
         self.dram = DramTier(config.dram_bytes, populate=True)
         self.engine: AlignedIo | None = None
