@@ -11,6 +11,7 @@ master.
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import json
 import logging
@@ -79,7 +80,7 @@ class NodeStats:
 
 
 DIR_ATTR_CACHE = 65536
-DIRECTORY_CACHE_NAMES = 2_000_000  # names of watched directories kept per node (~100 B each)
+DIRECTORY_CACHE_NAMES = 1_000_000  # names of watched directories kept per node (~300 B each with entries)
 REMOTE_STREAMS = 2  # parallel chunk runs per remote file
 TIERS = ("dram", "ssd", "peer")  # where a reader is served from (ReadSource.tier)
 
@@ -105,7 +106,7 @@ class Node(NodeMembership):
         # Copies of directories' names, for misses without the master (cluster mode).
         self.dircache = DirectoryCache(DIRECTORY_CACHE_NAMES) if transport is not None else None
         self.prefetches = Prefetches(store, clock.monotonic) if transport is not None else None
-        self._fetching: dict[int, list[tuple[int, bytes, bool]]] = {}
+        self._fetching: dict[int, list[m.NameChange]] = {}
         self._writing: dict[int, WriteState] = {}
         self._cached_version: dict[int, int] = {}  # ino -> version the kernel page cache holds
         # Files stored here, for reads while the master is unreachable: ino -> (version, last attributes).
@@ -143,16 +144,24 @@ class Node(NodeMembership):
         return attr
 
     async def lookup(self, parent: int, name: bytes) -> m.Attr | None:
-        if self.dircache is not None and self.dircache.absent(parent, name):
-            self.lookups_absent += 1
-            return None
+        if self.dircache is not None:  # cluster mode: the node's copy of the directory first
+            if self.dircache.absent(parent, name):
+                self.lookups_absent += 1
+                return None
+            copied = self.dircache.present(parent, name)
+            if copied is not None:
+                return self._found(copied, copy.copy(copied.attr))  # (_current may change the copy it gets)
         entry = await self.master.call(m.Lookup(parent, name))
+        if self.dircache is not None and self.dircache.asked(parent):
+            await self._copy_directory(parent)
         attr = entry.attr
         if attr is None:
             self.lookups_absent += 1
-            if self.dircache is not None and self.dircache.missed(parent):
-                await self._copy_directory(parent)
             return None
+        return self._found(entry, attr)
+
+    def _found(self, entry: m.Entry, attr: m.Attr) -> m.Attr:
+        """A name that exists: a sealed file on another node starts coming here (prefetch)."""
         if entry.node and self.prefetches is not None and self.prefetches.wanted(attr.version, attr.size):
             self.prefetches.add(self._start_remote(attr.version, attr.size, entry.address, entry.checksums,
                                                    self.prefetches.turns))
@@ -226,15 +235,25 @@ class Node(NodeMembership):
 
     async def unlink(self, parent: int, name: bytes) -> None:
         self._drop((await self.master.call(m.Unlink(parent, name))).dropped)
+        self._renamed(parent, name)
 
     async def rmdir(self, parent: int, name: bytes) -> None:
         await self.master.call(m.RmDir(parent, name))
 
     async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes, noreplace: bool) -> None:
         done = await self.master.call(m.Rename(parent_old, name_old, parent_new, name_new, noreplace))
+        self._renamed(parent_old, name_old, parent_new, name_new)
         self._drop(done.dropped)
         for version in done.relocated:  # before replying: a crash must not resurrect the old name
             await self.store.refresh_record(version)
+
+    def _renamed(self, parent_old: int, name_old: bytes, parent_new: int = 0, name_new: bytes = b"") -> None:
+        """This node's own change, in its directory copies at once (the master's push of it
+        follows, with the new entry): a copy never answers with the entry a name had before."""
+        if self.dircache is not None:
+            self.dircache.removed(parent_old, name_old)
+            if parent_new:
+                self.dircache.added(parent_new, name_new, None)
 
     async def readdir(self, ino: int, start_id: int, limit: int) -> list[m.DirEntry]:
         entries = (await self.master.call(m.ReadDir(ino, start_id, limit))).entries
@@ -617,7 +636,8 @@ class Node(NodeMembership):
                          prefetches_wasted=self.prefetches.wasted, prefetch_pauses=self.prefetches.gate.pauses)
         if self.dircache is not None:
             stats.update(cached_directories=len(self.dircache), cached_names=self.dircache.total,
-                         misses_answered_locally=self.dircache.answered)
+                         misses_answered_locally=self.dircache.answered,
+                         hits_answered_locally=self.dircache.found)
         if self.transport is not None:
             stats.update(fetched_bytes=self.transport.fetched_bytes)
         if self.store.ssd is not None:

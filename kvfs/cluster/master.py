@@ -160,7 +160,8 @@ class MetadataService(Membership):
             for watchers, parent, name, added in self.ns.changes:
                 for node in self.registry.nodes.values():
                     if watchers & (1 << node.node_id) and (node.live or node.registering):
-                        node.outbox_names.append((parent, name, added))
+                        entry = self.copy_entry(parent, name, node.node_id) if added else None
+                        node.outbox_names.append((parent, name, added, entry))
                         self.notify.add(node.node_id)
             self.ns.changes.clear()
         if self._removed_names:
@@ -179,6 +180,32 @@ class MetadataService(Membership):
         size, sealed = (version.size, version.sealed) if version else (0, True)
         return m.Attr(inode.ino, inode.mode, 1 if inode.linked else 0, inode.uid, inode.gid, size,
                       inode.atime_ns, inode.mtime_ns, inode.ctime_ns, inode.version, sealed)
+
+    def copy_entry(self, parent: int, name: bytes, node: int) -> m.Entry | None:
+        """What a lookup by `node` of a name in a directory it watches answers, for its copy
+        of the directory to answer itself: only sealed current files on live nodes, whose
+        entry changes only with a push (a new version, new attributes, removal). None: the
+        node asks the master (directories, files being written, files on nodes that are down)."""
+        directory = self.ns.inodes.get(parent)
+        if directory is None or directory.children is None:
+            return None
+        child = directory.children.get(name)
+        inode = self.ns.inodes.get(child[0]) if child is not None else None
+        if inode is None or inode.is_dir:
+            return None
+        version = self.objects.versions.get(inode.version)
+        if version is None or not version.sealed or not version.current or not self.registry.is_live(version.node):
+            return None
+        if version.node == node:
+            return m.Entry(self.attr(inode))
+        return m.Entry(self.attr(inode), version.node, self.registry.nodes[version.node].address, version.checksums)
+
+    def changed(self, inode: Inode) -> None:
+        """A file's entry changed (not its name): nodes watching its directory are told."""
+        if inode.linked and not inode.is_dir:
+            parent = self.ns.inodes.get(inode.parent)
+            if parent is not None and parent.watchers:
+                self.ns.changes.append((parent.watchers, parent.ino, inode.name, True))
 
     def _referenced(self, inode: Inode) -> m.Attr:
         """The attributes of an inode the caller's kernel now holds a reference to."""
@@ -331,6 +358,7 @@ class MetadataService(Membership):
             inode.mtime_ns = req.mtime_ns
         inode.ctime_ns = self.clock.wall_ns()
         self.ns.dirty.add(inode.ino)
+        self.changed(inode)
         return self.attr(inode)
 
     def _mkdir(self, req: m.MkDir) -> m.Attr:
@@ -487,6 +515,7 @@ class MetadataService(Membership):
         self._count_open(version.version, True, 1)
         inode.version = version.version
         self.ns.dirty.add(inode.ino)
+        self.changed(inode)  # being written: watchers ask the master until it is sealed
         self.policy.remove(inode.ino)
         copy_from, copy_size = (0, 0) if req.truncate or current.size == 0 else (current.version, current.size)
         if copy_from:  # the node reads the old bytes, then releases them like a reader
@@ -522,6 +551,8 @@ class MetadataService(Membership):
             return m.Attr(version.ino, stat.S_IFREG, 0, 0, 0, req.size, 0, 0, 0, version.version, True)
         inode.mtime_ns = inode.ctime_ns = req.mtime_ns
         self.ns.dirty.add(inode.ino)
+        if newly and version.current:
+            self.changed(inode)
         if newly and version.current and inode.linked:
             self._admit(inode, req.size)
             if inode.ino in self._unpublished:
