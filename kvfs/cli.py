@@ -66,7 +66,14 @@ DEFAULT_MASTER_LISTEN = "0.0.0.0:7400"
 DEFAULT_MASTER_DATA = "/var/lib/kvfs/master"
 
 
-def _add_store_options(command: argparse.ArgumentParser) -> None:
+# How long the kernel may answer a present name or its attributes by itself. On a single
+# node every change passes through the kernel or is pushed to it (eviction, collection):
+# expiry would only send lookups of unchanged names to the daemon. A cluster node's kernel
+# also holds attributes of files other nodes may rewrite: those expire within a minute.
+ENTRY_TIMEOUT_S = {"mount": 3600.0, "node": 60.0}
+
+
+def _add_store_options(command: argparse.ArgumentParser, entry_timeout_s: float) -> None:
     """Options of a node's store and mount, shared by `mount` and `node`."""
     command.add_argument("--dram", default=None,
                          help=f"DRAM tier size, e.g. 8G (default: a quarter of memory, here {format_size(default_dram_bytes())})")
@@ -75,7 +82,8 @@ def _add_store_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--log-file", default=None,
                          help="where a background daemon logs (default: /var/log/kvfs/<mountpoint>.log)")
     command.add_argument("--eviction-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
-    command.add_argument("--entry-timeout", type=float, default=60.0, help="seconds the kernel caches names and attributes")
+    command.add_argument("--entry-timeout", type=float, default=entry_timeout_s,
+                         help="seconds the kernel caches names and attributes")
     command.add_argument("--negative-timeout", type=float, default=1.0, help="seconds the kernel caches absent names")
     command.add_argument("--temp-grace", type=float, default=300.0,
                          help="seconds before an abandoned *.tmp file is collected")
@@ -126,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     mount = commands.add_parser("mount", help="mount a single-node kvfs (embedded master)")
     mount.add_argument("mountpoint")
-    _add_store_options(mount)
+    _add_store_options(mount, ENTRY_TIMEOUT_S["mount"])
     _add_metrics(mount, DEFAULT_NODE_METRICS)
     _add_common(mount, secret=False)
 
@@ -145,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "tcp, or rdma (refuse to start without it)")
     node.add_argument("--rdma-device", default=None,
                       help="the RDMA device to use, e.g. mlx5_0 (default: the first active port)")
-    _add_store_options(node)
+    _add_store_options(node, ENTRY_TIMEOUT_S["node"])
     _add_metrics(node, DEFAULT_NODE_METRICS)
     _add_common(node)
 

@@ -65,7 +65,7 @@ class MountConfig:
     mountpoint: str
     dram_bytes: int
     eviction_policy: str = DEFAULT_POLICY
-    entry_timeout_s: float = 60.0  # positive dentries and attributes cached by the kernel
+    entry_timeout_s: float = 60.0  # positive dentries and attributes cached by the kernel (kvfs mount: 3600)
     negative_timeout_s: float = 1.0  # absent names cached by the kernel
     temp_suffix: str = ".tmp"
     temp_grace_s: float = 300.0  # sealed temp files untouched this long are orphans
