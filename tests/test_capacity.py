@@ -111,14 +111,19 @@ def stats(mount_path: Path) -> dict:
     return json.loads(os.getxattr(mount_path, "user.kvfs.stats"))
 
 
+@pytest.mark.parametrize("tier", ["dram", "ssd"])
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "O_DIRECT"])
-def test_files_waiting_for_their_rename_outlive_published_ones(make_mount, direct: bool) -> None:
+def test_files_waiting_for_their_rename_outlive_published_ones(make_mount, tmp_path: Path, tier: str,
+                                                               direct: bool) -> None:
     """LMCache's fs connector: a batch writes all its `<key>.tmp` files, then renames each
     to `<key>.data`. On a tier full of published files that were read (worth keeping by
     every policy), the temp files rank last: the published files go, and no rename fails."""
     import mmap
 
-    mount = make_mount("96M")
+    if tier == "dram":
+        mount = make_mount("96M")
+    else:  # the SSD tier holds every file; DRAM is its cache
+        mount = make_mount("32M", "--disk", str(tmp_path / "disk"), "--disk-size", "96M")
     root = mount.path
     size = 8 * MiB
     published = [root / f"old{i}.data" for i in range(12)]  # 96 MiB: the tier is full
@@ -137,6 +142,10 @@ def test_files_waiting_for_their_rename_outlive_published_ones(make_mount, direc
             assert os.write(fd, buffer) == size
         finally:
             os.close(fd)
+    if tier == "ssd":
+        # Offload is asynchronous: wait until the temp files are on SSD (room made for them)
+        # while they are still unpublished; after the renames they rank like any new file.
+        os.setxattr(root, "user.kvfs.control", b"sync")
     failed = []
     for path in batch:
         try:
@@ -150,4 +159,5 @@ def test_files_waiting_for_their_rename_outlive_published_ones(make_mount, direc
     evicted = [path for path in published if not is_stored(path)]
     assert len(evicted) >= len(batch) - 1  # their room went to the batch
     assert stats(root)["evicted_files"] == len(evicted)
-    assert re.search(r" INFO .*removed \d+ files.*: DRAM tier full", mount.log_text())  # not only at debug
+    reason = "DRAM tier full" if tier == "dram" else "SSD tier full"
+    assert re.search(rf" INFO .*removed \d+ files.*: {reason}", mount.log_text())  # not only at debug
