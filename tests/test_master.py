@@ -290,3 +290,19 @@ def test_eviction_summary_is_rate_limited_and_by_reason() -> None:
     assert summary.summary(11.0) == ("removed 4 files in the last 10 s; 1 files (2.0 MiB): DRAM tier full; "
                                      "3 files (3.0 MiB): orphaned temp files")
     assert summary.summary(30.0) is None
+
+
+def test_a_tier_of_fresh_files_is_not_scanned_past_a_bound(master: MetadataService, clock: ManualClock,
+                                                          monkeypatch) -> None:
+    """Writers that never rename, fast enough to fill the tier within the grace: the scan for
+    published files stops after a bound, and the fresh files go in the policy's order."""
+    import kvfs.cluster.master as master_module
+
+    monkeypatch.setattr(master_module, "PUBLISHING_SKIP_MAX", 2)
+    for i in range(3):
+        store(master, ROOT_INO, f"fresh{i}".encode(), 100)
+    store(master, ROOT_INO, b"published", 100)
+    master.handle(m.Rename(ROOT_INO, b"published", ROOT_INO, b"published.data"))
+    assert [name for _, name in master.handle(m.Reclaim(NODE, 1)).entries] == [b"fresh0"]
+    assert [name for _, name in master.handle(m.Reclaim(NODE, 1)).entries] == [b"fresh1"]
+    assert [name for _, name in master.handle(m.Reclaim(NODE, 1)).entries] == [b"published.data"]

@@ -28,6 +28,10 @@ XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 65536
 USER_XATTR_PREFIX = b"user."
 RECLAIM_MAX_FILES = 16  # files evicted per reclaim request
+# Files being published passed over per reclaim before the scan stops and they are taken
+# after all, in the policy's order: bounds the scan when nearly every file is fresh
+# (writers that never rename, at a rate that fills the tier within the grace).
+PUBLISHING_SKIP_MAX = 4096
 
 
 def name_identity(parent: int, name: bytes) -> int:
@@ -642,6 +646,8 @@ class MetadataService(Membership):
                 continue
             if self._publishing(ino, now):
                 publishing.append((inode, version))  # type: ignore[arg-type]
+                if len(publishing) >= PUBLISHING_SKIP_MAX:
+                    break
                 continue
             victims.append(inode)  # type: ignore[arg-type]
             freed += max(version.size, 1)
