@@ -89,7 +89,7 @@ class Node(NodeMembership):
     """The POSIX file service of one node (its part in a cluster: `kvfs.node_membership`)."""
 
     def __init__(self, master: MasterClient, store: TieredStore, clock: Clock, node_id: int = 1,
-                 forget_entries: Callable[[list[tuple[int, bytes]]], None] = lambda entries: None,
+                 forget_entries: Callable[[list[tuple[int, bytes, int]]], None] = lambda entries: None,
                  transport: Transport | None = None,
                  invalidate_attrs: Callable[[int], Awaitable[None]] | None = None) -> None:
         self.master = master

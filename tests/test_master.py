@@ -126,13 +126,13 @@ def test_reclaim_evicts_least_recently_used_and_skips_open_files(master: Metadat
     master.handle(m.Release(master.handle(m.OpenRead(attrs[0].ino)).version, writer=False))  # f0 is now recent
     held = master.handle(m.OpenRead(attrs[1].ino))  # f1 is open: not evictable
     removed = master.handle(m.Reclaim(NODE, 150))
-    assert [name for _, name in removed.entries] == [b"f2", b"f3"]
+    assert [name for _, name, _ in removed.entries] == [b"f2", b"f3"]
     assert removed.dropped == [attrs[2].version, attrs[3].version]
     assert master.handle(m.Lookup(ROOT_INO, b"f2")).attr is None
     removed = master.handle(m.Reclaim(NODE, 10_000))
-    assert [name for _, name in removed.entries] == [b"f0"]
+    assert [name for _, name, _ in removed.entries] == [b"f0"]
     master.handle(m.Release(held.version, writer=False))
-    assert [name for _, name in master.handle(m.Reclaim(NODE, 1)).entries] == [b"f1"]
+    assert [name for _, name, _ in master.handle(m.Reclaim(NODE, 1)).entries] == [b"f1"]
     assert master.handle(m.Reclaim(NODE, 1)).dropped == []
 
 
@@ -144,15 +144,15 @@ def test_files_being_published_are_evicted_last_for_their_grace(master: Metadata
     master.handle(m.Release(master.handle(m.OpenRead(old[1].ino)).version, writer=False))  # by a read
     clock.advance(31)  # old2 was never renamed or read: its grace is over, it ranks by the policy
     tmp = [store(master, ROOT_INO, f"new{i}.tmp".encode(), 100) for i in range(2)]
-    assert [name for _, name in master.handle(m.Reclaim(NODE, 250)).entries] == [b"old0.data", b"old2", b"old1"]
-    assert [name for _, name in master.handle(m.Reclaim(NODE, 1)).entries] == [b"new0.tmp"]  # nothing else left
+    assert [name for _, name, _ in master.handle(m.Reclaim(NODE, 250)).entries] == [b"old0.data", b"old2", b"old1"]
+    assert [name for _, name, _ in master.handle(m.Reclaim(NODE, 1)).entries] == [b"new0.tmp"]  # nothing else left
     master.handle(m.Rename(ROOT_INO, b"new1.tmp", ROOT_INO, b"new1.data"))
     assert master.handle(m.Lookup(ROOT_INO, b"new1.data")).attr.ino == tmp[1].ino
     master.handle(m.Create(ROOT_INO, b"writing.tmp", 0o644, 0, 0, NODE, exclusive=True))
     clock.advance(60)  # a file still being written gets its grace only from its close
     fresh = store(master, ROOT_INO, b"fresh.tmp", 100)
-    assert [name for _, name in master.handle(m.Reclaim(NODE, 1)).entries] == [b"new1.data"]
-    assert [name for _, name in master.handle(m.Reclaim(NODE, 1)).entries] == [b"fresh.tmp"]
+    assert [name for _, name, _ in master.handle(m.Reclaim(NODE, 1)).entries] == [b"new1.data"]
+    assert [name for _, name, _ in master.handle(m.Reclaim(NODE, 1)).entries] == [b"fresh.tmp"]
     assert master.handle(m.Lookup(ROOT_INO, b"fresh.tmp")).attr is None and fresh.ino
 
 
@@ -162,13 +162,13 @@ def test_unsealed_files_are_never_evicted(master: MetadataService) -> None:
 
 
 def test_orphaned_temp_files_are_collected_after_grace(master: MetadataService, clock: ManualClock) -> None:
-    store(master, ROOT_INO, b"x.bin_123.tmp")
+    orphan = store(master, ROOT_INO, b"x.bin_123.tmp")
     store(master, ROOT_INO, b"keep.bin")
     writing = master.handle(m.Create(ROOT_INO, b"y.tmp", 0o644, 0, 0, NODE, exclusive=True))
     assert master.handle(m.CollectOrphans()).entries == []
     clock.advance(61)
     removed = master.handle(m.CollectOrphans())
-    assert removed.entries == [(ROOT_INO, b"x.bin_123.tmp")]
+    assert removed.entries == [(ROOT_INO, b"x.bin_123.tmp", orphan.ino)]
     assert master.handle(m.Lookup(ROOT_INO, b"y.tmp")).attr.ino == writing.attr.ino
     # A temp file renamed to its final name is no longer a temp file.
     store(master, ROOT_INO, b"z.tmp")
@@ -265,7 +265,7 @@ def test_every_policy_evicts_only_sealed_closed_files_and_deterministically(poli
                 writing[opened.attr.ino] = opened.version
             else:  # capacity pressure
                 removed = master.handle(m.Reclaim(NODE, rng.randrange(1, 300)))
-                gone = {name for _, name in removed.entries}
+                gone = {name for _, name, _ in removed.entries}
                 assert not gone & {master.ns.inodes[ino].name for ino in (*held, *writing)}
                 evicted += sorted(gone)
                 names = [name for name in names if name not in gone]
@@ -303,6 +303,7 @@ def test_a_tier_of_fresh_files_is_not_scanned_past_a_bound(master: MetadataServi
         store(master, ROOT_INO, f"fresh{i}".encode(), 100)
     store(master, ROOT_INO, b"published", 100)
     master.handle(m.Rename(ROOT_INO, b"published", ROOT_INO, b"published.data"))
-    assert [name for _, name in master.handle(m.Reclaim(NODE, 1)).entries] == [b"fresh0"]
-    assert [name for _, name in master.handle(m.Reclaim(NODE, 1)).entries] == [b"fresh1"]
-    assert [name for _, name in master.handle(m.Reclaim(NODE, 1)).entries] == [b"published.data"]
+    assert [name for _, name, _ in master.handle(m.Reclaim(NODE, 1)).entries] == [b"fresh0"]
+    assert [name for _, name, _ in master.handle(m.Reclaim(NODE, 1)).entries] == [b"fresh1"]
+    assert [name for _, name, _ in master.handle(m.Reclaim(NODE, 1)).entries] == [b"published.data"]
+

@@ -82,7 +82,7 @@ def test_drops_and_removed_names_reach_the_other_nodes_with_their_heartbeat(clus
     attr = cluster.store(a, b"x.bin")
     assert cluster.master.handle(m.Unlink(ROOT_INO, b"x.bin"), b).dropped == []  # b does not store it
     beat = cluster.beat(a)
-    assert beat.dropped == [attr.version] and beat.forget == [(ROOT_INO, b"x.bin")]
+    assert beat.dropped == [attr.version] and beat.forget == [(ROOT_INO, b"x.bin", attr.ino)]
     assert cluster.beat(a) == m.Beat([], [])
     assert cluster.beat(b) == m.Beat([], [])  # its own kernel saw the unlink
 
@@ -232,8 +232,8 @@ def test_an_operator_removes_a_node_that_will_not_come_back(cluster: Cluster) ->
     fails(lambda: cluster.master.handle(m.RemoveNode("a"), 0), errno.EBUSY)  # still up
     cluster.silence(3.0, b)
     removed = cluster.master.handle(m.RemoveNode("a"), 0)
-    assert removed.entries == [(ROOT_INO, b"k.bin")] and removed.freed_bytes == 100
-    assert cluster.beat(b).forget == [(ROOT_INO, b"k.bin")]
+    assert removed.entries == [(ROOT_INO, b"k.bin", on_ssd.ino)] and removed.freed_bytes == 100
+    assert cluster.beat(b).forget == [(ROOT_INO, b"k.bin", on_ssd.ino)]
     assert cluster.master.handle(m.ReadDir(ROOT_INO, 0, 10), b).entries == []
     assert cluster.master.objects.versions == {}
     assert [n.name for n in cluster.master.handle(m.ClusterStatus(), 0).nodes] == ["b"]

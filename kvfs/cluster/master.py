@@ -71,7 +71,7 @@ class MetadataService(Membership):
         self._unpublished: dict[int, float | None] = {}
         self._caller = LOCAL_NODE  # the node whose request is being handled
         self._opens: dict[int, dict[tuple[int, bool], int]] = {}  # node -> (version, writer) -> handles
-        self._removed_names: list[tuple[int, bytes]] = []  # for the other nodes' kernels to forget
+        self._removed_names: list[tuple[int, bytes, int]] = []  # for the other nodes' kernels to forget
         # Unlinked inode -> (its version, still readable; the node whose kernel holds it).
         self._lingering: dict[int, tuple[int, int]] = {}
         self._handlers: dict[type, Callable[[Any], Any]] = {
@@ -303,7 +303,7 @@ class MetadataService(Membership):
         self._temp_files.discard(inode.ino)
         self._unpublished.pop(inode.ino, None)
         self.policy.remove(inode.ino)
-        self._removed_names.append((inode.parent, inode.name))
+        self._removed_names.append((inode.parent, inode.name, inode.ino))
         self.ns.unlink(inode, now)
         version = self.objects.versions.get(inode.version)
         if version is None:
@@ -413,7 +413,7 @@ class MetadataService(Membership):
             raise MetadataError(errno.ENOTDIR, f"{req.name!r} in directory {req.parent} is not a directory")
         if inode.children:
             raise MetadataError(errno.ENOTEMPTY, f"directory {req.name!r} is not empty")
-        self._removed_names.append((inode.parent, inode.name))
+        self._removed_names.append((inode.parent, inode.name, inode.ino))
         self.ns.unlink(inode, self.clock.wall_ns())
         return m.Done()
 
@@ -439,11 +439,11 @@ class MetadataService(Membership):
             if target.is_dir:
                 if target.children:
                     raise MetadataError(errno.ENOTEMPTY, f"directory {req.name_new!r} is not empty")
-                self._removed_names.append((target.parent, target.name))
+                self._removed_names.append((target.parent, target.name, target.ino))
                 self.ns.unlink(target, now)
             else:
                 self._remove_file(target, now, dropped, linger=True)
-        self._removed_names.append((source.parent, source.name))
+        self._removed_names.append((source.parent, source.name, source.ino))
         self._unpublished.pop(source.ino, None)  # renamed: published
         self.ns.detach(source, now)
         self._link(new_parent, req.name_new, source, now)
@@ -675,7 +675,7 @@ class MetadataService(Membership):
         dropped: list[int] = []
         entries = []
         for inode in inodes:
-            entries.append((inode.parent, inode.name))
+            entries.append((inode.parent, inode.name, inode.ino))
             self._remove_file(inode, now, dropped)
         return m.Removed(dropped, entries, freed)
 

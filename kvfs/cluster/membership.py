@@ -209,7 +209,7 @@ class Membership(_Base):
         if node.live or node.registering:
             raise MetadataError(errno.EBUSY, f"node {req.name!r} is up; stop it first")
         gone = [version for version in self.objects.versions.values() if version.node == node.node_id]
-        entries = [(inode.parent, inode.name) for inode in
+        entries = [(inode.parent, inode.name, inode.ino) for inode in
                    (self.ns.inodes.get(version.ino) for version in gone if version.current) if inode is not None]
         freed = sum(version.size for version in gone if version.current)
         self._forget_versions(gone)

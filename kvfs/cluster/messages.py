@@ -345,7 +345,7 @@ class Removed(msgspec.Struct):
     """Files taken out of the namespace by eviction or collection, for the kernel to forget."""
 
     dropped: list[int]
-    entries: list[tuple[int, bytes]]
+    entries: list[tuple[int, bytes, int]]  # (directory, name, inode)
     freed_bytes: int
 
 
@@ -388,7 +388,7 @@ class Beat(msgspec.Struct):
     """What happened elsewhere that the node must act on."""
 
     dropped: list[int]  # versions it stores whose files are gone
-    forget: list[tuple[int, bytes]]  # names its kernel may still cache
+    forget: list[tuple[int, bytes, int]]  # (directory, name, inode) its kernel may still cache
 
 
 class Names(msgspec.Struct):

@@ -37,7 +37,7 @@ class NodeRecord:
     activity: Activity = field(default_factory=Activity)  # its counters, as its last heartbeat reported them
     reported: set[int] = field(default_factory=set)  # versions reported during registration
     outbox_dropped: list[int] = field(default_factory=list)  # versions it must free
-    outbox_forget: list[tuple[int, bytes]] = field(default_factory=list)  # names its kernel must forget
+    outbox_forget: list[tuple[int, bytes, int]] = field(default_factory=list)  # names its kernel must forget
     outbox_names: list[NameChange] = field(default_factory=list)  # changes in watched directories
 
 
