@@ -74,7 +74,7 @@ DEFAULT_MASTER_DATA = "/var/lib/kvfs/master"
 ENTRY_TIMEOUT_S = {"mount": 3600.0, "node": 60.0}
 
 
-def _add_store_options(command: argparse.ArgumentParser, entry_timeout_s: float) -> None:
+def _add_store_options(command: argparse.ArgumentParser, entry_timeout_s: float = ENTRY_TIMEOUT_S["mount"]) -> None:
     """Options of a node's store and mount, shared by `mount` and `node`."""
     command.add_argument("--dram", default=None,
                          help=f"DRAM tier size, e.g. 8G (default: a quarter of memory, here {format_size(default_dram_bytes())})")
