@@ -67,7 +67,14 @@ DEFAULT_MASTER_LISTEN = "0.0.0.0:7400"
 DEFAULT_MASTER_DATA = "/var/lib/kvfs/master"
 
 
-def _add_store_options(command: argparse.ArgumentParser) -> None:
+# How long the kernel may answer a present name or its attributes by itself. On a single
+# node every change passes through the kernel or is pushed to it (eviction, collection):
+# expiry would only send lookups of unchanged names to the daemon. A cluster node's kernel
+# also holds attributes of files other nodes may rewrite: those expire within a minute.
+ENTRY_TIMEOUT_S = {"mount": 3600.0, "node": 60.0}
+
+
+def _add_store_options(command: argparse.ArgumentParser, entry_timeout_s: float = ENTRY_TIMEOUT_S["mount"]) -> None:
     """Options of a node's store and mount, shared by `mount` and `node`."""
     command.add_argument("--dram", default=None,
                          help=f"DRAM tier size, e.g. 8G (default: a quarter of memory, here {format_size(default_dram_bytes())})")
@@ -76,10 +83,13 @@ def _add_store_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--log-file", default=None,
                          help="where a background daemon logs (default: /var/log/kvfs/<mountpoint>.log)")
     command.add_argument("--eviction-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
-    command.add_argument("--entry-timeout", type=float, default=60.0, help="seconds the kernel caches names and attributes")
+    command.add_argument("--entry-timeout", type=float, default=entry_timeout_s,
+                         help="seconds the kernel caches names and attributes")
     command.add_argument("--negative-timeout", type=float, default=1.0, help="seconds the kernel caches absent names")
     command.add_argument("--temp-grace", type=float, default=300.0,
                          help="seconds before an abandoned *.tmp file is collected")
+    command.add_argument("--publish-grace", type=float, default=30.0,
+                         help="seconds after close during which a new file not yet renamed or read is evicted last")
     command.add_argument("--gc-interval", type=float, default=30.0, help="seconds between orphan collections")
     command.add_argument("--no-allow-other", dest="allow_other", action="store_false",
                          help="only the mounting user may access the mount")
@@ -139,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     mount = commands.add_parser("mount", help="mount a single-node kvfs (embedded master)")
     mount.add_argument("mountpoint")
-    _add_store_options(mount)
+    _add_store_options(mount, ENTRY_TIMEOUT_S["mount"])
     _add_metrics(mount, DEFAULT_NODE_METRICS)
     _add_common(mount, secret=False)
 
@@ -158,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "tcp, or rdma (refuse to start without it)")
     node.add_argument("--rdma-device", default=None,
                       help="the RDMA device to use, e.g. mlx5_0 (default: the first active port)")
-    _add_store_options(node)
+    _add_store_options(node, ENTRY_TIMEOUT_S["node"])
     _add_metrics(node, DEFAULT_NODE_METRICS)
     _add_common(node)
 
@@ -170,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     master.add_argument("--eviction-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
     master.add_argument("--temp-grace", type=float, default=300.0,
                         help="seconds before an abandoned *.tmp file is collected")
+    master.add_argument("--publish-grace", type=float, default=30.0,
+                        help="seconds after close during which a new file not yet renamed or read is evicted last")
     master.add_argument("--dead-after", type=float, default=2.5,
                         help="seconds without a heartbeat before a node is declared dead")
     master.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -249,6 +261,7 @@ def _mount_config(args: argparse.Namespace, **cluster) -> MountConfig:
         entry_timeout_s=args.entry_timeout,
         negative_timeout_s=args.negative_timeout,
         temp_grace_s=args.temp_grace,
+        publish_grace_s=args.publish_grace,
         gc_interval_s=args.gc_interval,
         allow_other=args.allow_other,
         disk_path=os.path.abspath(args.disk) if args.disk else None,
@@ -313,7 +326,8 @@ def run_master(args: argparse.Namespace) -> int:
         checks.append(preflight.check_port(args.metrics_listen, "metrics-listen"))
     preflight.refuse_on_failure(checks)
     config = MasterConfig(args.listen, os.path.abspath(args.data), _secret(args), args.eviction_policy,
-                          temp_grace_s=args.temp_grace, dead_after_s=args.dead_after,
+                          temp_grace_s=args.temp_grace, publish_grace_s=args.publish_grace,
+                          dead_after_s=args.dead_after,
                           metrics_listen=args.metrics_listen if args.metrics else None)
     trio.run(MasterProcess(config).run)
     return 0

@@ -65,10 +65,11 @@ class MountConfig:
     mountpoint: str
     dram_bytes: int
     eviction_policy: str = DEFAULT_POLICY
-    entry_timeout_s: float = 60.0  # positive dentries and attributes cached by the kernel
+    entry_timeout_s: float = 60.0  # positive dentries and attributes cached by the kernel (kvfs mount: 3600)
     negative_timeout_s: float = 1.0  # absent names cached by the kernel
     temp_suffix: str = ".tmp"
     temp_grace_s: float = 300.0  # sealed temp files untouched this long are orphans
+    publish_grace_s: float = 30.0  # new files closed, not yet renamed or read, are evicted last this long
     gc_interval_s: float = 30.0
     read_ahead_kb: int = 8192  # set on the mount's bdi after mounting
     max_background: int = 64  # set on the FUSE connection after mounting
@@ -99,7 +100,7 @@ class MountConfig:
         if self.dram_bytes > physical_memory() * 9 // 10:
             raise ConfigError(f"dram: {format_size(self.dram_bytes)} is more than 90% of this machine's "
                               f"{format_size(physical_memory())} of memory")
-        for name in ("entry_timeout_s", "negative_timeout_s", "temp_grace_s", "gc_interval_s"):
+        for name in ("entry_timeout_s", "negative_timeout_s", "temp_grace_s", "publish_grace_s", "gc_interval_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must not be negative")
         if not self.temp_suffix:

@@ -11,6 +11,7 @@ master.
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import json
 import logging
@@ -37,6 +38,7 @@ from kvfs.config import format_size
 from kvfs.disk.index import DiskRecord
 from kvfs.errors import KvfsError, StorageError
 from kvfs.node_membership import NodeMembership
+from kvfs.store.evictions import EvictionSummary
 from kvfs.store.faults import STORAGE_ERRORS
 from kvfs.store.tiered import ReadSource, TieredStore
 
@@ -84,7 +86,7 @@ class NodeStats:
 
 
 DIR_ATTR_CACHE = 65536
-DIRECTORY_CACHE_NAMES = 2_000_000  # names of watched directories kept per node (~100 B each)
+DIRECTORY_CACHE_NAMES = 1_000_000  # names of watched directories kept per node (~300 B each with entries)
 REMOTE_STREAMS = 2  # parallel chunk runs per remote file
 TIERS = ("dram", "ssd", "peer")  # where a reader is served from (ReadSource.tier)
 
@@ -93,7 +95,7 @@ class Node(NodeMembership):
     """The POSIX file service of one node (its part in a cluster: `kvfs.node_membership`)."""
 
     def __init__(self, master: MasterClient, store: TieredStore, clock: Clock, node_id: int = 1,
-                 forget_entries: Callable[[list[tuple[int, bytes]]], None] = lambda entries: None,
+                 forget_entries: Callable[[list[tuple[int, bytes, int]]], None] = lambda entries: None,
                  transport: Transport | None = None,
                  invalidate_attrs: Callable[[int], Awaitable[None]] | None = None) -> None:
         self.master = master
@@ -110,7 +112,7 @@ class Node(NodeMembership):
         # Copies of directories' names, for misses without the master (cluster mode).
         self.dircache = DirectoryCache(DIRECTORY_CACHE_NAMES) if transport is not None else None
         self.prefetches = Prefetches(store, clock.monotonic) if transport is not None else None
-        self._fetching: dict[int, list[tuple[int, bytes, bool]]] = {}
+        self._fetching: dict[int, list[m.NameChange]] = {}
         self._writing: dict[int, WriteState] = {}
         self._cached_version: dict[int, int] = {}  # ino -> version the kernel page cache holds
         # Files stored here, for reads while the master is unreachable: ino -> (version, last attributes).
@@ -120,6 +122,7 @@ class Node(NodeMembership):
         self._unreported_seals: dict[int, int] = {}  # version -> mtime of seals the master did not confirm
         self._dir_attrs: dict[int, m.Attr] = {}  # last known directory attributes (for a master outage)
         self.evicted_files = 0
+        self.evictions = EvictionSummary()  # logged at INFO, at most every few seconds
         self.remote_reads = 0
         self.degraded_reads = 0
         # Activity, for metrics and `kvfs status`: names found or absent, and by which
@@ -149,16 +152,24 @@ class Node(NodeMembership):
 
     async def lookup(self, parent: int, name: bytes) -> m.Attr | None:
         check_name(name)  # as the master would: a name that cannot exist is no miss (ENAMETOOLONG)
-        if self.dircache is not None and self.dircache.absent(parent, name):
-            self.lookups_absent += 1
-            return None
+        if self.dircache is not None:  # cluster mode: the node's copy of the directory first
+            if self.dircache.absent(parent, name):
+                self.lookups_absent += 1
+                return None
+            copied = self.dircache.present(parent, name)
+            if copied is not None:
+                return self._found(copied, copy.copy(copied.attr))  # (_current may change the copy it gets)
         entry = await self.master.call(m.Lookup(parent, name))
+        if self.dircache is not None and self.dircache.asked(parent):
+            await self._copy_directory(parent)
         attr = entry.attr
         if attr is None:
             self.lookups_absent += 1
-            if self.dircache is not None and self.dircache.missed(parent):
-                await self._copy_directory(parent)
             return None
+        return self._found(entry, attr)
+
+    def _found(self, entry: m.Entry, attr: m.Attr) -> m.Attr:
+        """A name that exists: a sealed file on another node starts coming here (prefetch)."""
         if entry.node and self.prefetches is not None and self.prefetches.wanted(attr.version, attr.size):
             self.prefetches.add(self._start_remote(attr.version, attr.size, entry.address, entry.checksums,
                                                    self.prefetches.turns))
@@ -243,15 +254,25 @@ class Node(NodeMembership):
 
     async def unlink(self, parent: int, name: bytes) -> None:
         self._drop((await self.master.call(m.Unlink(parent, name))).dropped)
+        self._renamed(parent, name)
 
     async def rmdir(self, parent: int, name: bytes) -> None:
         await self.master.call(m.RmDir(parent, name))
 
     async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes, noreplace: bool) -> None:
         done = await self.master.call(m.Rename(parent_old, name_old, parent_new, name_new, noreplace))
+        self._renamed(parent_old, name_old, parent_new, name_new)
         self._drop(done.dropped)
         for version in done.relocated:  # before replying: a crash must not resurrect the old name
             await self.store.refresh_record(version)
+
+    def _renamed(self, parent_old: int, name_old: bytes, parent_new: int = 0, name_new: bytes = b"") -> None:
+        """This node's own change, in its directory copies at once (the master's push of it
+        follows, with the new entry): a copy never answers with the entry a name had before."""
+        if self.dircache is not None:
+            self.dircache.removed(parent_old, name_old)
+            if parent_new:
+                self.dircache.added(parent_new, name_new, None)
 
     async def readdir(self, ino: int, start_id: int, limit: int) -> list[m.DirEntry]:
         entries = (await self.master.call(m.ReadDir(ino, start_id, limit))).entries
@@ -503,7 +524,14 @@ class Node(NodeMembership):
         self.evicted_files += len(removed.dropped)
         if removed.dropped:
             log.debug("evicted %d files (%s) from %s", len(removed.dropped), format_size(removed.freed_bytes), tier)
+            self.evictions.record(tier, len(removed.dropped), removed.freed_bytes)
+            self.log_evictions()
         return bool(removed.dropped)
+
+    def log_evictions(self) -> None:
+        line = self.evictions.summary(self.clock.monotonic())
+        if line is not None:
+            log.info(line)
 
     async def describe(self, version: int) -> DiskRecord | None:
         try:
@@ -516,7 +544,9 @@ class Node(NodeMembership):
         await self.master.call(m.Offloaded(versions))
 
     async def lost(self, version: int) -> None:
-        self._apply_removed(await self.master.call(m.Lost(version)))
+        removed = await self.master.call(m.Lost(version))
+        self._apply_removed(removed)
+        self.evictions.record("lost", len(removed.entries), removed.freed_bytes)
 
     async def recover(self, temp_suffix: bytes) -> None:
         """Rebuilds the namespace from the SSD index after a restart (before mounting)."""
@@ -554,12 +584,15 @@ class Node(NodeMembership):
     # Capacity ------------------------------------------------------------------------------
 
     async def collect_orphans(self) -> int:
+        """Runs every gc interval; also gives the eviction summary held back by its rate limit."""
+        self.log_evictions()
         try:
             removed = await self.master.call(m.CollectOrphans(), wait_s=0)
         except MasterUnavailable:
             return 0  # next time
         if removed.dropped:
             log.info("collected %d orphaned temp files (%d bytes)", len(removed.dropped), removed.freed_bytes)
+            self.evictions.record("orphan", len(removed.dropped), removed.freed_bytes)
         self._apply_removed(removed)
         return len(removed.entries)
 
@@ -666,7 +699,8 @@ class Node(NodeMembership):
                          prefetches_wasted=self.prefetches.wasted, prefetch_pauses=self.prefetches.gate.pauses)
         if self.dircache is not None:
             stats.update(cached_directories=len(self.dircache), cached_names=self.dircache.total,
-                         misses_answered_locally=self.dircache.answered)
+                         misses_answered_locally=self.dircache.answered,
+                         hits_answered_locally=self.dircache.found)
         if self.transport is not None:
             stats.update(fetched_bytes=self.transport.fetched_bytes)
         if self.store.ssd is not None:

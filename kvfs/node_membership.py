@@ -40,6 +40,7 @@ class NodeMembership(_Base):
         self._fetching[ino] = pending = []
         try:
             collected: list[bytes] = []
+            entries: list[m.Entry | None] = []
             start_id = 0
             while True:
                 names = await self.master.call(m.WatchNames(ino, self.dircache.max_names, start_id), wait_s=0)
@@ -47,12 +48,13 @@ class NodeMembership(_Base):
                     self.dircache.too_large(ino)
                     return
                 collected.extend(names.names)
+                entries.extend(names.entries or [None] * len(names.names))
                 if not names.next_id:
                     break
                 start_id = names.next_id
-            unwatch = self.dircache.store(ino, collected)
-            for parent, name, added in pending:
-                (self.dircache.added if added else self.dircache.removed)(parent, name)
+            unwatch = self.dircache.store(ino, collected, entries)
+            for change in pending:
+                self._apply_name_change(change)
             if unwatch:
                 await self.master.call(m.Unwatch(unwatch), wait_s=0)
         except KvfsError as error:
@@ -64,14 +66,20 @@ class NodeMembership(_Base):
         """Name changes the master pushes for watched directories."""
         if self.dircache is None:
             return
-        for parent, name, added in changes.changes:
-            pending = self._fetching.get(parent)
+        for change in changes.changes:
+            pending = self._fetching.get(change[0])
             if pending is not None:
-                pending.append((parent, name, added))
-            elif added:
-                self.dircache.added(parent, name)
+                pending.append(change)
             else:
-                self.dircache.removed(parent, name)
+                self._apply_name_change(change)
+
+    def _apply_name_change(self, change: m.NameChange) -> None:
+        assert self.dircache is not None
+        parent, name, present, entry = change
+        if present:
+            self.dircache.added(parent, name, entry)
+        else:
+            self.dircache.removed(parent, name)
 
     def adopt_disk(self) -> int:
         """Cluster mode, at start: takes in the files on SSD (the registration reports them)."""

@@ -3,11 +3,17 @@
 Measures, for each file size, store and load throughput with the vLLM fs-tier
 pattern (one write per file then rename; one read per file), cold (page cache
 dropped, the daemon serves), with O_DIRECT, and warm (kernel page cache), plus
-access() lookups per second for hits, repeated misses and distinct misses. Rounds
-are interleaved across the filesystems so that machine noise hits all of them;
-the table shows medians and the ratios the targets are stated in.
+access() lookups per second for hits, repeated misses and distinct misses, and
+present names in vLLM's lookup pattern (every chunk file of the queued requests
+checked with access() once per scheduler step, after vLLM stored them: write a
+temp file, rename): `stat` right after the store, the steps that follow, and
+the same lookups once the kernel dropped its entries (every one reaches the
+file system). bindfs over a tmpfs directory is measured too when it is
+installed (apt-get install bindfs). Rounds are interleaved across the
+filesystems so that machine noise hits all of them; the table shows medians and
+the ratios the targets are stated in.
 
-Usage (as root): python scripts/bench.py [--sizes 2,32] [--total 512M] [--rounds 3]
+Usage (as root): python scripts/bench.py [--sizes 2,32] [--total 512M] [--rounds 3] [--lookups-only]
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -122,8 +129,37 @@ def lookups_per_second(paths: list[Path], repeat: int) -> float:
     return repeat * len(paths) / (time.perf_counter() - start)
 
 
-def measure_round(target: Target, sizes: list[int], total: int, round_: int, lookups: int) -> None:
-    for size in sizes:
+def drop_dentries() -> None:
+    """The kernel forgets cached names and inodes (as under memory pressure)."""
+    Path("/proc/sys/vm/drop_caches").write_text("2")
+
+
+def present_lookups(target: Target, round_: int, keys: int = 2048, steps: int = 5) -> None:
+    """vLLM's lookup thread on names that exist: it stored each chunk file (temp file,
+    one write, rename), then checks every key with access() once per scheduler step."""
+    paths = [target.path / f"p{round_}-{i:062x}.bin" for i in range(keys)]
+    block = bytes(4096)
+    for path in paths:
+        tmp = path.with_name(path.name + "_7.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, block)
+        os.close(fd)
+        os.rename(tmp, path)
+    start = time.perf_counter()
+    for path in paths:
+        os.stat(path)
+    target.record("stat after store/s", keys / (time.perf_counter() - start))
+    target.record("lookup present/s", lookups_per_second(paths, steps))
+    drop_dentries()
+    target.record("lookup present cold/s", lookups_per_second(paths, 1))
+    for path in paths:
+        os.unlink(path)
+
+
+def measure_round(target: Target, sizes: list[int], total: int, round_: int, lookups: int,
+                  lookups_only: bool = False) -> None:
+    present_lookups(target, round_)
+    for size in ([] if lookups_only else sizes):
         count = max(4, total // size)
         buffer = mmap.mmap(-1, size)
         buffer.write(os.urandom(size))
@@ -154,6 +190,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dram", default="2G", help="kvfs DRAM tier")
     parser.add_argument("--lookups", type=int, default=20000)
+    parser.add_argument("--lookups-only", action="store_true", help="skip the store and load rows")
     args = parser.parse_args()
     prepare_machine()
     sizes = [int(s) * MiB for s in args.sizes.split(",")]
@@ -170,29 +207,45 @@ def main() -> None:
                                         base / "trivial"))
             targets.append(start_daemon("kvfs", [sys.executable, "-m", "kvfs", "mount", str(base / "kvfs"), "-f",
                                                  "--dram", args.dram, "--log-level", "warning"], base / "kvfs"))
+            if shutil.which("bindfs"):
+                (tmpfs / "bindfs-source").mkdir()
+                (base / "bindfs").mkdir()
+                targets.append(Target("bindfs", base / "bindfs"))  # unmounted below, even if mounting fails
+                subprocess.run(["bindfs", str(tmpfs / "bindfs-source"), str(base / "bindfs")], check=True, timeout=30)
             for round_ in range(args.rounds):
                 for target in targets:
                     print(f"round {round_ + 1}/{args.rounds}: {target.name}", file=sys.stderr, flush=True)
-                    measure_round(target, sizes, total, round_, args.lookups)
+                    measure_round(target, sizes, total, round_, args.lookups,
+                                  args.lookups_only or target.name == "bindfs")
         finally:
             for target in targets:
                 if target.process is not None:
                     target.process.terminate()
                     target.process.wait(timeout=30)
+                if target.name == "bindfs" and find_mount(str(target.path)) is not None:
+                    subprocess.run(["fusermount3", "-u", str(target.path)], check=False)
             subprocess.run(["umount", str(tmpfs)], check=False)
     report(targets)
 
 
 def report(targets: list[Target]) -> None:
-    tmpfs, trivial, kvfs = targets
-    print(f"{'metric':<26}{'tmpfs':>12}{'trivial':>12}{'kvfs':>12}{'kvfs/trivial':>14}{'kvfs/tmpfs':>12}")
+    tmpfs, trivial, kvfs = targets[:3]
+    bindfs = targets[3] if len(targets) > 3 else None
+    names = [t.name for t in targets]
+    print(f"{'metric':<26}" + "".join(f"{name:>12}" for name in names)
+          + f"{'kvfs/trivial':>14}{'kvfs/tmpfs':>12}" + (f"{'kvfs/bindfs':>13}" if bindfs else ""))
     for metric in kvfs.results:
-        values = [t.median(metric) for t in targets]
-        unit = "" if metric.startswith("lookup") else " GB/s"
-        cells = "".join(f"{v:>12.0f}" if unit == "" else f"{v:>12.2f}" for v in values)
-        print(f"{metric + unit:<26}{cells}{values[2] / values[1]:>14.2f}{values[2] / values[0]:>12.2f}")
+        values = [t.median(metric) if metric in t.results else float("nan") for t in targets]
+        lookup = "/s" in metric
+        unit = "" if lookup else " GB/s"
+        cells = "".join(f"{v:>12.0f}" if lookup else f"{v:>12.2f}" for v in values)
+        ratios = f"{values[2] / values[1]:>14.2f}{values[2] / values[0]:>12.2f}"
+        if bindfs is not None:
+            ratios += f"{values[2] / values[3]:>13.2f}" if metric in bindfs.results else f"{'':>13}"
+        print(f"{metric + unit:<26}{cells}{ratios}")
     print()
-    print("targets: load cold >= 0.80 x trivial, load warm >= 0.80 x tmpfs, lookup miss >= 20000/s")
+    print("targets: load cold >= 0.80 x trivial, load warm >= 0.80 x tmpfs, lookup miss >= 20000/s, "
+          "lookup present >= bindfs")
 
 
 if __name__ == "__main__":

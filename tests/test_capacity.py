@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,61 @@ def test_orphaned_temp_files_are_collected(make_mount) -> None:
     assert not is_stored(orphan)
     assert kept.read_bytes() == b"published"
     assert "collected 1 orphaned temp files" in mount.log_text()
+
+
+def stats(mount_path: Path) -> dict:
+    import json
+
+    return json.loads(os.getxattr(mount_path, "user.kvfs.stats"))
+
+
+@pytest.mark.parametrize("tier", ["dram", "ssd"])
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "O_DIRECT"])
+def test_files_waiting_for_their_rename_outlive_published_ones(make_mount, tmp_path: Path, tier: str,
+                                                               direct: bool) -> None:
+    """LMCache's fs connector: a batch writes all its `<key>.tmp` files, then renames each
+    to `<key>.data`. On a tier full of published files that were read (worth keeping by
+    every policy), the temp files rank last: the published files go, and no rename fails."""
+    import mmap
+
+    if tier == "dram":
+        mount = make_mount("96M")
+    else:  # the SSD tier holds every file; DRAM is its cache
+        mount = make_mount("32M", "--disk", str(tmp_path / "disk"), "--disk-size", "96M")
+    root = mount.path
+    size = 8 * MiB
+    published = [root / f"old{i}.data" for i in range(12)]  # 96 MiB: the tier is full
+    for i, path in enumerate(published):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(content(i, size))
+        os.replace(tmp, path)
+        assert path.read_bytes()[:4] == content(i, 4)  # read once: no longer a one-off block
+    buffer = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT needs
+    batch = [root / f"new{i}.data" for i in range(6)]
+    for i, path in enumerate(batch):
+        buffer[:] = content(100 + i, size)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_DIRECT if direct else os.O_TRUNC)  # LMCache: no O_TRUNC with O_DIRECT
+        fd = os.open(path.with_suffix(".tmp"), flags, 0o644)
+        try:
+            assert os.write(fd, buffer) == size
+        finally:
+            os.close(fd)
+    if tier == "ssd":
+        # Offload is asynchronous: wait until the temp files are on SSD (room made for them)
+        # while they are still unpublished; after the renames they rank like any new file.
+        os.setxattr(root, "user.kvfs.control", b"sync")
+    failed = []
+    for path in batch:
+        try:
+            os.replace(path.with_suffix(".tmp"), path)
+        except FileNotFoundError:
+            failed.append(path.name)
+    assert failed == []
+    drop_page_cache()
+    for i, path in enumerate(batch):
+        assert path.read_bytes() == content(100 + i, size)
+    evicted = [path for path in published if not is_stored(path)]
+    assert len(evicted) >= len(batch) - 1  # their room went to the batch
+    assert stats(root)["evicted_files"] == len(evicted)
+    reason = "DRAM tier full" if tier == "dram" else "SSD tier full"
+    assert re.search(rf" INFO .*removed \d+ files.*: {reason}", mount.log_text())  # not only at debug

@@ -348,7 +348,34 @@ def test_misses_are_answered_on_the_node_and_new_names_still_appear(cluster: Clu
     wait_until(lambda: not is_stored(directory / "k3.bin") and is_stored(directory / "k4-moved.bin"),
                timeout=5, what="the unlink and the rename on the reader")
     assert sorted(os.listdir(directory)) == sorted([f"k{i}.bin" for i in range(20) if i not in (3, 4)] + ["k4-moved.bin"])
+    assert not os.access(directory / "absent-after-the-changes", os.F_OK)
     assert stats(reader)["misses_answered_locally"] > answered
+
+
+def test_names_written_elsewhere_are_found_on_the_node_and_stay_coherent(cluster: Cluster) -> None:
+    """Present names in a directory the node copied are answered from its copy (no master
+    round trip), with the entry of the current version: a rewrite on another node is seen in
+    its new size, a removal as a miss, and the bytes read are always the current ones."""
+    writer, reader = cluster.add_node("64M"), cluster.add_node("64M")
+    (writer.path / "kv").mkdir()
+    (writer.path / "kv" / "first.bin").write_bytes(b"1")
+    for _ in range(3):  # lookups the master answers: then the node copies the directory
+        assert os.access(reader.path / "kv" / "first.bin", os.F_OK)
+        assert not os.access(reader.path / "kv" / "absent", os.F_OK)
+    wait_until(lambda: stats(reader)["cached_directories"] >= 1, timeout=5, what="the copy of kv")
+    for i in range(50):  # written after the copy: pushed into it
+        (writer.path / "kv" / f"{i}.bin").write_bytes(b"x" * i)
+    asked = stats(reader)["hits_answered_locally"]
+    wait_until(lambda: os.access(reader.path / "kv" / "49.bin", os.F_OK), timeout=5, what="49.bin on the reader")
+    for i in range(50):
+        assert os.stat(reader.path / "kv" / f"{i}.bin").st_size == i
+    assert stats(reader)["hits_answered_locally"] >= asked + 49
+    with open(writer.path / "kv" / "7.bin", "r+b") as f:  # a new version, longer, on the writer
+        f.write(b"y" * 100)
+    assert (reader.path / "kv" / "7.bin").read_bytes() == b"y" * 100  # the open sees the new size
+    os.unlink(writer.path / "kv" / "8.bin")
+    wait_until(lambda: not os.access(reader.path / "kv" / "8.bin", os.F_OK), timeout=5, what="8.bin gone on the reader")
+    assert not is_stored(reader.path / "kv" / "8.bin")
 
 
 def test_a_lookup_prefetches_and_the_open_adopts_only_the_same_version(cluster: Cluster) -> None:

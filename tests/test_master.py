@@ -123,18 +123,38 @@ def test_unlinked_open_file_lives_until_release(master: MetadataService) -> None
 
 def test_reclaim_evicts_least_recently_used_and_skips_open_files(master: MetadataService, clock: ManualClock) -> None:
     attrs = [store(master, ROOT_INO, f"f{i}".encode(), 100) for i in range(4)]
-    clock.advance(1)
+    clock.advance(31)  # past the publish grace of files never renamed or read
     master.handle(m.Release(master.handle(m.OpenRead(attrs[0].ino)).version, writer=False))  # f0 is now recent
     held = master.handle(m.OpenRead(attrs[1].ino))  # f1 is open: not evictable
     removed = master.handle(m.Reclaim(NODE, 150))
-    assert [name for _, name in removed.entries] == [b"f2", b"f3"]
+    assert [name for _, name, _ in removed.entries] == [b"f2", b"f3"]
     assert removed.dropped == [attrs[2].version, attrs[3].version]
     assert master.handle(m.Lookup(ROOT_INO, b"f2")).attr is None
     removed = master.handle(m.Reclaim(NODE, 10_000))
-    assert [name for _, name in removed.entries] == [b"f0"]
+    assert [name for _, name, _ in removed.entries] == [b"f0"]
     master.handle(m.Release(held.version, writer=False))
-    assert [name for _, name in master.handle(m.Reclaim(NODE, 1)).entries] == [b"f1"]
+    assert [name for _, name, _ in master.handle(m.Reclaim(NODE, 1)).entries] == [b"f1"]
     assert master.handle(m.Reclaim(NODE, 1)).dropped == []
+
+
+def test_files_being_published_are_evicted_last_for_their_grace(master: MetadataService, clock: ManualClock) -> None:
+    """A file created and closed but not yet renamed or read (a writer publishes it by
+    rename next) ranks after every published file, until the publish grace runs out."""
+    old = [store(master, ROOT_INO, f"old{i}".encode(), 100) for i in range(3)]
+    master.handle(m.Rename(ROOT_INO, b"old0", ROOT_INO, b"old0.data"))  # published by rename
+    master.handle(m.Release(master.handle(m.OpenRead(old[1].ino)).version, writer=False))  # by a read
+    clock.advance(31)  # old2 was never renamed or read: its grace is over, it ranks by the policy
+    tmp = [store(master, ROOT_INO, f"new{i}.tmp".encode(), 100) for i in range(2)]
+    assert [name for _, name, _ in master.handle(m.Reclaim(NODE, 250)).entries] == [b"old0.data", b"old2", b"old1"]
+    assert [name for _, name, _ in master.handle(m.Reclaim(NODE, 1)).entries] == [b"new0.tmp"]  # nothing else left
+    master.handle(m.Rename(ROOT_INO, b"new1.tmp", ROOT_INO, b"new1.data"))
+    assert master.handle(m.Lookup(ROOT_INO, b"new1.data")).attr.ino == tmp[1].ino
+    master.handle(m.Create(ROOT_INO, b"writing.tmp", 0o644, 0, 0, NODE, exclusive=True))
+    clock.advance(60)  # a file still being written gets its grace only from its close
+    fresh = store(master, ROOT_INO, b"fresh.tmp", 100)
+    assert [name for _, name, _ in master.handle(m.Reclaim(NODE, 1)).entries] == [b"new1.data"]
+    assert [name for _, name, _ in master.handle(m.Reclaim(NODE, 1)).entries] == [b"fresh.tmp"]
+    assert master.handle(m.Lookup(ROOT_INO, b"fresh.tmp")).attr is None and fresh.ino
 
 
 def test_unsealed_files_are_never_evicted(master: MetadataService) -> None:
@@ -143,13 +163,13 @@ def test_unsealed_files_are_never_evicted(master: MetadataService) -> None:
 
 
 def test_orphaned_temp_files_are_collected_after_grace(master: MetadataService, clock: ManualClock) -> None:
-    store(master, ROOT_INO, b"x.bin_123.tmp")
+    orphan = store(master, ROOT_INO, b"x.bin_123.tmp")
     store(master, ROOT_INO, b"keep.bin")
     writing = master.handle(m.Create(ROOT_INO, b"y.tmp", 0o644, 0, 0, NODE, exclusive=True))
     assert master.handle(m.CollectOrphans()).entries == []
     clock.advance(61)
     removed = master.handle(m.CollectOrphans())
-    assert removed.entries == [(ROOT_INO, b"x.bin_123.tmp")]
+    assert removed.entries == [(ROOT_INO, b"x.bin_123.tmp", orphan.ino)]
     assert master.handle(m.Lookup(ROOT_INO, b"y.tmp")).attr.ino == writing.attr.ino
     # A temp file renamed to its final name is no longer a temp file.
     store(master, ROOT_INO, b"z.tmp")
@@ -246,7 +266,7 @@ def test_every_policy_evicts_only_sealed_closed_files_and_deterministically(poli
                 writing[opened.attr.ino] = opened.version
             else:  # capacity pressure
                 removed = master.handle(m.Reclaim(NODE, rng.randrange(1, 300)))
-                gone = {name for _, name in removed.entries}
+                gone = {name for _, name, _ in removed.entries}
                 assert not gone & {master.ns.inodes[ino].name for ino in (*held, *writing)}
                 evicted += sorted(gone)
                 names = [name for name in names if name not in gone]
@@ -315,3 +335,35 @@ def test_a_seal_moves_ctime_to_the_last_write_and_never_back(master: MetadataSer
     chmod_time = clock.wall_ns()
     attr = master.handle(m.Seal(opened.version, 10, 5, [1], written))
     assert attr.mtime_ns == 5 and attr.ctime_ns == chmod_time > written > created
+
+
+def test_eviction_summary_is_rate_limited_and_by_reason() -> None:
+    from kvfs.store.evictions import EvictionSummary
+
+    summary = EvictionSummary(interval_s=10)
+    assert summary.summary(0.0) is None  # nothing to say
+    summary.record("dram", 2, 4 << 20)
+    assert summary.summary(1.0) == "removed 2 files; 2 files (4.0 MiB): DRAM tier full"
+    summary.record("dram", 1, 2 << 20)
+    summary.record("orphan", 3, 3 << 20)
+    assert summary.summary(5.0) is None  # too soon after the last one: held back, not lost
+    assert summary.summary(11.0) == ("removed 4 files in the last 10 s; 1 files (2.0 MiB): DRAM tier full; "
+                                     "3 files (3.0 MiB): orphaned temp files")
+    assert summary.summary(30.0) is None
+
+
+def test_a_tier_of_fresh_files_is_not_scanned_past_a_bound(master: MetadataService, clock: ManualClock,
+                                                          monkeypatch) -> None:
+    """Writers that never rename, fast enough to fill the tier within the grace: the scan for
+    published files stops after a bound, and the fresh files go in the policy's order."""
+    import kvfs.cluster.master as master_module
+
+    monkeypatch.setattr(master_module, "PUBLISHING_SKIP_MAX", 2)
+    for i in range(3):
+        store(master, ROOT_INO, f"fresh{i}".encode(), 100)
+    store(master, ROOT_INO, b"published", 100)
+    master.handle(m.Rename(ROOT_INO, b"published", ROOT_INO, b"published.data"))
+    assert [name for _, name, _ in master.handle(m.Reclaim(NODE, 1)).entries] == [b"fresh0"]
+    assert [name for _, name, _ in master.handle(m.Reclaim(NODE, 1)).entries] == [b"fresh1"]
+    assert [name for _, name, _ in master.handle(m.Reclaim(NODE, 1)).entries] == [b"published.data"]
+

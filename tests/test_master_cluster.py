@@ -82,7 +82,7 @@ def test_drops_and_removed_names_reach_the_other_nodes_with_their_heartbeat(clus
     attr = cluster.store(a, b"x.bin")
     assert cluster.master.handle(m.Unlink(ROOT_INO, b"x.bin"), b).dropped == []  # b does not store it
     beat = cluster.beat(a)
-    assert beat.dropped == [attr.version] and beat.forget == [(ROOT_INO, b"x.bin")]
+    assert beat.dropped == [attr.version] and beat.forget == [(ROOT_INO, b"x.bin", attr.ino)]
     assert cluster.beat(a) == m.Beat([], [])
     assert cluster.beat(b) == m.Beat([], [])  # its own kernel saw the unlink
 
@@ -252,7 +252,7 @@ def test_a_large_directory_is_watched_page_by_page(cluster: Cluster) -> None:
         start_id = page.next_id
     assert pages == 3 and sorted(names) == [b"k%05d" % i for i in range(10_000)]
     cluster.master.handle(m.Create(directory.ino, b"new", 0o644, 0, 0, a, True), a)
-    assert cluster.master.take_notifications(b) == [(directory.ino, b"new", True)]
+    assert cluster.master.take_notifications(b) == [(directory.ino, b"new", True, None)]  # being written
     assert cluster.master.take_notifications(a) == []  # a does not watch it
     assert not cluster.master.handle(m.WatchNames(directory.ino, 5_000), a).complete  # over its limit
 
@@ -277,11 +277,68 @@ def test_an_operator_removes_a_node_that_will_not_come_back(cluster: Cluster) ->
     fails(lambda: cluster.master.handle(m.RemoveNode("a"), 0), errno.EBUSY)  # still up
     cluster.silence(3.0, b)
     removed = cluster.master.handle(m.RemoveNode("a"), 0)
-    assert removed.entries == [(ROOT_INO, b"k.bin")] and removed.freed_bytes == 100
-    assert cluster.beat(b).forget == [(ROOT_INO, b"k.bin")]
+    assert removed.entries == [(ROOT_INO, b"k.bin", on_ssd.ino)] and removed.freed_bytes == 100
+    assert cluster.beat(b).forget == [(ROOT_INO, b"k.bin", on_ssd.ino)]
     assert cluster.master.handle(m.ReadDir(ROOT_INO, 0, 10), b).entries == []
     assert cluster.master.objects.versions == {}
     assert [n.name for n in cluster.master.handle(m.ClusterStatus(), 0).nodes] == ["b"]
     fails(lambda: cluster.master.handle(m.RemoveNode("a"), 0), errno.ENOENT)
     again, dropped = cluster.join("a", [m.Held(on_ssd.version, 100, True, True)])  # it came back after all
     assert again != a and dropped == [on_ssd.version]  # a new node; its old file was given up
+
+
+def test_a_watched_directory_carries_the_entries_nodes_may_answer_lookups_with(cluster: Cluster) -> None:
+    a, _ = cluster.join("a")
+    b, _ = cluster.join("b")
+    directory = cluster.master.handle(m.MkDir(ROOT_INO, b"keys", 0o755, 0, 0), a)
+    stored = cluster.store(a, b"k.bin", parent=directory.ino)
+    cluster.master.handle(m.MkDir(directory.ino, b"sub", 0o755, 0, 0), a)
+    page = cluster.master.handle(m.WatchNames(directory.ino, 1000), b)
+    entries = dict(zip(page.names, page.entries))
+    assert entries[b"sub"] is None  # directories: ask the master
+    entry = entries[b"k.bin"]
+    assert (entry.attr.ino, entry.attr.version, entry.attr.size) == (stored.ino, stored.version, 100)
+    assert (entry.node, entry.address, entry.checksums) == (a, "a:1", [11])  # as Lookup answers b
+    assert entry == cluster.master.handle(m.Lookup(directory.ino, b"k.bin"), b)
+    # A new version: b asks the master while it is written, and gets the sealed one pushed.
+    opened = cluster.master.handle(m.OpenWrite(stored.ino, a, truncate=True), a)
+    assert cluster.master.take_notifications(b) == [(directory.ino, b"k.bin", True, None)]
+    cluster.master.handle(m.Seal(opened.version, 7, cluster.clock.wall_ns(), [12]), a)
+    [(_, name, present, pushed)] = cluster.master.take_notifications(b)
+    assert (name, present, pushed.attr.version, pushed.attr.size, pushed.checksums) == (
+        b"k.bin", True, opened.version, 7, [12])
+    cluster.master.handle(m.SetAttr(stored.ino, 0o600, None, None, None, None), b)
+    assert cluster.master.take_notifications(b)[0][3].attr.mode & 0o777 == 0o600
+    cluster.master.handle(m.Release(opened.version, True), a)
+    cluster.master.handle(m.Offloaded([opened.version]), a)  # on a's SSD: hidden while a is down
+    # The node that stores it dies: its file is hidden, and the copy must ask the master.
+    assert cluster.silence(3, b) == [a]
+    assert cluster.master.take_notifications(b) == [(directory.ino, b"k.bin", True, None)]
+    assert cluster.master.handle(m.Lookup(directory.ino, b"k.bin"), b).attr is None
+
+
+def test_pages_and_pushes_of_large_entries_fit_a_frame(cluster: Cluster) -> None:
+    from kvfs.cluster.protocol import MAX_HEADER
+    from kvfs.cluster.rpc import push_batches
+    import msgspec
+
+    a, _ = cluster.join("a")
+    b, _ = cluster.join("b")
+    directory = cluster.master.handle(m.MkDir(ROOT_INO, b"big", 0o755, 0, 0), a)
+    cluster.master.handle(m.WatchNames(directory.ino, 100_000), b)
+    for i in range(3000):  # 2 GiB files in 4 MiB chunks: 512 checksums each
+        opened = cluster.master.handle(m.Create(directory.ino, b"%064x" % i, 0o644, 0, 0, a, True), a)
+        cluster.master.handle(m.Seal(opened.version, 2 << 30, 1, list(range(1 << 40, (1 << 40) + 512))), a)
+    changes = cluster.master.take_notifications(b)
+    batches = push_batches(changes)
+    assert sum(map(len, batches)) == len(changes) and len(batches) > 1
+    assert max(len(msgspec.msgpack.encode(m.NameChanges(batch))) for batch in batches) < MAX_HEADER
+    names, start_id = [], 0
+    while True:
+        page = cluster.master.handle(m.WatchNames(directory.ino, 100_000, start_id), b)
+        assert len(msgspec.msgpack.encode(page)) < MAX_HEADER
+        names += page.names
+        if not page.next_id:
+            break
+        start_id = page.next_id
+    assert sorted(names) == [b"%064x" % i for i in range(3000)]

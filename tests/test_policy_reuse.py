@@ -82,7 +82,7 @@ def test_the_master_names_blocks_so_that_history_survives_eviction() -> None:
         master.handle(m.Rename(ROOT_INO, name + b".tmp", ROOT_INO, name))
         return opened.attr.ino
 
-    store(b"a")
-    assert master.handle(m.Reclaim(1, 1 << 20)).entries == [(ROOT_INO, b"a")]  # evicted
+    first = store(b"a")
+    assert master.handle(m.Reclaim(1, 1 << 20)).entries == [(ROOT_INO, b"a", first)]  # evicted
     again, other = store(b"a"), store(b"b")
     assert list(master.policy.candidates()) == [other, again]

@@ -1,11 +1,19 @@
-"""A node's copies of directories' name sets, kept current by the master (pure).
+"""A node's copies of directories' entries, kept current by the master (pure).
 
-Most lookups of a KV cache are misses, each for a new name. With the master in
-another process every miss would be a round trip; instead a node that misses
-repeatedly in a directory fetches the directory's complete name set once and
-subscribes to its changes: the master pushes every name added or removed there,
-and misses are answered from the copy. A push arrives within a round trip of the
-change, well inside the 1 s for which kernels cache negative entries anyway.
+Most lookups of a KV cache are misses, each for a new name, and the hits are for
+names that other nodes wrote. With the master in another process every lookup
+would be a round trip; instead a node that asks repeatedly about one directory
+fetches the directory's complete name set once, with the entry a lookup of each
+name answers, and subscribes to its changes: the master pushes every name added
+or removed there and every entry that changed (a new version, a seal, new
+attributes). Misses and hits are then answered from the copy. A push arrives
+within a round trip of the change, well inside the 1 s for which kernels cache
+negative entries anyway.
+
+A copy holds an entry only for a sealed file on a live node (immutable until a
+push says otherwise); for other names (directories, files being written, files
+whose node is down) it knows only that the name exists, and the node asks the
+master.
 
 Copies are bounded by a total number of names; the least recently used
 directories are dropped (and unsubscribed) first. Every copy goes when the
@@ -16,17 +24,20 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-MISSES_BEFORE_COPY = 2  # misses in a directory before its names are fetched
+from kvfs.cluster.messages import Entry
+
+LOOKUPS_BEFORE_COPY = 2  # lookups in a directory answered by the master before its names are fetched
 
 
 class DirectoryCache:
     def __init__(self, max_names: int) -> None:
         self.max_names = max_names
-        self._names: OrderedDict[int, set[bytes]] = OrderedDict()
-        self._misses: dict[int, int] = {}
+        self._names: OrderedDict[int, dict[bytes, Entry | None]] = OrderedDict()
+        self._asked: dict[int, int] = {}
         self._uncachable: set[int] = set()  # directories too large to copy
         self.total = 0
         self.answered = 0  # misses answered without the master
+        self.found = 0  # present names answered without the master
 
     def absent(self, parent: int, name: bytes) -> bool:
         """True if `name` is known not to exist in `parent` (no need to ask the master)."""
@@ -37,30 +48,39 @@ class DirectoryCache:
         self.answered += 1
         return True
 
-    def missed(self, parent: int) -> bool:
-        """Records a miss the master answered; True when the directory should be copied now."""
+    def present(self, parent: int, name: bytes) -> Entry | None:
+        """The entry of a name the copy can answer for, or None (ask the master)."""
+        names = self._names.get(parent)
+        entry = names.get(name) if names is not None else None
+        if entry is not None:
+            self._names.move_to_end(parent)
+            self.found += 1
+        return entry
+
+    def asked(self, parent: int) -> bool:
+        """Records a lookup the master answered; True when the directory should be copied now."""
         if parent in self._names or parent in self._uncachable:
             return False
-        count = self._misses.get(parent, 0) + 1
-        self._misses[parent] = count
-        if len(self._misses) > 4 * 65536:  # forget old counts
-            self._misses.clear()
-        return count >= MISSES_BEFORE_COPY
+        count = self._asked.get(parent, 0) + 1
+        self._asked[parent] = count
+        if len(self._asked) > 4 * 65536:  # forget old counts
+            self._asked.clear()
+        return count >= LOOKUPS_BEFORE_COPY
 
     def too_large(self, parent: int) -> None:
         self._uncachable.add(parent)
-        self._misses.pop(parent, None)
+        self._asked.pop(parent, None)
 
-    def store(self, parent: int, names: list[bytes]) -> list[int]:
+    def store(self, parent: int, names: list[bytes], entries: list[Entry | None] | None = None) -> list[int]:
         """Keeps a fetched name set; returns directories dropped to make room (to unsubscribe)."""
-        self._misses.pop(parent, None)
+        self._asked.pop(parent, None)
         if len(names) > self.max_names:
             self.too_large(parent)
             return [parent]
         old = self._names.pop(parent, None)
         if old is not None:
             self.total -= len(old)
-        self._names[parent] = set(names)
+        self._names[parent] = dict(zip(names, entries)) if entries else dict.fromkeys(names)
         self.total += len(names)
         dropped = []
         while self.total > self.max_names and len(self._names) > 1:
@@ -69,16 +89,18 @@ class DirectoryCache:
             dropped.append(victim)
         return dropped
 
-    def added(self, parent: int, name: bytes) -> None:
+    def added(self, parent: int, name: bytes, entry: Entry | None = None) -> None:
+        """A name was added, or its entry changed."""
         names = self._names.get(parent)
-        if names is not None and name not in names:
-            names.add(name)
-            self.total += 1
+        if names is not None:
+            if name not in names:
+                self.total += 1
+            names[name] = entry
 
     def removed(self, parent: int, name: bytes) -> None:
         names = self._names.get(parent)
         if names is not None and name in names:
-            names.discard(name)
+            del names[name]
             self.total -= 1
 
     def forget_directory(self, ino: int) -> None:
@@ -88,7 +110,7 @@ class DirectoryCache:
 
     def clear(self) -> None:
         self._names.clear()
-        self._misses.clear()
+        self._asked.clear()
         self._uncachable.clear()
         self.total = 0
 

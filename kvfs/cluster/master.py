@@ -29,6 +29,10 @@ XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 65536
 USER_XATTR_PREFIX = b"user."
 RECLAIM_MAX_FILES = 16  # files evicted per reclaim request
+# Files being published passed over per reclaim before the scan stops and they are taken
+# after all, in the policy's order: bounds the scan when nearly every file is fresh
+# (writers that never rename, at a rate that fills the tier within the grace).
+PUBLISHING_SKIP_MAX = 4096
 
 
 def name_identity(parent: int, name: bytes) -> int:
@@ -40,6 +44,7 @@ def name_identity(parent: int, name: bytes) -> int:
 class MasterSettings:
     temp_suffix: bytes = b".tmp"  # names that writers publish by rename
     temp_grace_s: float = 300.0  # an untouched sealed temp file older than this is an orphan
+    publish_grace_s: float = 30.0  # a new file closed this recently, not yet renamed or read, is evicted last
     root_mode: int = 0o755
     root_uid: int = 0
     root_gid: int = 0
@@ -62,9 +67,12 @@ class MetadataService(Membership):
         if not settings.cluster:
             self.registry.add_local()
         self._temp_files: set[int] = set()
+        # Files being published: created here and not yet renamed or read. The value is
+        # when the file was closed (sealed), None while it is still being written.
+        self._unpublished: dict[int, float | None] = {}
         self._caller = LOCAL_NODE  # the node whose request is being handled
         self._opens: dict[int, dict[tuple[int, bool], int]] = {}  # node -> (version, writer) -> handles
-        self._removed_names: list[tuple[int, bytes]] = []  # for the other nodes' kernels to forget
+        self._removed_names: list[tuple[int, bytes, int]] = []  # for the other nodes' kernels to forget
         # Unlinked inode -> (its version, still readable; the node whose kernel holds it).
         self._lingering: dict[int, tuple[int, int]] = {}
         self._handlers: dict[type, Callable[[Any], Any]] = {
@@ -161,7 +169,8 @@ class MetadataService(Membership):
             for watchers, parent, name, added in self.ns.changes:
                 for node in self.registry.nodes.values():
                     if watchers & (1 << node.node_id) and (node.live or node.registering):
-                        node.outbox_names.append((parent, name, added))
+                        entry = self.copy_entry(parent, name, node.node_id) if added else None
+                        node.outbox_names.append((parent, name, added, entry))
                         self.notify.add(node.node_id)
             self.ns.changes.clear()
         if self._removed_names:
@@ -183,6 +192,32 @@ class MetadataService(Membership):
         size, sealed = (version.size, version.sealed) if version else (0, True)
         return m.Attr(inode.ino, inode.mode, 1 if inode.linked else 0, inode.uid, inode.gid, size,
                       inode.atime_ns, inode.mtime_ns, inode.ctime_ns, inode.version, sealed)
+
+    def copy_entry(self, parent: int, name: bytes, node: int) -> m.Entry | None:
+        """What a lookup by `node` of a name in a directory it watches answers, for its copy
+        of the directory to answer itself: only sealed current files on live nodes, whose
+        entry changes only with a push (a new version, new attributes, removal). None: the
+        node asks the master (directories, files being written, files on nodes that are down)."""
+        directory = self.ns.inodes.get(parent)
+        if directory is None or directory.children is None:
+            return None
+        child = directory.children.get(name)
+        inode = self.ns.inodes.get(child[0]) if child is not None else None
+        if inode is None or inode.is_dir:
+            return None
+        version = self.objects.versions.get(inode.version)
+        if version is None or not version.sealed or not version.current or not self.registry.is_live(version.node):
+            return None
+        if version.node == node:
+            return m.Entry(self.attr(inode))
+        return m.Entry(self.attr(inode), version.node, self.registry.nodes[version.node].address, version.checksums)
+
+    def changed(self, inode: Inode) -> None:
+        """A file's entry changed (not its name): nodes watching its directory are told."""
+        if inode.linked and not inode.is_dir:
+            parent = self.ns.inodes.get(inode.parent)
+            if parent is not None and parent.watchers:
+                self.ns.changes.append((parent.watchers, parent.ino, inode.name, True))
 
     def _referenced(self, inode: Inode) -> m.Attr:
         """The attributes of an inode the caller's kernel now holds a reference to."""
@@ -276,8 +311,9 @@ class MetadataService(Membership):
         before then reads the old file, as on a local file system, instead of failing.
         (Only that node's kernel: it saw the unlink, so it forgets the inode at once.)"""
         self._temp_files.discard(inode.ino)
+        self._unpublished.pop(inode.ino, None)
         self.policy.remove(inode.ino)
-        self._removed_names.append((inode.parent, inode.name))
+        self._removed_names.append((inode.parent, inode.name, inode.ino))
         self.ns.unlink(inode, now)
         version = self.objects.versions.get(inode.version)
         if version is None:
@@ -338,6 +374,7 @@ class MetadataService(Membership):
             inode.mtime_ns = req.mtime_ns
         inode.ctime_ns = self.clock.wall_ns()
         self.ns.dirty.add(inode.ino)
+        self.changed(inode)
         return self.attr(inode)
 
     def _mkdir(self, req: m.MkDir) -> m.Attr:
@@ -377,6 +414,7 @@ class MetadataService(Membership):
         self._count_open(version.version, True, 1)
         inode.version = version.version
         self._link(directory, req.name, inode, now)
+        self._unpublished[inode.ino] = None
         return m.Opened(self._referenced(inode), version.version)
 
     def _existing(self, parent: int, name: bytes) -> Inode:
@@ -401,7 +439,7 @@ class MetadataService(Membership):
             raise MetadataError(errno.ENOTDIR, f"{req.name!r} in directory {req.parent} is not a directory")
         if inode.children:
             raise MetadataError(errno.ENOTEMPTY, f"directory {req.name!r} is not empty")
-        self._removed_names.append((inode.parent, inode.name))
+        self._removed_names.append((inode.parent, inode.name, inode.ino))
         self.ns.unlink(inode, self.clock.wall_ns())
         return m.Done()
 
@@ -427,11 +465,12 @@ class MetadataService(Membership):
             if target.is_dir:
                 if target.children:
                     raise MetadataError(errno.ENOTEMPTY, f"directory {req.name_new!r} is not empty")
-                self._removed_names.append((target.parent, target.name))
+                self._removed_names.append((target.parent, target.name, target.ino))
                 self.ns.unlink(target, now)
             else:
                 self._remove_file(target, now, dropped, linger=True)
-        self._removed_names.append((source.parent, source.name))
+        self._removed_names.append((source.parent, source.name, source.ino))
+        self._unpublished.pop(source.ino, None)  # renamed: published
         self.ns.detach(source, now)
         self._link(new_parent, req.name_new, source, now)
         return m.Done(dropped, self._files_on_disk(source))
@@ -480,6 +519,7 @@ class MetadataService(Membership):
         version.readers += 1
         self._count_open(version.version, False, 1)
         version.hits += 1
+        self._unpublished.pop(inode.ino, None)  # read: published
         self.usage.opened(self.ns, inode.parent, inode.name, version.size)
         now = self.clock.wall_ns()
         version.last_access_ns = inode.atime_ns = now
@@ -506,6 +546,7 @@ class MetadataService(Membership):
         self._count_open(version.version, True, 1)
         inode.version = version.version
         self.ns.dirty.add(inode.ino)
+        self.changed(inode)  # being written: watchers ask the master until it is sealed
         self.policy.remove(inode.ino)
         copy_from, copy_size = (0, 0) if req.truncate or current.size == 0 else (current.version, current.size)
         if copy_from:  # the node reads the old bytes, then releases them like a reader
@@ -543,8 +584,12 @@ class MetadataService(Membership):
         inode.mtime_ns = req.mtime_ns
         inode.ctime_ns = max(inode.ctime_ns, req.ctime_ns or req.mtime_ns)
         self.ns.dirty.add(inode.ino)
+        if newly and version.current:
+            self.changed(inode)
         if newly and version.current and inode.linked:
             self._admit(inode, req.size)
+            if inode.ino in self._unpublished:
+                self._unpublished[inode.ino] = self.clock.monotonic()  # the grace runs from close
         return self.attr(inode)
 
     def _get_version(self, req: m.GetVersion) -> m.VersionInfo:
@@ -601,9 +646,24 @@ class MetadataService(Membership):
             return None
         return version
 
+    def _publishing(self, ino: int, now: float) -> bool:
+        """Whether a file is still within its publish grace: closed at most `publish_grace_s`
+        ago and neither renamed nor read since it was created. Writers publish by rename
+        (vLLM, llm-d and LMCache write every temp file of a batch before renaming them), so
+        such a file is about to become a name someone asked for."""
+        if ino not in self._unpublished:
+            return False
+        closed = self._unpublished[ino]
+        if closed is not None and now - closed >= self.settings.publish_grace_s:
+            del self._unpublished[ino]  # ranked by the policy from now on
+            return False
+        return True
+
     def _reclaim(self, req: m.Reclaim) -> m.Removed:
         victims: list[Inode] = []
         freed = 0
+        now = self.clock.monotonic()
+        publishing: list[tuple[Inode, FileVersion]] = []  # ranked after every published file
         for ino in self.policy.candidates():
             # Bytes of small files free less than their sum (blocks are powers of two, and
             # a writer needs a whole chunk): a few at a time; the node asks again if needed.
@@ -611,9 +671,20 @@ class MetadataService(Membership):
                 break
             inode = self.ns.inodes.get(ino)
             version = self._evictable(inode, req.node, req.tier)
-            if version is not None:
-                victims.append(inode)  # type: ignore[arg-type]
-                freed += max(version.size, 1)
+            if version is None:
+                continue
+            if self._publishing(ino, now):
+                publishing.append((inode, version))  # type: ignore[arg-type]
+                if len(publishing) >= PUBLISHING_SKIP_MAX:
+                    break
+                continue
+            victims.append(inode)  # type: ignore[arg-type]
+            freed += max(version.size, 1)
+        for inode, version in publishing:
+            if freed >= req.nbytes or len(victims) >= RECLAIM_MAX_FILES:
+                break
+            victims.append(inode)
+            freed += max(version.size, 1)
         self.evicted_files += len(victims)
         self.evicted_bytes += freed
         return self._remove_files(victims, freed)
@@ -633,7 +704,7 @@ class MetadataService(Membership):
         dropped: list[int] = []
         entries = []
         for inode in inodes:
-            entries.append((inode.parent, inode.name))
+            entries.append((inode.parent, inode.name, inode.ino))
             self._remove_file(inode, now, dropped)
         return m.Removed(dropped, entries, freed)
 

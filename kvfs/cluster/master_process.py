@@ -43,6 +43,7 @@ class MasterConfig:
     eviction_policy: str = DEFAULT_POLICY
     temp_suffix: str = ".tmp"
     temp_grace_s: float = 300.0
+    publish_grace_s: float = 30.0
     dead_after_s: float = 2.5
     metrics_listen: str | None = DEFAULT_MASTER_METRICS  # the Prometheus endpoint; None: off
 
@@ -51,7 +52,7 @@ class MasterProcess:
     def __init__(self, config: MasterConfig) -> None:
         self.config = config
         settings = MasterSettings(temp_suffix=config.temp_suffix.encode(), temp_grace_s=config.temp_grace_s,
-                                  cluster=True, dead_after_s=config.dead_after_s)
+                                  publish_grace_s=config.publish_grace_s, cluster=True, dead_after_s=config.dead_after_s)
         self.service = MetadataService(SystemClock(), make_policy(config.eviction_policy), settings)
         self.state = MasterState(Path(config.data_dir))
         started = time.monotonic()

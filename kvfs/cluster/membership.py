@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 else:
     _Base = object
 
+PAGE_BYTES = 640 << 10  # names and entries per WatchNames answer (a frame header holds 1 MiB)
+
 
 class Membership(_Base):
     def _register(self, req: m.Register) -> m.Registered:
@@ -148,6 +150,9 @@ class Membership(_Base):
         node.outbox_names = []
         for inode in list(self.ns.inodes.values()):
             inode.watchers &= ~bit
+            version = self.objects.versions.get(inode.version) if inode.version else None
+            if version is not None and version.node == node.node_id:
+                self.changed(inode)  # hidden now: copies of its directory must ask the master
             if inode.refs & bit and inode.ino != ROOT_INO:
                 inode.refs &= ~bit
                 self._unhold(inode.ino, node.node_id, dropped)
@@ -162,11 +167,23 @@ class Membership(_Base):
             if len(directory.children) > req.limit:  # type: ignore[arg-type]
                 return m.Names([], False)
             directory.watchers |= 1 << self._caller
-        # Every name, hidden files too (a copy only answers misses); later pages may also hold
-        # names added since the first, which the pushes report anyway.
-        page = self.ns.listing(directory, req.start_id, max(1, min(req.page, 4096)))
-        next_id = page[-1][2] if len(page) == max(1, min(req.page, 4096)) else 0
-        return m.Names([name for name, _, _ in page], True, next_id)
+        # Every name, hidden files too (their entry says: ask the master); later pages may
+        # also hold names added since the first, which the pushes report anyway.
+        limit = max(1, min(req.page, 4096))
+        page = self.ns.listing(directory, req.start_id, limit)
+        names: list[bytes] = []
+        entries: list[m.Entry | None] = []
+        budget = PAGE_BYTES
+        for name, _, _ in page:
+            entry = self.copy_entry(directory.ino, name, self._caller)
+            budget -= m.entry_bytes(name, entry)
+            if budget < 0 and names:
+                break
+            names.append(name)
+            entries.append(entry)
+        full = len(names) < len(page) or len(page) == limit
+        next_id = page[len(names) - 1][2] if full and names else 0
+        return m.Names(names, True, next_id, entries)
 
     def _unwatch(self, req: m.Unwatch) -> m.Done:
         for ino in req.inos:
@@ -175,7 +192,7 @@ class Membership(_Base):
                 inode.watchers &= ~(1 << self._caller)
         return m.Done()
 
-    def take_notifications(self, node_id: int) -> list[tuple[int, bytes, bool]]:
+    def take_notifications(self, node_id: int) -> list[m.NameChange]:
         node = self.registry.nodes.get(node_id)
         if node is None:
             return []
@@ -192,7 +209,7 @@ class Membership(_Base):
         if node.live or node.registering:
             raise MetadataError(errno.EBUSY, f"node {req.name!r} is up; stop it first")
         gone = [version for version in self.objects.versions.values() if version.node == node.node_id]
-        entries = [(inode.parent, inode.name) for inode in
+        entries = [(inode.parent, inode.name, inode.ino) for inode in
                    (self.ns.inodes.get(version.ino) for version in gone if version.current) if inode is not None]
         freed = sum(version.size for version in gone if version.current)
         self._forget_versions(gone)

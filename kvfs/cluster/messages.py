@@ -368,7 +368,7 @@ class Removed(msgspec.Struct):
     """Files taken out of the namespace by eviction or collection, for the kernel to forget."""
 
     dropped: list[int]
-    entries: list[tuple[int, bytes]]
+    entries: list[tuple[int, bytes, int]]  # (directory, name, inode)
     freed_bytes: int
 
 
@@ -415,19 +415,34 @@ class Beat(msgspec.Struct):
     """What happened elsewhere that the node must act on."""
 
     dropped: list[int]  # versions it stores whose files are gone
-    forget: list[tuple[int, bytes]]  # names its kernel may still cache
+    forget: list[tuple[int, bytes, int]]  # (directory, name, inode) its kernel may still cache
 
 
 class Names(msgspec.Struct):
     names: list[bytes]
     complete: bool  # False: the directory is larger than asked for, and is not watched
     next_id: int = 0  # where the next page starts; 0: this was the last page
+    # What a lookup of each name answers, for the names a node may answer from its copy
+    # (sealed files on live nodes); None: ask the master (directories, files being written).
+    entries: list[Entry | None] = []
+
+
+# A change in a watched directory: (directory, name, present, entry). `present` False:
+# the name was removed; True: it was added or its entry changed (a new version, a seal,
+# new attributes), with the entry a lookup now answers (None: ask the master).
+NameChange = tuple[int, bytes, bool, Entry | None]
 
 
 class NameChanges(msgspec.Struct):
-    """Pushed to nodes watching directories: (directory, name, added) in order."""
+    """Pushed to nodes watching directories, in order."""
 
-    changes: list[tuple[int, bytes, bool]]
+    changes: list[NameChange]
+
+
+def entry_bytes(name: bytes, entry: Entry | None) -> int:
+    """A bound on the encoded size of one name with its entry (pages and pushes stay
+    well under a frame's header limit)."""
+    return len(name) + 24 + (0 if entry is None else 128 + len(entry.address) + 9 * len(entry.checksums))
 
 
 class NodeStatus(msgspec.Struct):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvfs.cluster.messages import Activity
+from kvfs.cluster.messages import Activity, NameChange
 
 LOCAL_NODE = 1  # the only node of a single-node (embedded) mount
 
@@ -37,8 +37,8 @@ class NodeRecord:
     activity: Activity = field(default_factory=Activity)  # its counters, as its last heartbeat reported them
     reported: set[int] = field(default_factory=set)  # versions reported during registration
     outbox_dropped: list[int] = field(default_factory=list)  # versions it must free
-    outbox_forget: list[tuple[int, bytes]] = field(default_factory=list)  # names its kernel must forget
-    outbox_names: list[tuple[int, bytes, bool]] = field(default_factory=list)  # changes in watched directories
+    outbox_forget: list[tuple[int, bytes, int]] = field(default_factory=list)  # names its kernel must forget
+    outbox_names: list[NameChange] = field(default_factory=list)  # changes in watched directories
 
 
 class Registry:

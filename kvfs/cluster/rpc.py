@@ -101,12 +101,32 @@ async def handshake(frames: FrameStream, secret: bytes, role: str) -> str:
     return hello.role
 
 
+PUSH_BYTES = 640 << 10  # name changes per pushed frame (a frame header holds 1 MiB)
+
+
+def push_batches(changes: list[m.NameChange]) -> list[list[m.NameChange]]:
+    """Name changes in order, cut into frames that fit a header."""
+    batches: list[list[m.NameChange]] = []
+    batch: list[m.NameChange] = []
+    used = 0
+    for change in changes:
+        size = m.entry_bytes(change[1], change[3])
+        if batch and used + size > PUSH_BYTES:
+            batches.append(batch)
+            batch, used = [], 0
+        batch.append(change)
+        used += size
+    if batch:
+        batches.append(batch)
+    return batches
+
+
 class Notifier(Protocol):
     """Name changes waiting to be pushed to nodes (the metadata service)."""
 
     notify: set[int]  # nodes with changes waiting
 
-    def take_notifications(self, node_id: int) -> list[tuple[int, bytes, bool]]:
+    def take_notifications(self, node_id: int) -> list[m.NameChange]:
         """The node's waiting changes, which are then no longer waiting."""
 
 
@@ -141,12 +161,12 @@ class MetadataServer:
             event = self._wake[node] = trio.Event()
             await event.wait()
             changes = self.notifier.take_notifications(node)
-            if changes:
-                try:
+            try:
+                for batch in push_batches(changes):
                     async with send_lock:
-                        await frames.send(FrameKind.NOTIFY, 0, m.NameChanges(changes))
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    return  # the request loop sees the connection go, too
+                        await frames.send(FrameKind.NOTIFY, 0, m.NameChanges(batch))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return  # the request loop sees the connection go, too
 
     async def serve(self, host: str, port: int, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         await serve_tcp(self._connection, host, port, task_status)

@@ -143,7 +143,7 @@ class Daemon:
         self.config = config
         clock = SystemClock()
         settings = MasterSettings(temp_suffix=config.temp_suffix.encode(), temp_grace_s=config.temp_grace_s,
-                                  root_uid=os.getuid(), root_gid=os.getgid())
+                                  publish_grace_s=config.publish_grace_s, root_uid=os.getuid(), root_gid=os.getgid())
         self.service = MetadataService(clock, make_policy(config.eviction_policy), settings)
         self.dram = DramTier(config.dram_bytes)
         self._stop_faulting = threading.Event()
@@ -181,12 +181,14 @@ class Daemon:
         self._mounted = False
         self.unsaved = (0, 0)  # files (and bytes) a clean stop could not copy to SSD
 
-    @staticmethod
-    def _forget_entries(entries: list[tuple[int, bytes]]) -> None:
-        # Names removed by eviction or collection, not by the kernel: drop its cached
-        # dentries, from pyfuse3's invalidation thread (never inside a handler).
-        for parent, name in entries:
-            pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+    def _forget_entries(self, entries: list[tuple[int, bytes, int]]) -> None:
+        # Names removed by eviction, collection or another node, not by this kernel: drop
+        # its cached dentries, from pyfuse3's invalidation thread (never inside a handler).
+        # Only for inodes it references: a cluster node hears of every name removed
+        # anywhere (each published temp file), and its kernel never saw most of them.
+        for parent, name, ino in entries:
+            if self.operations.lookups.known(ino):
+                pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
 
     @staticmethod
     async def _invalidate_attrs(ino: int) -> None:
