@@ -1,4 +1,4 @@
-"""The `kvfs` command line: mount, node, master, status, umount."""
+"""The `kvfs` command line: mount, node, master, status, fsck, umount."""
 
 from __future__ import annotations
 
@@ -181,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     remove.add_argument("--master", required=True, help="the master's HOST:PORT")
     _add_common(remove)
 
+    fsck = commands.add_parser("fsck", help="check an SSD tier offline (index against segments), or repair it")
+    fsck.add_argument("--disk", required=True, help="the SSD tier's directory (not in use by a mount)")
+    fsck.add_argument("--repair", action="store_true", help="rebuild or fix the index, keeping every intact file")
+
     umount = commands.add_parser("umount", help="unmount a kvfs mount")
     umount.add_argument("mountpoint")
     umount.add_argument("--lazy", action="store_true", help="detach now even if busy")
@@ -347,6 +351,18 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_fsck(args: argparse.Namespace) -> int:
+    """0: clean or repaired; 2: problems found and left alone."""
+    from pathlib import Path
+
+    from kvfs.disk.fsck import fsck, render
+
+    directory = Path(os.path.abspath(args.disk))
+    report = fsck(directory, args.repair)
+    print(render(directory, report))
+    return 0 if report.clean or report.repaired else 2
+
+
 def run_umount(args: argparse.Namespace) -> int:
     from kvfs.fuse.mount import find_mount, unmount
 
@@ -362,7 +378,7 @@ def run_umount(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"mount": run_mount, "node": run_node, "master": run_master, "status": run_status, "top": run_top,
-            "inspect": run_inspect, "remove-node": run_remove_node, "umount": run_umount}
+            "inspect": run_inspect, "remove-node": run_remove_node, "fsck": run_fsck, "umount": run_umount}
 
 
 def main(argv: list[str] | None = None) -> int:

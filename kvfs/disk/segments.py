@@ -22,6 +22,10 @@ log = logging.getLogger(__name__)
 SEGMENT_SIZE = 256 << 20
 
 
+def segment_path(directory: Path, index: int) -> Path:
+    return directory / f"segment-{index:05d}.dat"
+
+
 class SegmentFiles:
     def __init__(self, directory: Path, capacity: int, direct_io: bool) -> None:
         self.directory = directory
@@ -32,7 +36,7 @@ class SegmentFiles:
         count = -(-capacity // SEGMENT_SIZE)
         for index in range(count):
             size = min(SEGMENT_SIZE, capacity - index * SEGMENT_SIZE)
-            self.fds.append(self._open(directory / f"segment-{index:05d}.dat", size))
+            self.fds.append(self._open(segment_path(directory, index), size))
         # Segments left by a larger earlier configuration hold nothing we index any more.
         for stale in sorted(directory.glob("segment-*.dat"))[count:]:
             log.info("removing %s (beyond the configured disk size)", stale)

@@ -675,8 +675,7 @@ class TieredStore:
             await run_all(functools.partial(self.ssd.write_chunks, offsets,
                                             [self.dram.block_view(version, i) for i in range(len(offsets))])
                           for version, offsets, _ in planned)
-            await self.ssd.sync([o for _, offsets, _ in planned for o in offsets])
-            await self.ssd.commit([record for _, _, record in planned])
+            await self.ssd.commit([record for _, _, record in planned])  # headers, one sync, the index
         except OSError as error:
             log.error("offload of %d files to %s failed: %s", len(planned), self.ssd.directory, error)
             for version, offsets, _ in planned:
