@@ -589,7 +589,8 @@ class Node(NodeMembership):
         return m.Activity(self.lookups_found, self.lookups_absent, self.reader_opens["dram"],
                           self.reader_opens["ssd"], self.reader_opens["peer"], backlog_files, backlog_bytes,
                           sum(self.served_bytes.values()), self.written_bytes, self.evicted_files,
-                          getattr(self.transport, "kind", ""))
+                          getattr(self.transport, "kind", ""),
+                          self.store.ssd.engine.kind if self.store.ssd is not None else "")
 
     def store_stats(self) -> dict[str, float]:
         stats = asdict(self.store.stats)

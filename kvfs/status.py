@@ -40,7 +40,7 @@ def render_status(source: str, info: m.ClusterInfo) -> str:
     lines = [f"{source}: {info.files} files, {format_size(info.sealed_bytes)}, {info.inodes} inodes",
              f"{'NODE':>4} {'NAME':<24} {'ADDRESS':<21} {'STATE':<5} {'DRAM USED/CAP':>21} {'SSD USED/CAP':>21} "
              f"{'FILES':>7} {'DRAM-ONLY':>9} {'ON SSD':>7} {'HIT':>4} {'DRAM HIT':>8} {'BACKLOG':>10} "
-             f"{'TRANSPORT':<9}"]
+             f"{'TRANSPORT':<9} {'SSD I/O':<8}"]
     for n in info.nodes:
         a = n.activity
         opens = a.opens_dram + a.opens_ssd + a.opens_peer
@@ -50,7 +50,7 @@ def render_status(source: str, info: m.ClusterInfo) -> str:
                      f"{percent(a.lookups_found, a.lookups_found + a.lookups_absent):>4} "
                      f"{percent(a.opens_dram, opens):>8} "
                      f"{format_size(a.offload_backlog_bytes) if n.ssd_capacity else '-':>10} "
-                     f"{a.transport or '-':<9}")
+                     f"{a.transport or '-':<9} {a.io_engine or '-':<8}")
     lines.append("HIT: names looked up that existed; DRAM HIT: reads served from the node's own DRAM; "
                  "since each node started")
     return "\n".join(lines)

@@ -28,7 +28,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import drop_page_cache, prepare_machine, start_daemon, store_files  # noqa: E402
 from kvfs.config import parse_size  # noqa: E402
-from kvfs.disk.engine import open_engine  # noqa: E402
+from kvfs.disk.probe import open_engine  # noqa: E402
 from kvfs.disk.segments import SEGMENT_SIZE  # noqa: E402
 
 # The daemons started here run side by side: metrics on ports of their own, not 9740/9741.

@@ -42,7 +42,9 @@ if [[ -n $rdma ]]; then  # pyverbs lives in the system's dist-packages
 fi
 echo "kvfs: installing kvfs$extras into $prefix (pyfuse3 compiles against libfuse3)" >&2
 "$prefix/bin/pip" install -q --disable-pip-version-check --upgrade pip setuptools wheel
-"$prefix/bin/pip" install -q --disable-pip-version-check "$repo$extras"
+# liburing is compiled here for this CPU's baseline (a prebuilt wheel may need AVX-512: docs/ssd-tier.md);
+# pip keeps the wheel it built, so only the first install pays the ~2 minutes.
+"$prefix/bin/pip" install -q --disable-pip-version-check --no-binary liburing "$repo$extras"
 ln -sf "$prefix/bin/kvfs" /usr/local/bin/kvfs
 # Units (not enabled: see docs/operations.md), the documentation they point at, and an
 # example configuration next to where kvfs looks for one.

@@ -19,9 +19,9 @@ from kvfs.disk.engine import ThreadEngine, UringEngine
 ENGINES = [UringEngine, ThreadEngine]
 
 
-def run_with(engine_class, test, *regions):
+def run_with(engine_class, test):
     async def main():
-        engine = engine_class(regions=list(regions))
+        engine = engine_class()
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(engine.run)
@@ -66,7 +66,7 @@ def test_unaligned_reads_and_writes_match_plain_io(tmp_path: Path, engine_class)
 
 
 @pytest.mark.parametrize("engine_class", ENGINES)
-def test_aligned_io_into_registered_memory_and_batches(tmp_path: Path, engine_class) -> None:
+def test_aligned_io_into_mapped_memory_and_batches(tmp_path: Path, engine_class) -> None:
     arena = mmap.mmap(-1, 16 << 20)
     view = memoryview(arena)
     view[: 8 << 20] = os.urandom(8 << 20)
@@ -84,7 +84,7 @@ def test_aligned_io_into_registered_memory_and_batches(tmp_path: Path, engine_cl
         finally:
             os.close(fd)
 
-    run_with(engine_class, test, view)
+    run_with(engine_class, test)
     assert view[8 << 20 :] == view[: 8 << 20]
     assert path.read_bytes() == bytes(view[: 8 << 20])
 

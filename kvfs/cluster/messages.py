@@ -271,6 +271,7 @@ class Activity(msgspec.Struct):
     written_bytes: int = 0
     evicted_files: int = 0
     transport: str = ""  # how it fetches from peers: "tcp", or "rdma" (TCP with peers without it)
+    io_engine: str = ""  # how its SSD tier does I/O: "io_uring" or "threads" ("" without an SSD tier)
 
 
 class Heartbeat(Request):

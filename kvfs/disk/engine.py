@@ -2,9 +2,8 @@
 
 Callers read into and write from any buffer at any offset; the engine handles
 O_DIRECT's 4 KiB alignment itself. Aligned requests on aligned memory go
-straight to the kernel (as fixed-buffer operations when the memory was
-registered, e.g. the DRAM arena); others are bounced through registered staging
-buffers, with read-modify-write for partial pages.
+straight to the kernel; others are bounced through staging buffers, with
+read-modify-write for partial pages. Which engine runs is chosen in probe.py.
 
 The io_uring engine needs no thread per request: requests queue SQEs, one
 `io_uring_submit` covers every request made in the same scheduler tick, and a
@@ -14,9 +13,7 @@ single task waits on an eventfd registered with the ring for completions.
 from __future__ import annotations
 
 import ctypes
-import errno
 import fcntl
-import logging
 import mmap
 import os
 from dataclasses import dataclass, field
@@ -24,14 +21,9 @@ from typing import Callable
 
 import trio
 
-from kvfs.errors import ConfigError
-
-log = logging.getLogger(__name__)
-
 ALIGN = 4096
 STAGING_SIZE = 4 << 20
 STAGING_COUNT = 8
-MAX_REGISTERED_PIECE = 1 << 30  # the kernel's limit for one fixed buffer
 
 
 def _address(buffer: memoryview) -> int | None:
@@ -51,13 +43,6 @@ def _window(start: int, remaining: int, room: int) -> tuple[int, int, int]:
 
 def _is_direct(fd: int) -> bool:
     return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
-
-
-@dataclass
-class _Region:
-    start: int
-    length: int
-    index: int  # fixed-buffer index
 
 
 class AlignedIo:
@@ -160,56 +145,41 @@ class _StagingLease:
 class _Pending:
     done: trio.Event = field(default_factory=trio.Event)
     result: int = 0
-    keep: object = None  # the Iovec must live until the kernel is done with it
+    keep: object = None  # the buffer must live until the kernel is done with it
+
+
+FSYNC_DATASYNC = 1  # IORING_FSYNC_DATASYNC
+CANCEL_TOKEN = (1 << 64) - 1  # the user_data of cancel requests (the binding refuses 0); never a request's
 
 
 class UringEngine(AlignedIo):
-    """io_uring driven from trio: batched submissions, eventfd completions, fixed buffers."""
+    """io_uring driven from trio through liburing: batched submissions, eventfd completions.
+
+    liburing's binding takes buffers as memoryviews, so every request goes to the
+    kernel without a copy; fixed (pre-registered) buffers are not used because the
+    binding accepts them only as `bytes`.
+    """
 
     kind = "io_uring"
 
-    def __init__(self, entries: int = 256, regions: list[memoryview] = ()) -> None:  # type: ignore[assignment]
+    def __init__(self, entries: int = 256) -> None:
         import liburing as u
 
         super().__init__()
         self._u = u
-        self._ring = u.Ring()
-        self._cqe = u.Cqe()
-        u.io_uring_queue_init(entries, self._ring)
+        self._ring = u.io_uring()
+        self._cqe = u.io_uring_cqe()
+        u.io_uring_queue_init(entries, self._ring, 0)
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        u.io_uring_register_eventfd(self._ring, self._efd)
+        self._closed = False
+        try:
+            u.io_uring_register_eventfd(self._ring, self._efd)
+        except BaseException:
+            self.close()
+            raise
         self._pending: dict[int, _Pending] = {}
         self._next_token = 1
         self._unsubmitted = 0
-        self._regions: list[_Region] = []
-        self._register([memoryview(self._staging_map)] + list(regions))
-        self._closed = False
-
-    def _register(self, regions: list[memoryview]) -> None:
-        pieces = []
-        for region in regions:
-            region = region.cast("B")
-            for start in range(0, len(region), MAX_REGISTERED_PIECE):
-                pieces.append(region[start : start + MAX_REGISTERED_PIECE])
-        try:
-            self._registered = self._u.Iovec(pieces)
-            result = self._u.io_uring_register_buffers(self._ring, self._registered)
-            if result is not None and result < 0:
-                raise OSError(-result, os.strerror(-result))
-        except OSError as error:
-            log.warning("cannot register fixed buffers (%s); using plain reads and writes", error.strerror)
-            return
-        for index, piece in enumerate(pieces):
-            self._regions.append(_Region(_address(piece) or 0, len(piece), index))
-
-    def _fixed_index(self, buffer: memoryview) -> int | None:
-        address = _address(buffer)
-        if address is None:
-            return None
-        for region in self._regions:
-            if region.start <= address and address + len(buffer) <= region.start + region.length:
-                return region.index
-        return None
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Delivers completions; runs in the node's nursery for the engine's lifetime."""
@@ -221,29 +191,25 @@ class UringEngine(AlignedIo):
                 os.eventfd_read(self._efd)
             except BlockingIOError:
                 pass
-            while True:
-                try:
-                    u.io_uring_peek_cqe(self._ring, self._cqe)
-                except BlockingIOError:
-                    break
+            while u.io_uring_peek_cqe(self._ring, self._cqe) == 0:
                 entry = self._cqe[0]
-                try:
-                    result = entry.res
-                except OSError as error:  # the binding raises for a negative result
-                    result = -(error.errno or errno.EIO)
                 pending = self._pending.pop(entry.user_data, None)
                 if pending is not None:
-                    pending.result = result
+                    pending.result = entry.res
                     pending.done.set()
                 u.io_uring_cqe_seen(self._ring, entry)
 
-    async def _submit(self, prepare: Callable[[object], object]) -> int:
+    def _get_sqe(self) -> object:
         u = self._u
         sqe = u.io_uring_get_sqe(self._ring)
-        if sqe is None:  # the submission queue is full: flush it
+        if not sqe:  # the submission queue is full: flush it
             u.io_uring_submit(self._ring)
             self._unsubmitted = 0
             sqe = u.io_uring_get_sqe(self._ring)
+        return sqe
+
+    async def _submit(self, prepare: Callable[[object], object]) -> int:
+        sqe = self._get_sqe()
         token = self._next_token
         self._next_token += 1
         pending = self._pending[token] = _Pending()
@@ -253,61 +219,49 @@ class UringEngine(AlignedIo):
         try:
             await trio.lowlevel.checkpoint()  # other tasks of this tick add their requests
             if self._unsubmitted:
-                u.io_uring_submit(self._ring)
+                self._u.io_uring_submit(self._ring)
                 self._unsubmitted = 0
             await pending.done.wait()
         except trio.Cancelled:
             with trio.CancelScope(shield=True):  # the kernel may still touch the buffer
                 if not pending.done.is_set():
-                    await self._cancel(token)
+                    self._cancel(token)
                     await pending.done.wait()
             raise
         if pending.result < 0:
             raise OSError(-pending.result, os.strerror(-pending.result))
         return pending.result
 
-    async def _cancel(self, token: int) -> None:
-        u = self._u
-        sqe = u.io_uring_get_sqe(self._ring)
-        if sqe is None:
-            u.io_uring_submit(self._ring)
-            sqe = u.io_uring_get_sqe(self._ring)
-        u.io_uring_prep_cancel64(sqe, token)
-        sqe.user_data = 0
-        u.io_uring_submit(self._ring)
+    def _cancel(self, token: int) -> None:
+        sqe = self._get_sqe()
+        self._u.io_uring_prep_cancel64(sqe, token, 0)
+        sqe.user_data = CANCEL_TOKEN
+        self._u.io_uring_submit(self._ring)
         self._unsubmitted = 0
 
     async def _readv(self, fd: int, offset: int, buffer: memoryview) -> int:
-        u = self._u
-        return await self._transfer(u.io_uring_prep_readv, u.io_uring_prep_readv_fixed, fd, offset, buffer)
+        def prepare(sqe: object) -> object:
+            self._u.io_uring_prep_read(sqe, fd, buffer, len(buffer), offset)
+            return buffer
+
+        return await self._submit(prepare)
 
     async def _writev(self, fd: int, offset: int, buffer: memoryview) -> int:
-        u = self._u
-        return await self._transfer(u.io_uring_prep_writev, u.io_uring_prep_writev_fixed, fd, offset, buffer)
-
-    async def _transfer(self, plain: Callable, fixed: Callable, fd: int, offset: int, buffer: memoryview) -> int:
-        """One readv/writev, as a fixed-buffer operation when the buffer is registered."""
-        index = self._fixed_index(buffer)
-
         def prepare(sqe: object) -> object:
-            iovec = self._u.Iovec([buffer])
-            if index is None:
-                plain(sqe, fd, iovec, offset)
-            else:
-                fixed(sqe, fd, iovec, index, offset)
-            return iovec
+            self._u.io_uring_prep_write(sqe, fd, buffer, len(buffer), offset)
+            return buffer
 
         return await self._submit(prepare)
 
     async def fsync(self, fd: int) -> None:
-        u = self._u
-        await self._submit(lambda sqe: u.io_uring_prep_fsync(sqe, fd, u.IORING_FSYNC_DATASYNC))
+        await self._submit(lambda sqe: self._u.io_uring_prep_fsync(sqe, fd, FSYNC_DATASYNC))
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._u.io_uring_queue_exit(self._ring)
-            os.close(self._efd)
+        if self._closed:
+            return
+        self._closed = True
+        self._u.io_uring_queue_exit(self._ring)
+        os.close(self._efd)
 
 
 class ThreadEngine(AlignedIo):
@@ -315,7 +269,7 @@ class ThreadEngine(AlignedIo):
 
     kind = "threads"
 
-    def __init__(self, regions: list[memoryview] = ()) -> None:  # type: ignore[assignment]
+    def __init__(self) -> None:
         super().__init__()
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -333,18 +287,3 @@ class ThreadEngine(AlignedIo):
 
     def close(self) -> None:
         pass
-
-
-def open_engine(regions: list[memoryview] = (), prefer_uring: bool = True,  # type: ignore[assignment]
-                require_uring: bool = False) -> AlignedIo:
-    """io_uring where the kernel allows it; otherwise threads, with one log line saying why
-    (or, with `require_uring`, an error)."""
-    if prefer_uring or require_uring:
-        try:
-            return UringEngine(regions=regions)
-        except (ImportError, OSError) as error:
-            reason = getattr(error, "strerror", None) or str(error)
-            if require_uring:
-                raise ConfigError(f"io_engine io_uring: unavailable here ({reason})") from None
-            log.warning("io_uring unavailable (%s); using a thread pool for SSD I/O", reason)
-    return ThreadEngine(regions)

@@ -25,7 +25,7 @@ from pathlib import Path
 from kvfs.config import format_size
 from kvfs.disk.header import PAGE, HeaderBody, encode_header
 from kvfs.disk.index import DiskIndex
-from kvfs.disk.probe import probe_index
+from kvfs.disk.index_check import check_index
 from kvfs.disk.rebuild import Found, SegmentReader, describe, scan_tier, verify
 from kvfs.disk.records import LAYOUT_VERSION, IndexEntry, LayoutMeta
 from kvfs.disk.segments import SEGMENT_SIZE, segment_path
@@ -70,7 +70,7 @@ def fsck(directory: Path, repair: bool, chunk_size: int = CHUNK_SIZE) -> FsckRep
     lock = lock_directory(directory)
     try:
         capacity = tier_capacity(segments, chunk_size)
-        state = probe_index(index_path, capacity, chunk_size, index_map_size(capacity))
+        state = check_index(index_path, capacity, chunk_size, index_map_size(capacity))
         if state.kind == "layout":
             raise StorageError(errno.EINVAL, old_layout_message(directory, state))
         scanned = scan_tier(segments, capacity, chunk_size, "checking")

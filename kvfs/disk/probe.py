@@ -1,129 +1,116 @@
-"""Checks the SSD tier's index in a child process before the daemon opens it.
+"""Choosing the SSD I/O engine: io_uring only once it is proven in a child process.
 
-lmdb maps its file into memory and trusts it: a truncated index kills the
-process that reads it with SIGBUS, and garbled pages raise lmdb errors at any
-later access. So the index is first opened, read in full (every entry decoded,
-every extent checked against the tier's range and against the others) and
-written once, in a child process; whatever goes wrong there, including a fatal
-signal or a hang, only marks the index as damaged, and the tier rebuilds it
-from the segments.
-
-Run as `python -m kvfs.disk.probe INDEX_DIR CAPACITY CHUNK_SIZE MAP_SIZE`; prints
-one JSON object (an IndexState).
+A native extension built for instructions this CPU lacks dies with SIGILL, which
+no handler can catch, and io_uring may be disabled by the kernel
+(`kernel.io_uring_disabled`) or refused by a seccomp filter. So before the
+daemon relies on io_uring, a child process runs the very engine it would use on
+a scratch file (write, fsync, read back, compare); only if the child exits
+cleanly does the daemon open a ring itself.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
+import signal
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+import tempfile
 from pathlib import Path
 
-import lmdb
-import msgspec
+import kvfs
+from kvfs.disk.engine import AlignedIo, ThreadEngine, UringEngine
+from kvfs.errors import ConfigError
 
-from kvfs.disk.records import LAYOUT_VERSION, IndexEntry, LayoutMeta
-from kvfs.disk.segments import SEGMENT_SIZE
-from kvfs.store.buddy import BuddyAllocator
+log = logging.getLogger(__name__)
 
-PAGE = 4096
-
-
-@dataclass(frozen=True)
-class IndexState:
-    # "ok", "absent" (no index yet, or an empty one), "layout" (another layout: `layout`
-    # names it; 0 if the chunk or segment size differ), or "damaged" (`detail` says how).
-    kind: str
-    detail: str = ""
-    records: int = 0
-    layout: int = LAYOUT_VERSION
+PROBE_TIMEOUT_S = 10.0
 
 
-def _rounded(length: int) -> int:
-    return -(-length // PAGE) * PAGE
-
-
-def check_entries(raw_entries, capacity: int, chunk_size: int) -> tuple[int, str | None]:
-    """(entries, why the index is damaged or None): each entry decodes, and its header and
-    chunks lie inside the tier without overlapping any other's."""
-    decode = msgspec.msgpack.Decoder(IndexEntry).decode
-    allocator = BuddyAllocator(capacity, PAGE, chunk_size)
-    count = 0
-    for key, value in raw_entries:
-        try:
-            entry = decode(value)
-        except msgspec.DecodeError as error:
-            return count, f"entry {bytes(key).hex()} does not decode ({error})"
-        blocks = [(entry.header, entry.header_length)] + [(offset, _rounded(length)) for offset, length, _ in entry.record.chunks]
-        for offset, length in blocks:
-            if not allocator.reserve(offset, length):
-                return count, f"entry of version {entry.record.version} points at invalid or overlapping space"
-        count += 1
-    return count, None
-
-
-def check(path: Path, capacity: int, chunk_size: int, map_size: int) -> IndexState:
-    """The state of the index at `path` (runs in the child: may die on a damaged file)."""
-    data = path / "data.mdb"
-    if not data.exists():
-        return IndexState("absent")
-    if data.stat().st_size == 0:
-        return IndexState("damaged", "its data file is empty")
+def probe_io_uring(timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """None when io_uring works in a child process; otherwise why it does not."""
+    # The child imports this kvfs even if the daemon's working directory changed since it started.
+    package_parent = str(Path(kvfs.__file__).resolve().parent.parent)
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": (path + os.pathsep if path else "") + package_parent}
     try:
-        env = lmdb.open(str(path), map_size=map_size, max_dbs=2)
-        try:
-            meta_db = env.open_db(b"meta")
-            files_db = env.open_db(b"files")
-            with env.begin(db=meta_db) as txn:
-                raw = txn.get(b"layout")
-            with env.begin(db=files_db) as txn:
-                count, problem = check_entries(txn.cursor(), capacity, chunk_size)
-            if raw is None:
-                return IndexState("absent") if count == 0 and problem is None else IndexState(
-                    "damaged", "it has no layout record")
-            meta = msgspec.msgpack.decode(raw, type=LayoutMeta)
-            if meta.layout != LAYOUT_VERSION:
-                return IndexState("layout", f"layout {meta.layout}", layout=meta.layout)
-            if meta != LayoutMeta(LAYOUT_VERSION, chunk_size, SEGMENT_SIZE):
-                return IndexState("layout", f"{meta}", layout=0)
-            if problem is not None:
-                return IndexState("damaged", problem)
-            with env.begin(db=meta_db, write=True) as txn:  # a write must work too
-                txn.put(b"layout", raw)
-            return IndexState("ok", records=count)
-        finally:
-            env.close()
-    except (lmdb.Error, msgspec.DecodeError) as error:
-        return IndexState("damaged", f"{type(error).__name__}: {error}")
-
-
-def probe_index(path: Path, capacity: int, chunk_size: int, map_size: int, timeout_s: float = 600) -> IndexState:
-    """`check` in a child process: a crash or a hang there reads as damage."""
-    if not (path / "data.mdb").exists():
-        return IndexState("absent")
-    root = str(Path(__file__).resolve().parents[2])  # the child imports this same kvfs
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "kvfs.disk.probe", str(path), str(capacity), str(chunk_size), str(map_size)]
-    try:
-        child = subprocess.run(command, capture_output=True, timeout=timeout_s, env=env)
+        child = subprocess.run([sys.executable, "-m", "kvfs.disk.probe"], env=env, timeout=timeout,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     except subprocess.TimeoutExpired:
-        return IndexState("damaged", f"reading it did not finish in {timeout_s:.0f} s")
+        return f"the io_uring self-test did not finish in {timeout:.0f} s"
+    except OSError as error:
+        return f"cannot start the io_uring self-test ({error.strerror})"
+    if child.returncode == 0:
+        return None
     if child.returncode < 0:
-        return IndexState("damaged", f"reading it killed the reader with signal {-child.returncode}")
-    try:
-        return IndexState(**json.loads(child.stdout))
-    except (ValueError, TypeError):
-        error = child.stderr.decode(errors="replace").strip().splitlines()
-        return IndexState("damaged", f"reading it failed ({error[-1] if error else f'exit {child.returncode}'})")
+        number = -child.returncode
+        name = signal.Signals(number).name if number in signal.Signals._value2member_map_ else f"signal {number}"
+        if number == signal.SIGILL:
+            return ("the liburing extension died with SIGILL, an instruction this CPU lacks "
+                    "(build liburing from source: docs/ssd-tier.md)")
+        return f"the io_uring self-test died with {name}"
+    lines = child.stderr.decode(errors="replace").strip().splitlines()
+    return lines[-1] if lines else f"the io_uring self-test exited with {child.returncode}"
 
 
-def main(argv: list[str]) -> int:
-    path, capacity, chunk_size, map_size = Path(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
-    print(json.dumps(asdict(check(path, capacity, chunk_size, map_size))))
-    return 0
+def open_engine(io_engine: str = "auto") -> AlignedIo:
+    """The engine `io_engine` names. `auto` falls back to threads with one WARNING that says
+    why; `io_uring` refuses to start without it (ConfigError)."""
+    if io_engine == "threads":
+        return ThreadEngine()
+    reason = probe_io_uring()
+    if reason is None:
+        try:
+            return UringEngine()
+        except (ImportError, OSError) as error:
+            reason = _describe(error)
+    if io_engine == "io_uring":
+        raise ConfigError(f"io_engine io_uring: unavailable here: {reason}")
+    log.warning("io_uring is unavailable, using a thread pool for SSD I/O: %s", reason)
+    return ThreadEngine()
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, ImportError):
+        return f"liburing is not importable: {error}"
+    if isinstance(error, OSError) and error.errno:
+        return f"io_uring setup failed: {os.strerror(error.errno)}"
+    return str(error)
+
+
+def _self_test() -> None:
+    """The child's side: one ring, a write, an fsync and a read of a scratch file."""
+    import trio
+
+    async def exercise(engine: UringEngine, path: str) -> None:
+        payload = os.urandom(64 << 10)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(engine.run)
+                with trio.fail_after(PROBE_TIMEOUT_S / 2):
+                    await engine.write_from(fd, 0, payload)
+                    await engine.fsync(fd)
+                    back = bytearray(len(payload))
+                    got = await engine.read_into(fd, 0, memoryview(back))
+                if got != len(payload) or back != payload:
+                    raise OSError(0, "io_uring read back different bytes than it wrote")
+                nursery.cancel_scope.cancel()
+        finally:
+            os.close(fd)
+
+    with tempfile.TemporaryDirectory(prefix="kvfs-probe-") as scratch:
+        try:
+            engine = UringEngine(entries=8)
+            try:
+                trio.run(exercise, engine, os.path.join(scratch, "probe"))
+            finally:
+                engine.close()
+        except (ImportError, OSError, trio.TooSlowError) as error:
+            reason = "the io_uring self-test timed out" if isinstance(error, trio.TooSlowError) else _describe(error)
+            print(reason, file=sys.stderr)
+            raise SystemExit(1)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    _self_test()

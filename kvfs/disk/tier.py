@@ -1,7 +1,7 @@
 """The SSD tier: chunk extents in segment files, indexed in lmdb, checked on every read.
 
 Each file on the tier also has an extent header (kvfs/disk/header.py) holding its
-record: at start the index is checked in a child process (kvfs/disk/probe.py),
+record: at start the index is checked in a child process (kvfs/disk/index_check.py),
 and an index that is missing, truncated, zeroed or garbled is set aside and
 rebuilt from the headers in the segments (kvfs/disk/rebuild.py).
 """
@@ -27,7 +27,7 @@ from kvfs.config import format_size
 from kvfs.disk.engine import ALIGN, AlignedIo
 from kvfs.disk.header import encode_header
 from kvfs.disk.index import DiskIndex
-from kvfs.disk.probe import IndexState, probe_index
+from kvfs.disk.index_check import IndexState, check_index
 from kvfs.disk.rebuild import scan_tier
 from kvfs.disk.records import LAYOUT_VERSION, DiskRecord, IndexEntry, LayoutMeta
 from kvfs.disk.segments import SEGMENT_SIZE, SegmentFiles, segment_path
@@ -120,7 +120,7 @@ class SsdTier:
         """The index, checked first; with the state that calls for a rebuild, if any."""
         path = self.directory / "index"
         map_size = index_map_size(self.capacity)
-        state = probe_index(path, self.capacity, self.chunk_size, map_size)
+        state = check_index(path, self.capacity, self.chunk_size, map_size)
         if state.kind == "layout":
             raise StorageError(errno.EINVAL, old_layout_message(self.directory, state))
         pending = None

@@ -35,7 +35,8 @@ from kvfs.metrics.node import NodeMetrics
 from kvfs.node import Node
 from kvfs.node_membership import HEARTBEAT_S
 from kvfs.policy import make_policy
-from kvfs.disk.engine import AlignedIo, open_engine
+from kvfs.disk.engine import AlignedIo
+from kvfs.disk.probe import open_engine
 from kvfs.disk.tier import SsdTier
 from kvfs.store.buffers import ReadBufferPool
 from kvfs.store.dram import DramTier
@@ -133,9 +134,7 @@ class Daemon:
         read_buffers = None
         if config.disk_path is not None:
             read_buffers = ReadBufferPool(READ_BUFFERS, self.dram.chunk_size)
-            self.engine = open_engine(regions=[self.dram.arena.view, read_buffers.view],
-                                      prefer_uring=config.io_engine != "threads",
-                                      require_uring=config.io_engine == "io_uring")
+            self.engine = open_engine(config.io_engine)
             ssd = SsdTier(Path(config.disk_path), config.disk_bytes, self.engine, self.dram.chunk_size, config.direct_io)
             log.info("SSD tier: %s in %s (%s I/O, %s offload)", format_size(ssd.capacity), config.disk_path,
                      self.engine.kind, config.offload)

@@ -1,8 +1,8 @@
 """The DRAM arena: one anonymous memory mapping that holds every chunk of a node.
 
 One large mapping (instead of a bytes object per chunk) lets reads return
-zero-copy memoryview slices to pyfuse3, and lets the same memory be registered
-once as io_uring fixed buffers or an RDMA memory region.
+zero-copy memoryview slices to pyfuse3, lets SSD I/O move chunks straight in
+and out of it, and lets the same memory be registered once as an RDMA memory region.
 """
 
 from __future__ import annotations

@@ -1,0 +1,96 @@
+"""Choosing the SSD I/O engine: io_uring is proven in a child process, so an extension that
+crashes (SIGILL on a CPU without the instructions it was built for) never takes the daemon down."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from kvfs.disk.probe import open_engine, probe_io_uring
+
+CRASHING_EXTENSION = """
+#include <Python.h>
+/* Dies the way a wheel built for AVX-512 dies on a CPU without it: an illegal instruction. */
+PyMODINIT_FUNC PyInit_liburing(void) { __builtin_trap(); return NULL; }
+"""
+
+
+@pytest.fixture
+def crashing_liburing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A native `liburing` module that dies with SIGILL when imported, first on PYTHONPATH."""
+    directory = tmp_path / "crashing"
+    directory.mkdir()
+    source = directory / "fake.c"
+    source.write_text(CRASHING_EXTENSION)
+    target = directory / f"liburing{sysconfig.get_config_var('EXT_SUFFIX')}"
+    subprocess.run(["gcc", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}", str(source),
+                    "-o", str(target)], check=True)
+    crash = subprocess.run([sys.executable, "-c", "import liburing"], env={**os.environ, "PYTHONPATH": str(directory)},
+                           capture_output=True)
+    assert crash.returncode == -4, "the stand-in extension must really die with SIGILL"
+    monkeypatch.setenv("PYTHONPATH", str(directory))
+    return directory
+
+
+def test_io_uring_is_proven_and_chosen_on_this_machine() -> None:
+    assert probe_io_uring() is None
+    engine = open_engine("auto")
+    try:
+        assert engine.kind == "io_uring"
+    finally:
+        engine.close()
+
+
+def test_the_probe_names_a_crash_and_auto_falls_back(crashing_liburing: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    reason = probe_io_uring()
+    assert reason is not None and "SIGILL" in reason
+    engine = open_engine("auto")
+    assert engine.kind == "threads"
+    warnings = [record for record in caplog.records if record.levelname == "WARNING"]
+    assert len(warnings) == 1 and "SIGILL" in warnings[0].getMessage()
+
+
+def test_a_mount_survives_a_crashing_io_uring_binding(crashing_liburing: Path, make_mount, tmp_path: Path) -> None:
+    mount = make_mount("64M", "--disk", str(tmp_path / "disk"), "--disk-size", "256M")
+    log = mount.log_text()
+    fallbacks = [line for line in log.splitlines() if "io_uring is unavailable" in line]
+    assert len(fallbacks) == 1 and " WARNING " in fallbacks[0] and "SIGILL" in fallbacks[0]
+    data = os.urandom(3 << 20)
+    (mount.path / "block.bin").write_bytes(data)
+    os.setxattr(mount.path, "user.kvfs.control", b"flush")
+    os.setxattr(mount.path, "user.kvfs.control", b"drop-dram")
+    assert os.getxattr(mount.path / "block.bin", "user.kvfs.tier") == b"ssd"
+    assert (mount.path / "block.bin").read_bytes() == data  # served by the thread engine from SSD
+    stats = json.loads(os.getxattr(mount.path, "user.kvfs.stats"))
+    assert stats["io_engine"] == "threads"
+    status = subprocess.run([sys.executable, "-m", "kvfs", "status", str(mount.path)], capture_output=True,
+                            text=True, timeout=30, check=True).stdout
+    assert "threads" in status.splitlines()[2]
+
+
+def test_io_uring_required_refuses_to_start_with_the_reason(crashing_liburing: Path, tmp_path: Path) -> None:
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    result = subprocess.run([sys.executable, "-m", "kvfs", "mount", str(mountpoint), "--foreground", "--dram", "64M",
+                             "--disk", str(tmp_path / "disk"), "--disk-size", "256M", "--io-engine", "io_uring"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "io_engine io_uring: unavailable here: the liburing extension died with SIGILL" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_an_ssd_mount_reports_its_engine(make_mount, tmp_path: Path) -> None:
+    mount = make_mount("64M", "--disk", str(tmp_path / "disk"), "--disk-size", "256M")
+    assert json.loads(os.getxattr(mount.path, "user.kvfs.stats"))["io_engine"] == "io_uring"
+    assert "io_uring is unavailable" not in mount.log_text()
+    status = subprocess.run([sys.executable, "-m", "kvfs", "status", str(mount.path)], capture_output=True,
+                            text=True, timeout=30, check=True).stdout
+    header, row = status.splitlines()[1:3]
+    assert header.split()[-2:] == ["SSD", "I/O"] and row.split()[-1] == "io_uring"
