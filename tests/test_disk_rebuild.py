@@ -238,3 +238,51 @@ def test_fsck_checks_and_repairs(make_mount, tmp_path: Path) -> None:
     mount.start()
     assert "rebuilding it from the segments" not in mount.log_text()
     assert tree(root) == expected
+
+
+def test_fsck_repairs_entries_and_headers_against_a_healthy_index(make_mount, tmp_path: Path) -> None:
+    mount = ssd_mount(make_mount, tmp_path)
+    root = mount.path
+    for name in ("a.bin", "b.bin", "c.bin", "d.bin"):
+        (root / name).write_bytes(content(name, MiB))
+    os.setxattr(root, "user.kvfs.control", b"sync")
+    segments = tmp_path / "disk" / "segments"
+
+    def header_of(name: str) -> int:
+        found = [o for o in header_offsets(segments) if name.encode() in read_at(segments, o, 4096)]
+        assert len(found) == 1, (name, found)
+        return found[0]
+
+    def poke(offset: int, data: bytes) -> None:
+        with open(segments / f"segment-{offset // SEGMENT_SIZE:05d}.dat", "r+b") as f:
+            f.seek(offset % SEGMENT_SIZE)
+            f.write(data)
+
+    b_chunk = int(os.getxattr(root / "b.bin", "user.kvfs.ssd_extents").decode().split("+")[0])
+    d_header = header_of("d.bin")
+    d_page = read_at(segments, d_header, 4096)
+    used = ssd_used(root)
+    os.unlink(root / "d.bin")
+    deadline = time.monotonic() + 10
+    while ssd_used(root) == used and time.monotonic() < deadline:
+        time.sleep(0.02)
+    mount.stop()
+    assert header_of("c.bin") and not [o for o in header_offsets(segments) if o == d_header]  # erased
+    poke(d_header, d_page)  # as if its erasure never reached the disk
+    poke(b_chunk + 100, b"\x00\xff")  # b.bin: damaged data
+    poke(header_of("c.bin") + 30, b"\x00\xff")  # c.bin: a damaged header, intact data
+    disk = str(tmp_path / "disk")
+    found = run_kvfs("fsck", "--disk", disk)
+    assert found.returncode == 2, found.stdout + found.stderr
+    problems = [line for line in found.stdout.splitlines() if "problem:" in line]
+    assert len(problems) == 3, found.stdout
+    assert any("/b.bin" in p and "checksum" in p for p in problems)
+    assert any("/c.bin" in p and "header is missing or stale" in p for p in problems)
+    assert any("/d.bin" in p and "does not know" in p for p in problems)
+    repaired = run_kvfs("fsck", "--disk", disk, "--repair")
+    assert repaired.returncode == 0 and "repaired" in repaired.stdout, repaired.stdout + repaired.stderr
+    again = run_kvfs("fsck", "--disk", disk)
+    assert again.returncode == 0 and "clean" in again.stdout, again.stdout + again.stderr
+    shutil.rmtree(tmp_path / "disk" / "index")  # the repaired headers alone give back the same tree
+    mount.start()
+    assert tree(root) == {name: content(name, MiB) for name in ("a.bin", "c.bin")}

@@ -36,6 +36,8 @@ from kvfs.store.buddy import BuddyAllocator
 
 log = logging.getLogger(__name__)
 
+SPARE_HEADER_PAGES = 64
+
 
 def rounded(length: int) -> int:
     """Lengths on disk are whole pages (O_DIRECT)."""
@@ -105,6 +107,7 @@ class SsdTier:
             raise StorageError(errno.EINVAL, f"disk size {format_size(capacity)} is below one chunk")
         self.extents: dict[int, list[DiskExtent]] = {}
         self.headers: dict[int, tuple[int, int]] = {}  # version -> its header block (offset, length)
+        self._header_pages: list[int] = []  # set aside by allocate() for the next commits
         self._zero_page = mmap.mmap(-1, ALIGN)  # page-aligned: erasures go straight to O_DIRECT
         self._lock = lock_directory(directory)
         try:
@@ -162,20 +165,26 @@ class SsdTier:
     # Writing ------------------------------------------------------------------------
 
     def allocate(self, lengths: list[int]) -> list[int] | None:
-        """Offsets for chunks of these lengths, or None (nothing allocated) if the tier is full."""
+        """Offsets for chunks of these lengths, or None (nothing allocated) if the tier is full.
+        A page for the file's extent header is set aside with them: a commit never fails
+        for want of a page on a tier that had room for the chunks."""
         offsets: list[int] = []
-        for length in lengths:
+        for length in [*lengths, ALIGN]:
             offset = self.allocator.allocate(rounded(length))
             if offset is None:
                 for taken in offsets:
                     self.allocator.free(taken)
                 return None
             offsets.append(offset)
+        self._header_pages.append(offsets.pop())
         return offsets
 
     def release(self, offsets: list[int]) -> None:
         for offset in offsets:
             self.allocator.free(offset)
+        # Offloads that failed or were dropped leave their header pages behind: keep a few.
+        while len(self._header_pages) > SPARE_HEADER_PAGES:
+            self.allocator.free(self._header_pages.pop())
 
     async def write_chunks(self, offsets: list[int], sources: list[memoryview]) -> None:
         def write(offset: int, source: memoryview):
@@ -236,6 +245,8 @@ class SsdTier:
     def _header_block(self, record: DiskRecord) -> tuple[int, bytes]:
         """A newly allocated block, and the header to write there."""
         block = encode_header(record, self.chunk_size, time.time_ns())
+        if len(block) == ALIGN and self._header_pages:
+            return self._header_pages.pop(), block
         offset = self.allocator.allocate(len(block)) if len(block) <= self.chunk_size else None
         if offset is None:
             raise OSError(errno.ENOSPC, f"no room on {self.directory} for the extent header of version "
