@@ -58,7 +58,8 @@ def test_header_round_trip_and_damage_detection() -> None:
 
 def test_choose_keeps_the_newest_of_overlapping_headers() -> None:
     def found(offset: int, version: int, chunk_offset: int, written: int = 0) -> Found:
-        body = decode_header(encode_header(record(version, f"f{version}", [(chunk_offset, 100, 1)], 100), CHUNK, written))
+        block = encode_header(record(version, f"f{version}", [(chunk_offset, 100, 1)], 100), CHUNK, written)
+        body = decode_header(block)
         return Found(offset, 4096, body)
 
     kept, skipped = choose([found(0, 1, CHUNK), found(4096, 2, CHUNK), found(8192, 3, 2 * CHUNK),

@@ -56,7 +56,8 @@ def check_entries(raw_entries, capacity: int, chunk_size: int) -> tuple[int, str
             entry = decode(value)
         except msgspec.DecodeError as error:
             return count, f"entry {bytes(key).hex()} does not decode ({error})"
-        blocks = [(entry.header, entry.header_length)] + [(offset, _rounded(length)) for offset, length, _ in entry.record.chunks]
+        blocks = [(entry.header, entry.header_length)]
+        blocks += [(offset, _rounded(length)) for offset, length, _ in entry.record.chunks]
         for offset, length in blocks:
             if not allocator.reserve(offset, length):
                 return count, f"entry of version {entry.record.version} points at invalid or overlapping space"

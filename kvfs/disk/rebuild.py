@@ -101,7 +101,8 @@ def scan(reader: SegmentReader, progress: Callable[[int, int], None]) -> tuple[l
                 found.append(Found(offset, length, decode_header(block)))
             except HeaderError as error:
                 segment = segment_path(reader.directory, offset // SEGMENT_SIZE).name
-                damaged.append(f"header at tier offset {offset} ({segment} byte {offset % SEGMENT_SIZE}): {error}; skipped")
+                damaged.append(f"header at tier offset {offset} ({segment} byte {offset % SEGMENT_SIZE}): "
+                               f"{error}; skipped")
         progress(min(start + WINDOW, reader.capacity), len(found))
     return found, damaged
 

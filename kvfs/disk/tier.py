@@ -111,39 +111,39 @@ class SsdTier:
         self._zero_page = mmap.mmap(-1, ALIGN)  # page-aligned: erasures go straight to O_DIRECT
         self._lock = lock_directory(directory)
         try:
-            self.index, pending = self._open_index()
+            self.index, damaged = self._open_index()
             self.segments = SegmentFiles(directory / "segments", self.capacity, direct_io)
-            if pending is not None:
-                self._rebuild(pending)
+            if damaged:
+                self._rebuild()
         except BaseException:
             os.close(self._lock)
             raise
 
-    def _open_index(self) -> tuple[DiskIndex, IndexState | None]:
-        """The index, checked first; with the state that calls for a rebuild, if any."""
+    def _open_index(self) -> tuple[DiskIndex, bool]:
+        """The index, checked first; True if it was damaged or missing (a new, empty one
+        replaces it, to be rebuilt from the segments)."""
         path = self.directory / "index"
         map_size = index_map_size(self.capacity)
         state = check_index(path, self.capacity, self.chunk_size, map_size)
         if state.kind == "layout":
             raise StorageError(errno.EINVAL, old_layout_message(self.directory, state))
-        pending = None
-        if state.kind == "damaged" or (state.kind == "absent" and has_segments(self.directory)):
+        damaged = state.kind == "damaged" or (state.kind == "absent" and has_segments(self.directory))
+        if damaged:
             aside = set_aside(path)
             log.warning("the SSD index %s is %s; rebuilding it from the segments%s", path,
                         f"damaged ({state.detail})" if state.kind == "damaged" else "missing",
                         f" (the damaged copy is kept as {aside})" if aside.exists() else "")
-            pending = state
         elif state.kind == "absent":
             shutil.rmtree(path, ignore_errors=True)  # an empty index: start afresh
         index = DiskIndex(path, map_size=map_size)
-        if pending is None and state.kind != "ok":
+        if not damaged and state.kind != "ok":
             index.set_layout(self._layout())
-        return index, pending
+        return index, damaged
 
     def _layout(self) -> LayoutMeta:
         return LayoutMeta(LAYOUT_VERSION, self.chunk_size, SEGMENT_SIZE)
 
-    def _rebuild(self, state: IndexState) -> None:
+    def _rebuild(self) -> None:
         """Fills the new index from the segments; its layout record goes last, so that an
         interrupted rebuild reads as damage (and runs again) at the next start."""
         segments = self.directory / "segments"
@@ -321,7 +321,8 @@ class SsdTier:
                     break
                 reserved.append(offset)
             if len(reserved) != len(blocks):
-                log.warning("index record of version %d points at invalid or overlapping space; dropped", record.version)
+                log.warning("index record of version %d points at invalid or overlapping space; dropped",
+                            record.version)
                 self.release(reserved)
                 bad_keys.append(record.version.to_bytes(8, "big"))
                 continue
