@@ -108,6 +108,9 @@ class SsdTier:
         self.extents: dict[int, list[DiskExtent]] = {}
         self.headers: dict[int, tuple[int, int]] = {}  # version -> its header block (offset, length)
         self._header_pages: list[int] = []  # set aside by allocate() for the next commits
+        # A rewrite and a removal of one version must not interleave (the index would keep
+        # a record of freed space): they take turns.
+        self._rewriting = trio.Lock()
         self._zero_page = mmap.mmap(-1, ALIGN)  # page-aligned: erasures go straight to O_DIRECT
         self._lock = lock_directory(directory)
         try:
@@ -216,7 +219,10 @@ class SsdTier:
     async def update(self, records: list[DiskRecord]) -> None:
         """Rewrites records of versions already on disk (a rename, new attributes): each header
         in place when the new one fits its block, else in a new block, then the index."""
-        records = [record for record in records if record.version in self.headers]
+        async with self._rewriting:
+            await self._update([record for record in records if record.version in self.headers])
+
+    async def _update(self, records: list[DiskRecord]) -> None:
         blocks: list[tuple[int, bytes]] = []
         fresh: list[int] = []  # blocks allocated here
         moved: list[int] = []  # the blocks they replace
@@ -288,13 +294,14 @@ class SsdTier:
 
     async def remove(self, versions: list[int]) -> None:
         """Deletes index records, then frees their extents (never the other way round)."""
-        versions = [v for v in versions if v in self.extents]
-        if not versions:
-            return
-        await trio.to_thread.run_sync(self.index.delete, versions)
-        await self._erase([self.headers[version][0] for version in versions])
-        for version in versions:
-            self._free(version)
+        async with self._rewriting:
+            versions = [v for v in versions if v in self.extents]
+            if not versions:
+                return
+            await trio.to_thread.run_sync(self.index.delete, versions)
+            await self._erase([self.headers[version][0] for version in versions])
+            for version in versions:
+                self._free(version)
 
     def _free(self, version: int) -> None:
         for extent in self.extents.pop(version, ()):
