@@ -68,6 +68,8 @@ def encode_header(record: DiskRecord, chunk_size: int, written_ns: int) -> bytes
 
 def header_span(page: bytes | memoryview) -> int:
     """From a header's first page: the length of its whole block (to read the rest)."""
+    if len(page) < _PREFIX.size:
+        raise HeaderError("cut short")
     magic, _, length, _ = _PREFIX.unpack_from(page)
     if magic != MAGIC:
         raise HeaderError("no header magic")

@@ -90,7 +90,11 @@ def scan(reader: SegmentReader, progress: Callable[[int, int], None]) -> tuple[l
     found: list[Found] = []
     damaged: list[str] = []
     for start in range(0, reader.capacity, WINDOW):
-        window = reader.read(start, WINDOW)
+        try:
+            window = reader.read(start, WINDOW)
+        except OSError as error:  # a bad stretch of the disk: the rest may still be read
+            damaged.append(f"tier offsets {start}-{start + WINDOW - 1}: unreadable ({error.strerror}); skipped")
+            continue
         for within in magic_pages(window):
             offset = start + within
             try:
@@ -99,7 +103,7 @@ def scan(reader: SegmentReader, progress: Callable[[int, int], None]) -> tuple[l
                 if len(block) < length:  # a large header running past the window
                     block = reader.read(offset, length)
                 found.append(Found(offset, length, decode_header(block)))
-            except HeaderError as error:
+            except (HeaderError, OSError) as error:
                 segment = segment_path(reader.directory, offset // SEGMENT_SIZE).name
                 damaged.append(f"header at tier offset {offset} ({segment} byte {offset % SEGMENT_SIZE}): "
                                f"{error}; skipped")
@@ -145,7 +149,10 @@ def choose(found: Iterable[Found], capacity: int, chunk_size: int) -> tuple[list
 def verify(reader: SegmentReader, item: Found) -> str | None:
     """Why a kept file's data is not intact, or None."""
     for index, (offset, length, checksum) in enumerate(item.body.record.chunks):
-        data = reader.read(offset, length)
+        try:
+            data = reader.read(offset, length)
+        except OSError as error:
+            return f"chunk {index} at tier offset {offset} is unreadable ({error.strerror})"
         if len(data) != length:
             return f"chunk {index} at tier offset {offset} is cut short"
         if chunk_checksum(data) != checksum:
