@@ -30,6 +30,7 @@ from kvfs.disk.records import LAYOUT_VERSION, DiskRecord
 
 MAGIC = b"KVFShdr\x00"
 PAGE = 4096
+MAX_BODY = 4 << 20  # no block on the tier is larger than a chunk
 _PREFIX = struct.Struct("<8sIIQ")
 
 
@@ -73,6 +74,8 @@ def header_span(page: bytes | memoryview) -> int:
     magic, _, length, _ = _PREFIX.unpack_from(page)
     if magic != MAGIC:
         raise HeaderError("no header magic")
+    if length > MAX_BODY:
+        raise HeaderError(f"body length {length} is implausible")
     return -(-(_PREFIX.size + length) // PAGE) * PAGE
 
 
