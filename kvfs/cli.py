@@ -9,13 +9,14 @@ import logging
 import os
 import sys
 import time
+from typing import NoReturn
 
-from kvfs import __version__
+from kvfs import __version__, preflight
 from kvfs.cluster import messages as m
 from kvfs.config import (DEFAULT_MASTER_METRICS, DEFAULT_NODE_METRICS, MountConfig, check_address,
                          default_disk_bytes, default_dram_bytes, format_size, parse_size)
 from kvfs.config_sources import parse_with_sources
-from kvfs.errors import ConfigError, KvfsError
+from kvfs.errors import CommandError, ConfigError, KvfsError, reason_of
 from kvfs.fstab import mount_helper_argv
 from kvfs.policy import DEFAULT_POLICY, POLICIES
 
@@ -82,10 +83,17 @@ def _add_store_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--gc-interval", type=float, default=30.0, help="seconds between orphan collections")
     command.add_argument("--no-allow-other", dest="allow_other", action="store_false",
                          help="only the mounting user may access the mount")
+    command.add_argument("--nonempty", action="store_true",
+                         help="mount over a mount point that is not empty (its entries are hidden)")
+    command.add_argument("--start-timeout", type=float, default=120.0,
+                         help="seconds a background start may take (reaching the master included) before "
+                              "the daemon is stopped (default 120)")
     ssd = command.add_argument_group("SSD tier (off unless --disk is given)")
     ssd.add_argument("--disk", default=None, help="directory on the NVMe for the SSD tier (segment files, index)")
     ssd.add_argument("--disk-size", default=None,
                      help="SSD tier size, preallocated (default: half the free space of --disk's file system)")
+    ssd.add_argument("--disk-fit", action="store_true",
+                     help="take what fits when --disk-size is more than the free space (else refuse)")
     ssd.add_argument("--offload", default="eager", choices=["eager", "watermark"],
                      help="eager: copy every sealed file to SSD; watermark: only when DRAM use passes the high mark")
     ssd.add_argument("--high-watermark", type=float, default=0.9, help="fraction of DRAM that starts offloading")
@@ -117,8 +125,15 @@ def _add_status_source(command: argparse.ArgumentParser) -> None:
     command.add_argument("--master", default=None, help="the master's HOST:PORT")
 
 
+class CommandParser(argparse.ArgumentParser):
+    """Usage errors as one line, like every other failure of the command."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"kvfs: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvfs", description="A POSIX filesystem for LLM KV-cache blocks.")
+    parser = CommandParser(prog="kvfs", description="A POSIX filesystem for LLM KV-cache blocks.")
     parser.add_argument("--version", action="version", version=f"kvfs {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -172,6 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (default: never)")
     _add_common(top)
 
+    du = commands.add_parser("du", help="per top-level directory (per model): files, bytes by tier, "
+                                        "hit rate, reads/s")
+    du.add_argument("path", nargs="?", help="a kvfs mount, or a directory in it (instead of --master)")
+    du.add_argument("--master", default=None, help="the master's HOST:PORT")
+    du.add_argument("--interval", type=float, default=1.0,
+                    help="seconds between the two samples that give the rates (0: no rates)")
+    du.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_common(du)
+
     inspect = commands.add_parser("inspect", help="where a file's chunks live, checksums, version, use, leases")
     inspect.add_argument("path", help="a file in a kvfs mount")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
@@ -180,6 +204,19 @@ def build_parser() -> argparse.ArgumentParser:
     remove.add_argument("name", help="the node's name, as `kvfs status` shows it")
     remove.add_argument("--master", required=True, help="the master's HOST:PORT")
     _add_common(remove)
+
+    check = commands.add_parser("check", help="the preflight of mount/node/master as a table: memory, disk "
+                                              "space, io_uring, FUSE, ports, credentials, the mount point")
+    check.add_argument("mountpoint", nargs="?", help="where kvfs would be mounted")
+    check.add_argument("--master", default=None, help="a node's master HOST:PORT (checks that it answers)")
+    check.add_argument("--listen", default=None, help="a node's or the master's HOST:PORT to serve on")
+    _add_store_options(check)
+    _add_metrics(check, DEFAULT_NODE_METRICS)
+    _add_common(check)
+
+    completion = commands.add_parser("completion", help="print the shell completion script (install.sh "
+                                                        "installs it)")
+    completion.add_argument("shell", choices=["bash"])
 
     fsck = commands.add_parser("fsck", help="check an SSD tier offline (index against segments), or repair it")
     fsck.add_argument("--disk", required=True, help="the SSD tier's directory (not in use by a mount)")
@@ -194,10 +231,18 @@ def build_parser() -> argparse.ArgumentParser:
 def _secret(args: argparse.Namespace) -> bytes:
     from kvfs.cluster.auth import AuthError, load_secret
 
+    preflight.refuse_on_failure([preflight.check_secret_file(args.secret_file)])
     try:
         return load_secret(args.secret_file)
     except (AuthError, OSError) as error:
         raise ConfigError(f"cluster secret: {error}") from None
+
+
+def _disk_bytes(args: argparse.Namespace) -> int:
+    if not args.disk:
+        return 0
+    size = parse_size(str(args.disk_size), "--disk-size") if args.disk_size else default_disk_bytes(args.disk)
+    return preflight.fitted_disk_bytes(args.disk, size) if args.disk_fit else size
 
 
 def _mount_config(args: argparse.Namespace, **cluster) -> MountConfig:
@@ -211,8 +256,7 @@ def _mount_config(args: argparse.Namespace, **cluster) -> MountConfig:
         gc_interval_s=args.gc_interval,
         allow_other=args.allow_other,
         disk_path=os.path.abspath(args.disk) if args.disk else None,
-        disk_bytes=(parse_size(str(args.disk_size), "--disk-size") if args.disk_size
-                    else default_disk_bytes(args.disk) if args.disk else 0),
+        disk_bytes=_disk_bytes(args),
         offload=args.offload,
         high_watermark=args.high_watermark,
         low_watermark=args.low_watermark,
@@ -224,11 +268,27 @@ def _mount_config(args: argparse.Namespace, **cluster) -> MountConfig:
     )
 
 
+def _store_checks(config: MountConfig, nonempty: bool) -> list[preflight.Check]:
+    """The preflight of a mount or node, before anything is allocated."""
+    checks = [preflight.check_memory(config.dram_bytes), preflight.check_fuse(),
+              preflight.check_mountpoint(config.mountpoint, nonempty)]
+    if config.disk_path is not None:
+        checks.append(preflight.check_disk(config.disk_path, config.disk_bytes))
+        if config.io_engine == "io_uring":  # auto: the daemon's own probe falls back to threads
+            checks.append(preflight.check_io_uring(config.io_engine, config.disk_path))
+    if config.metrics_listen is not None:
+        checks.append(preflight.check_port(config.metrics_listen, "metrics-listen"))
+    if config.master is not None:
+        checks.append(preflight.check_port(config.listen, "listen"))
+    return checks
+
+
 def _start(config: MountConfig, args: argparse.Namespace) -> int:
     from kvfs.fuse.mount import mount
 
+    preflight.refuse_on_failure(_store_checks(config, args.nonempty))
     log_file = None if args.foreground else (args.log_file or default_log_file(config.mountpoint))
-    code = mount(config, args.foreground, log_file)
+    code = mount(config, args.foreground, log_file, args.start_timeout)
     if code == 0 and not args.foreground:
         print(f"kvfs mounted on {config.mountpoint} ({format_size(config.dram_bytes)} DRAM); log: {log_file}")
     return code
@@ -251,8 +311,11 @@ def run_master(args: argparse.Namespace) -> int:
     from kvfs.cluster.master_process import MasterConfig, MasterProcess
 
     check_address(args.listen, "listen")
+    checks = [preflight.check_port(args.listen, "listen")]
     if args.metrics:
         check_address(args.metrics_listen, "metrics_listen")
+        checks.append(preflight.check_port(args.metrics_listen, "metrics-listen"))
+    preflight.refuse_on_failure(checks)
     config = MasterConfig(args.listen, os.path.abspath(args.data), _secret(args), args.eviction_policy,
                           temp_grace_s=args.temp_grace, dead_after_s=args.dead_after,
                           metrics_listen=args.metrics_listen if args.metrics else None)
@@ -279,15 +342,27 @@ def ask_master(args: argparse.Namespace, request):  # type: ignore[no-untyped-de
                 finally:
                     await master.aclose()
 
+    from kvfs.cluster.auth import AuthError
+    from kvfs.cluster.protocol import ProtocolError
+    from kvfs.concurrency import single_error
+
+    refused = (AuthError, ProtocolError, EOFError, trio.BrokenResourceError)
     try:
         return trio.run(call)
     except BaseExceptionGroup as group:
-        from kvfs.concurrency import single_error
-
-        error = single_error(group, (KvfsError, OSError))
+        error = single_error(group, (KvfsError, OSError, trio.TooSlowError) + refused)
         if error is None:
             raise
-        raise error from None
+    except (KvfsError, OSError, trio.TooSlowError) + refused as raised:
+        error = raised
+    if isinstance(error, trio.TooSlowError):
+        raise CommandError(errno.ETIMEDOUT, f"master {args.master}: no answer within 10 s")
+    if isinstance(error, refused):
+        raise CommandError(errno.EACCES, f"master {args.master} refused this client (is the cluster secret "
+                                         f"the same as the master's?): {error or type(error).__name__}")
+    if isinstance(error, OSError):
+        raise CommandError(error.errno or errno.EIO, f"master {args.master}: {reason_of(error)}")
+    raise error
 
 
 def run_remove_node(args: argparse.Namespace) -> int:
@@ -304,12 +379,31 @@ def _cluster_info(args: argparse.Namespace) -> tuple[str, m.ClusterInfo]:
         return f"master {args.master}", ask_master(args, m.ClusterStatus())
     if not args.mountpoint:
         raise ConfigError("name a mount (kvfs status /mnt/kvfs) or the master (--master HOST:PORT)")
-    mountpoint = os.path.abspath(args.mountpoint)
+    mountpoint = kvfs_mount_root(args.mountpoint)
     try:
         stats = json.loads(os.getxattr(mountpoint, "user.kvfs.stats"))
     except OSError as error:
-        raise KvfsError(error.errno or errno.EIO, f"{mountpoint} is not a kvfs mount ({error.strerror})") from None
+        raise KvfsError(error.errno or errno.EIO, f"{mountpoint}: cannot read its statistics") from None
     return f"mount {mountpoint}", info_from_mount_stats(mountpoint, stats)
+
+
+def kvfs_mount_root(path: str) -> str:
+    """The root of the kvfs mount that holds `path`; a clear error for a stale mount or none."""
+    from kvfs.fuse.mount import mount_holding
+
+    path = os.path.abspath(path)
+    info = mount_holding(path)
+    if info is None or info.fstype != "fuse.kvfs":
+        where = f"it is on {info.fstype} at {info.mountpoint}" if info is not None else "no mount holds it"
+        raise CommandError(errno.EINVAL, f"{path} is not in a kvfs mount ({where})")
+    try:
+        os.statvfs(info.mountpoint)
+    except OSError as error:
+        if error.errno == errno.ENOTCONN:
+            raise CommandError(errno.ENOTCONN, f"{info.mountpoint} is a stale kvfs mount: its daemon died (mount "
+                                               f"it again to clean it up, or 'kvfs umount {info.mountpoint}')") from None
+        raise CommandError(error.errno or errno.EIO, f"{info.mountpoint}: {error.strerror}") from None
+    return info.mountpoint
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -343,11 +437,85 @@ def run_top(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dir_usage(args: argparse.Namespace, files: bool) -> tuple[str, str | None, m.DirUsageInfo]:
+    """(source, the top-level directory PATH is in or None, the usage) from --master or a mount."""
+    import msgspec
+
+    from kvfs.node import ROOT_USAGE, ROOT_USAGE_COUNTERS
+
+    if args.master:
+        return f"master {args.master}", None, ask_master(args, m.DirUsage(files=files))
+    if not args.path:
+        raise ConfigError("name a mount (kvfs du /mnt/kvfs) or the master (--master HOST:PORT)")
+    root = kvfs_mount_root(args.path)
+    inside = os.path.relpath(os.path.abspath(args.path), root)
+    top = None if inside == "." else inside.split(os.sep)[0]
+    name = (ROOT_USAGE if files else ROOT_USAGE_COUNTERS).decode()
+    try:
+        raw = os.getxattr(root, name)
+    except OSError as error:
+        raise KvfsError(error.errno or errno.EIO, f"{root}: cannot read {name}") from None
+    return f"mount {root}", top, msgspec.json.decode(raw, type=m.DirUsageInfo)
+
+
+def run_du(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from kvfs.du import render_du, select
+
+    if args.interval < 0:
+        raise ConfigError("interval: must not be negative")
+    previous, started = None, time.monotonic()
+    if args.interval > 0:
+        previous = _dir_usage(args, files=False)[2]
+        time.sleep(args.interval)
+    source, top, current = _dir_usage(args, files=True)
+    seconds = time.monotonic() - started
+    current.dirs = select(current.dirs, top)
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(current), indent=2))
+    else:
+        print(render_du(source, previous, current, seconds))
+    return 0
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     from kvfs.inspect import file_facts, render_facts
 
     facts = file_facts(os.path.abspath(args.path))
     print(json.dumps(facts, indent=2, sort_keys=True) if args.json else render_facts(args.path, facts))
+    return 0
+
+
+def run_check(args: argparse.Namespace) -> int:
+    checks: list[preflight.Check] = []
+    try:
+        dram = parse_size(str(args.dram), "--dram") if args.dram else default_dram_bytes()
+        checks.append(preflight.check_memory(dram))
+        checks.append(preflight.check_fuse())
+        if args.mountpoint:
+            checks.append(preflight.check_mountpoint(os.path.abspath(args.mountpoint), args.nonempty))
+        if args.disk:
+            size = _disk_bytes(args)
+            checks += [preflight.check_disk(args.disk, size), preflight.check_io_uring(args.io_engine, args.disk)]
+    except ConfigError as error:
+        checks.append(preflight.Check("settings", preflight.FAIL, str(error)))
+    if args.metrics:
+        checks.append(preflight.check_port(args.metrics_listen, "metrics-listen"))
+    if args.listen:
+        checks.append(preflight.check_port(args.listen, "listen"))
+    if args.master or os.path.exists(args.secret_file) or os.environ.get("KVFS_SECRET"):
+        checks.append(preflight.check_secret_file(args.secret_file))
+    if args.master:
+        checks.append(preflight.check_master(args.master))
+    print(preflight.render(checks))
+    return 1 if preflight.failures(checks) else 0
+
+
+def run_completion(args: argparse.Namespace) -> int:
+    from kvfs.completion import bash_completion
+
+    print(bash_completion(build_parser()), end="")
     return 0
 
 
@@ -369,7 +537,7 @@ def run_umount(args: argparse.Namespace) -> int:
     mountpoint = os.path.abspath(args.mountpoint)
     info = find_mount(mountpoint)
     if info is None or not info.fstype.startswith("fuse"):
-        raise KvfsError(errno.EINVAL, f"{mountpoint} is not a kvfs mount")
+        raise CommandError(errno.EINVAL, f"{mountpoint} is not a kvfs mount")
     unmount(mountpoint, lazy=args.lazy)
     deadline = time.monotonic() + 10
     while find_mount(mountpoint) is not None and time.monotonic() < deadline:
@@ -378,22 +546,39 @@ def run_umount(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"mount": run_mount, "node": run_node, "master": run_master, "status": run_status, "top": run_top,
-            "inspect": run_inspect, "remove-node": run_remove_node, "fsck": run_fsck, "umount": run_umount}
+            "du": run_du, "inspect": run_inspect, "remove-node": run_remove_node, "check": run_check,
+            "fsck": run_fsck, "completion": run_completion, "umount": run_umount}
+
+
+def fail(message: str) -> int:
+    """Every failure of the command: one line on stderr (with its priority for journald), a
+    non-zero exit."""
+    print(f"{'<3>' if stderr_is_journal() else ''}kvfs: error: {message}", file=sys.stderr, flush=True)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     init_logging("info")
     argv = sys.argv[1:] if argv is None else argv
+    command = next((arg for arg in argv if not arg.startswith("-")), "kvfs")
     try:
         if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:  # called by mount.fuse3?
             argv = mount_helper_argv(argv) or argv
         args = parse_with_sources(parser, argv)
+        command = args.command
         init_logging(getattr(args, "log_level", "info"))
         return COMMANDS[args.command](args)
     except KvfsError as error:
-        log.error("%s", error)
-        return 1
+        return fail(str(error))
+    except BrokenPipeError:  # `kvfs du | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as error:
-        log.error("%s: %s", error.filename or args.command, error.strerror or error)
-        return 1
+        where = error.filename or command
+        return fail(f"{where}: {error.strerror or error}")
+    except KeyboardInterrupt:
+        return fail(f"{command}: interrupted") + 129  # 130, as a shell reports SIGINT
+    except Exception as error:  # a bug: still one line; the traceback with --log-level debug
+        log.debug("%s failed", command, exc_info=True)
+        return fail(f"{command}: {type(error).__name__}: {error}")

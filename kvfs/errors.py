@@ -44,6 +44,14 @@ class ConfigError(KvfsError):
         self.args = (message,)
 
 
+class CommandError(KvfsError):
+    """A command failed; the message says all of it (no strerror appended)."""
+
+    def __init__(self, errno: int, message: str) -> None:
+        super().__init__(errno, message)
+        self.args = (message,)
+
+
 def errno_of(error: BaseException) -> int:
     """The errno a failure means for a POSIX caller."""
     if isinstance(error, KvfsError):
@@ -51,3 +59,16 @@ def errno_of(error: BaseException) -> int:
     if isinstance(error, OSError) and error.errno:
         return error.errno
     return _errno.EIO
+
+
+def reason_of(error: BaseException) -> str:
+    """Why an operation failed, in words: the strerror of an OSError, looking through trio's
+    "all attempts to connect ... failed" to the first attempt's cause."""
+    cause = error.__cause__
+    if isinstance(error, OSError) and not error.errno and cause is not None:
+        if isinstance(cause, BaseExceptionGroup):
+            cause = cause.exceptions[0]
+        return reason_of(cause)
+    if isinstance(error, OSError) and error.errno:
+        return os.strerror(error.errno)
+    return str(error) or type(error).__name__

@@ -23,6 +23,7 @@ from typing import Awaitable, Callable, Iterable
 import msgspec
 import trio
 
+from kvfs import progress
 from kvfs.checksum import format_checksum
 from kvfs.clock import Clock
 from kvfs.cluster import messages as m
@@ -36,6 +37,7 @@ from kvfs.config import format_size
 from kvfs.disk.records import DiskRecord
 from kvfs.errors import KvfsError, StorageError
 from kvfs.node_membership import NodeMembership, to_disk_file, to_file_record
+from kvfs.store.faults import STORAGE_ERRORS
 from kvfs.store.tiered import ReadSource, TieredStore
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,8 @@ VIRTUAL_XATTRS = (b"user.kvfs.tier", b"user.kvfs.size", b"user.kvfs.version", b"
                   b"user.kvfs.ssd_extents", b"user.kvfs.info")
 VIRTUAL_PREFIX = b"user.kvfs."
 ROOT_STATS = b"user.kvfs.stats"  # JSON counters of the node's store, on the root directory
+ROOT_USAGE = b"user.kvfs.usage"  # JSON use per top-level directory (`kvfs du`), on the root directory
+ROOT_USAGE_COUNTERS = b"user.kvfs.usage_counters"  # the same without summing the files (cheap)
 ROOT_CONTROL = b"user.kvfs.control"  # "sync" (wait for offload), "flush" (offload all), "drop-dram"
 
 
@@ -262,8 +266,8 @@ class Node(NodeMembership):
                 return await self._open_without_master(ino)
             try:
                 source = await self._open_source(opened)
-            except BaseException:
-                await self.master.call(m.Release(opened.version, writer=False))
+            except BaseException:  # (a corrupt first chunk's file is dropped here, its reader gone)
+                self._drop((await self.master.call(m.Release(opened.version, writer=False))).dropped)
                 raise
             self._count_open(opened.version, False, 1)
             self.reader_opens[source.tier] += 1
@@ -449,9 +453,10 @@ class Node(NodeMembership):
                     pass  # a new registration reports only the handles still open
 
     async def fsync(self, handle: OpenFile) -> None:
-        """A sealed file is durable once it is on SSD: fsync waits for its offload."""
+        """A sealed file is durable once it is on SSD: fsync waits for its offload, and
+        fails with EIO if the SSD tier cannot take it."""
         if not handle.writable and self.store.ssd is not None:
-            await self.store.wait_offloaded()
+            await self.store.wait_saved(handle.version)
 
     # The store's owner: its requests to the master ------------------------------------
 
@@ -499,10 +504,13 @@ class Node(NodeMembership):
                 restored_bytes += record.file.size
             if time.monotonic() - last_report > 1:
                 last_report = time.monotonic()
-                log.info("recovering from %s: %d of %d files", ssd.directory, count, total)
+                progress.report(f"recovering from {ssd.directory}: {count} of {total} files", log)
         for version in discard:
             self.store.drop_recovered(version)
-        ssd.forget_recovered(discard)
+        try:
+            ssd.forget_recovered(discard)
+        except STORAGE_ERRORS as error:  # (a full index file system): the offloader retries
+            self.store.remove_later(discard, error)
         log.info("recovered %d files (%s) from %s in %.2f s; discarded %d", restored, format_size(restored_bytes),
                  ssd.directory, time.monotonic() - started, len(discard))
 
@@ -549,6 +557,9 @@ class Node(NodeMembership):
                      "stored_bytes": sum(holding[1] for holding in holdings), "ssd_files": on_ssd,
                      "dram_only_files": len(holdings) - on_ssd}
             return json.dumps(stats, sort_keys=True).encode()
+        if ino == ROOT_INO and name in (ROOT_USAGE, ROOT_USAGE_COUNTERS):
+            usage = await self.master.call(m.DirUsage(files=name == ROOT_USAGE))
+            return msgspec.json.encode(usage)
         if name.startswith(VIRTUAL_PREFIX):
             return await self._virtual_xattr(ino, name)
         return (await self.master.call(m.GetXattr(ino, name))).value
@@ -574,23 +585,37 @@ class Node(NodeMembership):
 
     async def _control(self, command: str) -> None:
         if command == "sync":  # what the offloader has queued is on SSD when this returns
+            self.store.retry_now()
             await self.store.wait_offloaded()
+            self._check_offloaded("sync")
         elif command == "flush":  # everything sealed is on SSD when this returns (also in watermark mode)
+            self.store.retry_now()
             self.store.queue_all_dram_only()
             await self.store.wait_offloaded()
+            self._check_offloaded("flush")
         elif command == "drop-dram":
             demoted = self.store.demote_all()
             log.info("control: dropped the DRAM copies of %d files already on SSD", demoted)
         else:
             raise StorageError(errno.EINVAL, f"unknown control command {command!r} (sync, flush, drop-dram)")
 
+    def _check_offloaded(self, command: str) -> None:
+        """sync and flush fail with EIO while files wait for the SSD tier to work again."""
+        failed, nbytes = self.store.offload_failed()
+        if failed:
+            raise StorageError(errno.EIO, f"control {command}: {failed} files ({format_size(nbytes)}) could not be "
+                                          f"copied to SSD: {self.store.faults.last_error()}")
+
     def activity(self) -> m.Activity:
         backlog_files, backlog_bytes = self.store.offload_backlog()
+        failed_files, failed_bytes = self.store.offload_failed()
+        error = self.store.faults.last_error()
         return m.Activity(self.lookups_found, self.lookups_absent, self.reader_opens["dram"],
                           self.reader_opens["ssd"], self.reader_opens["peer"], backlog_files, backlog_bytes,
                           sum(self.served_bytes.values()), self.written_bytes, self.evicted_files,
                           getattr(self.transport, "kind", ""),
-                          self.store.ssd.engine.kind if self.store.ssd is not None else "")
+                          self.store.ssd.engine.kind if self.store.ssd is not None else "",
+                          failed_files, failed_bytes, error)
 
     def store_stats(self) -> dict[str, float]:
         stats = asdict(self.store.stats)
@@ -615,7 +640,7 @@ class Node(NodeMembership):
     async def listxattr(self, ino: int) -> list[bytes]:
         names = (await self.master.call(m.ListXattr(ino))).names
         if ino == ROOT_INO:
-            return names + [ROOT_STATS]
+            return names + [ROOT_STATS, ROOT_USAGE]
         attr = await self.getattr(ino)
         return names + list(VIRTUAL_XATTRS) if attr.version else names
 

@@ -51,6 +51,12 @@ def render_status(source: str, info: m.ClusterInfo) -> str:
                      f"{percent(a.opens_dram, opens):>8} "
                      f"{format_size(a.offload_backlog_bytes) if n.ssd_capacity else '-':>10} "
                      f"{a.transport or '-':<9} {a.io_engine or '-':<8}")
+    for n in info.nodes:
+        a = n.activity
+        if a.offload_failed_files:
+            lines.append(f"node {n.node} ({n.name}): {a.offload_failed_files} files "
+                         f"({format_size(a.offload_failed_bytes)}) could not be copied to SSD and are only in DRAM: "
+                         f"{a.storage_error or 'a storage failure'}")
     lines.append("HIT: names looked up that existed; DRAM HIT: reads served from the node's own DRAM; "
                  "since each node started")
     return "\n".join(lines)

@@ -28,8 +28,9 @@ echo "kvfs: installing system packages (fuse3, libfuse3 headers, compiler, pytho
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 packages=(fuse3 libfuse3-dev pkg-config gcc libc6-dev python3 python3-dev python3-venv attr util-linux)
-# The tests verify the units with systemd-analyze and boot a soft-RoCE VM for the RDMA transport.
-[[ -n $extras ]] && packages+=(systemd qemu-system-x86 debootstrap e2fsprogs)
+# The tests verify the units with systemd-analyze, boot a soft-RoCE VM for the RDMA transport,
+# and check the alert rules with promtool (Debian's prometheus package).
+[[ -n $extras ]] && packages+=(systemd qemu-system-x86 debootstrap e2fsprogs prometheus)
 [[ -n $rdma ]] && packages+=(rdma-core ibverbs-providers python3-pyverbs)
 apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null
 
@@ -45,12 +46,18 @@ echo "kvfs: installing kvfs$extras into $prefix (pyfuse3 compiles against libfus
 # liburing is compiled here for this CPU's baseline (a prebuilt wheel may need AVX-512: docs/ssd-tier.md);
 # pip keeps the wheel it built, so only the first install pays the ~2 minutes.
 "$prefix/bin/pip" install -q --disable-pip-version-check --no-binary liburing "$repo$extras"
+# liburing keeps an import cache in its package directory: write it now, while that is writable.
+"$prefix/bin/python" -c "import liburing" || echo "kvfs: liburing does not import; the SSD tier will use threads" >&2
 ln -sf "$prefix/bin/kvfs" /usr/local/bin/kvfs
 # Units (not enabled: see docs/operations.md), the documentation they point at, and an
 # example configuration next to where kvfs looks for one.
 install -d /etc/systemd/system /usr/share/doc/kvfs /etc/kvfs
 install -m 644 "$repo"/scripts/systemd/*.service /etc/systemd/system/
-install -m 644 "$repo"/docs/*.md "$repo"/docs/grafana-dashboard.json /usr/share/doc/kvfs/
+install -m 644 "$repo"/docs/*.md "$repo"/docs/grafana-dashboard.json "$repo"/docs/prometheus.yml \
+    "$repo"/docs/alerts.yml /usr/share/doc/kvfs/
 install -m 644 "$repo"/scripts/kvfs.toml.example /etc/kvfs/kvfs.toml.example
+# Bash completion, generated from the command's own parser.
+install -d /usr/share/bash-completion/completions
+"$prefix/bin/kvfs" completion bash > /usr/share/bash-completion/completions/kvfs
 if [[ -d /run/systemd/system ]]; then systemctl daemon-reload; fi
 echo "kvfs: installed $("$prefix/bin/kvfs" --version) as /usr/local/bin/kvfs" >&2

@@ -54,9 +54,11 @@ class KvfsMount:
         self.allowed_errors: list[str] = []
         self._log_offset = 0
         self.process: subprocess.Popen[bytes] | None = None
+        self.stop_status: int | None = None  # the exit status of the last stop by SIGTERM
 
     def start(self) -> None:
         start_offset = len(self.log_text())
+        self.stop_status = None
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
                                             env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
@@ -91,7 +93,7 @@ class KvfsMount:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=30)
+                self.stop_status = self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
@@ -145,6 +147,9 @@ def _mount(tmp_root: Path, dram: str, *extra: str) -> Iterator[KvfsMount]:
         errors = mount.new_errors()
         mount.stop()
         assert not errors, "kvfs logged unexpected errors:\n" + "\n".join(errors)
+        # A clean stop that could not save every file exits 1 (and names them): never silently.
+        assert mount.stop_status in (None, 0), (f"kvfs exited with {mount.stop_status} on a clean stop:\n"
+                                                + mount.log_text()[-3000:])
 
 
 @pytest.fixture(scope="module")

@@ -154,3 +154,36 @@ def test_a_full_tier_of_small_files_takes_a_small_block_and_grows_it() -> None:
     for version in kept:
         assert bytes(dram.read(version, 0, small)) == bytes([version]) * small
     dram.arena.allocator.check()
+
+
+def test_faulting_in_behind_writers_changes_no_byte() -> None:
+    """The mount serves while the arena faults in from a thread: bytes written meanwhile stay,
+    and the progress reaches the whole tier."""
+    import threading
+
+    dram = DramTier(512 * MiB, chunk_size=CHUNK)
+    stop, seen = threading.Event(), []
+    seconds: list[float | None] = []
+    thread = threading.Thread(target=lambda: seconds.append(
+        dram.arena.populate(stop, lambda done, total: seen.append((done, total)))))
+    thread.start()
+    written = {}
+    for version in range(1, 200):  # written while pages fault in, all over the arena
+        data = os.urandom(CHUNK + version * 4096)
+        dram.create(version)
+        dram.write(version, 0, data)
+        written[version] = data
+    thread.join(timeout=120)
+    assert not thread.is_alive() and seconds[0] is not None and seconds[0] >= 0
+    assert seen[-1] == (dram.capacity, dram.capacity) and [done for done, _ in seen] == sorted(done for done, _ in seen)
+    for version, data in written.items():
+        assert bytes(dram.read(version, 0, len(data))) == data
+
+
+def test_faulting_in_stops_when_asked() -> None:
+    import threading
+
+    dram = DramTier(256 * MiB, chunk_size=CHUNK)
+    stop = threading.Event()
+    stop.set()
+    assert dram.arena.populate(stop) is None

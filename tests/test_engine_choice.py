@@ -94,3 +94,10 @@ def test_an_ssd_mount_reports_its_engine(make_mount, tmp_path: Path) -> None:
                             text=True, timeout=30, check=True).stdout
     header, row = status.splitlines()[1:3]
     assert header.split()[-2:] == ["SSD", "I/O"] and row.split()[-1] == "io_uring"
+
+
+def test_the_probe_runs_in_the_tier_directory_and_names_it_when_it_cannot_write(tmp_path: Path) -> None:
+    assert probe_io_uring(tmp_path) is None
+    assert [entry.name for entry in tmp_path.iterdir()] == []  # the scratch file is gone
+    reason = probe_io_uring(Path("/proc/self"))
+    assert reason is not None and reason.startswith("cannot write a scratch file in /proc/self:")

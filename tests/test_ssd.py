@@ -40,12 +40,12 @@ def tier(path: Path) -> str:
     return os.getxattr(path, "user.kvfs.tier").decode()
 
 
-def ssd_mount(make_mount, tmp_path: Path, dram: str = "64M", disk_size: str = "1G", *extra: str):
+def ssd_mount(make_mount, tmp_path: Path, dram: str = "64M", disk_size: str = "256M", *extra: str):
     return make_mount(dram, "--disk", str(tmp_path / "disk"), "--disk-size", disk_size, *extra)
 
 
 def test_writing_four_times_dram_keeps_every_byte(make_mount, tmp_path: Path) -> None:
-    mount = ssd_mount(make_mount, tmp_path, "64M", "1G")
+    mount = ssd_mount(make_mount, tmp_path, "64M", "512M")  # room for all 273 MiB
     root = mount.path
     sizes = [2 * MiB, 4 * MiB, 8 * MiB, 3 * MiB + 4096]
     names = [(root / f"b{i}.bin", sizes[i % 4]) for i in range(64)]  # 273 MiB
@@ -95,7 +95,7 @@ def test_tiers_promotion_and_stats(make_mount, tmp_path: Path) -> None:
 
 
 def test_watermark_offload_waits_for_dram_pressure(make_mount, tmp_path: Path) -> None:
-    mount = ssd_mount(make_mount, tmp_path, "64M", "1G", "--offload", "watermark",
+    mount = ssd_mount(make_mount, tmp_path, "64M", "256M", "--offload", "watermark",
                       "--high-watermark", "0.5", "--low-watermark", "0.25")
     root = mount.path
     store(root / "first.bin", 8 * MiB)
@@ -177,7 +177,7 @@ def test_restart_recovers_names_attributes_and_renames(make_mount, tmp_path: Pat
 
 
 def test_clean_restart_with_ten_thousand_files(make_mount, tmp_path: Path) -> None:
-    mount = ssd_mount(make_mount, tmp_path, "256M", "1G", "--log-level", "info")
+    mount = ssd_mount(make_mount, tmp_path, "256M", "256M", "--log-level", "info")
     root = mount.path
     for d in range(10):
         (root / f"d{d}").mkdir()
@@ -209,19 +209,36 @@ def test_corrupt_chunks_are_never_served(make_mount, tmp_path: Path) -> None:
             f.write(b"\xde\xad\xbe\xef")
     mount.start()
     mount.allowed_errors.append("failed its checksum on disk")
-    with pytest.raises(FileNotFoundError):  # verified before the open returns
+    with pytest.raises(OSError) as raised:  # verified before the open returns
         open(root / "c.bin", "rb")
+    assert raised.value.errno == errno.EIO
     with open(root / "b.bin", "rb") as f:  # the first chunk is good: served; the second is not
         assert f.read(4 * MiB) == content("b.bin", 8 * MiB)[: 4 * MiB]
         with pytest.raises(OSError) as raised:
             f.read()
         assert raised.value.errno == errno.EIO
-    for name in ("b.bin", "c.bin"):  # both now absent, as a miss
+    for name in ("b.bin", "c.bin"):  # both quarantined: absent from now on
         with pytest.raises(FileNotFoundError):
             open(root / name, "rb")
     assert (root / "a.bin").read_bytes() == content("a.bin", 8 * MiB)
     assert sorted(os.listdir(root)) == ["a.bin"]
-    assert stats(root)["checksum_failures"] == 2
+    counters = stats(root)
+    assert counters["checksum_failures"] == 2 and counters["quarantined_files"] == 2
+    quarantined = [line for line in mount.log_text().splitlines() if "quarantined" in line]
+    assert len(quarantined) == 2 and " ERROR " in quarantined[0], quarantined  # once per file, with its path
+    assert sorted(line.split(" kvfs.store.tiered: ")[1].split(":")[0] for line in quarantined) == ["/b.bin", "/c.bin"]
+    # Quarantined for good: their records and extents are gone, so a restart never lists them again.
+    mount.stop()
+    mount.start()
+    assert sorted(os.listdir(root)) == ["a.bin"]
+    for name in ("b.bin", "c.bin"):
+        assert not os.path.lexists(root / name)
+    assert "recovered 1 files" in mount.log_text()
+    assert stats(root)["ssd_used"] == 8 * MiB  # a.bin's two chunks: the others' extents were freed
+    assert (root / "a.bin").read_bytes() == content("a.bin", 8 * MiB)
+    mount.stop()
+    mount.start()
+    assert sorted(os.listdir(root)) == ["a.bin"] and stats(root)["checksum_failures"] == 0
 
 
 @pytest.mark.parametrize("kill_after_acknowledged", [1, 10, 40])

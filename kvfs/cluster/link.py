@@ -14,18 +14,20 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
+from kvfs import progress
 from kvfs.cluster import messages as m
 from kvfs.cluster.auth import AuthError
 from kvfs.cluster.protocol import ProtocolError
 from kvfs.cluster.rpc import MasterUnavailable, RemoteMaster
 from kvfs.config import split_address
-from kvfs.errors import KvfsError
+from kvfs.errors import KvfsError, reason_of
 from kvfs.metrics.histogram import OperationStats
 
 log = logging.getLogger(__name__)
 
 RECONNECT_MIN_S = 0.05
 RECONNECT_MAX_S = 1.0
+WARN_EVERY_S = 5.0  # an unreachable master is reported this often, not at every retry
 
 
 class MasterLink:
@@ -44,6 +46,7 @@ class MasterLink:
         self.wait_s = wait_s
         self._remote: RemoteMaster | None = None
         self._up = trio.Event()
+        self._warned_at = -WARN_EVERY_S  # trio time of the last warning
         self.calls = OperationStats()  # requests by type: round trip to the master
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -59,6 +62,7 @@ class MasterLink:
                     continue
                 self._remote = remote
                 delay = RECONNECT_MIN_S
+                self._warned_at = -WARN_EVERY_S
                 self._up.set()
                 if not started:
                     started = True
@@ -87,7 +91,13 @@ class MasterLink:
             error = refused
         except (OSError, EOFError, trio.BrokenResourceError, trio.TooSlowError, KvfsError) as failed:
             error = failed
-        log.warning("master %s: cannot register (%s); retrying", self.address, error)
+        if trio.current_time() - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = trio.current_time()
+            message = f"master {self.address}: cannot register ({reason_of(error)}); retrying"
+            if first:  # the node is still starting: tell the terminal and systemd too
+                progress.report(message, log, logging.WARNING)
+            else:
+                log.warning("%s", message)
         if remote is not None:
             await remote.aclose()
         return None

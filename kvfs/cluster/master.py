@@ -21,6 +21,7 @@ from kvfs.cluster.membership import Membership
 from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace, check_name
 from kvfs.cluster.objects import FileVersion, ObjectDirectory
 from kvfs.cluster.registry import LOCAL_NODE, Registry
+from kvfs.cluster.usage import DirectoryUsage
 from kvfs.errors import MetadataError
 from kvfs.policy import EvictionPolicy
 
@@ -101,7 +102,9 @@ class MetadataService(Membership):
             m.WatchNames: self._watch_names,
             m.Unwatch: self._unwatch,
             m.RemoveNode: self._remove_node,
+            m.DirUsage: self._dir_usage,
         }
+        self.usage = DirectoryUsage()
         self.notify: set[int] = set()  # nodes with name changes to push
         self.evicted_files = 0  # decided by `_reclaim`, since this process started
         self.evicted_bytes = 0
@@ -293,6 +296,8 @@ class MetadataService(Membership):
     def _lookup(self, req: m.Lookup) -> m.Entry:
         check_name(req.name)
         inode = self._entry(req.parent, req.name)
+        if not self._is_temp(req.name):  # a writer's check for its temp file is no miss
+            self.usage.looked_up(self.ns, req.parent, req.name, inode is not None)
         if inode is None:
             return m.Entry(None)
         entry = m.Entry(self._referenced(inode))
@@ -454,6 +459,7 @@ class MetadataService(Membership):
         version.readers += 1
         self._count_open(version.version, False, 1)
         version.hits += 1
+        self.usage.opened(self.ns, inode.parent, inode.name, version.size)
         now = self.clock.wall_ns()
         version.last_access_ns = inode.atime_ns = now
         self.policy.touch(inode.ino, self.clock.monotonic())
@@ -668,6 +674,9 @@ class MetadataService(Membership):
         self.ns.dirty.add(inode.ino)
         self._admit(inode, record.size)
         return m.Restored(True, dropped)
+
+    def _dir_usage(self, req: m.DirUsage) -> m.DirUsageInfo:
+        return m.DirUsageInfo(self.usage.rows(self.ns, self.objects, req.files))
 
     def _stats(self, req: m.Stats) -> m.MasterStats:
         stats = m.MasterStats(len(self.ns.inodes), self.ns.files, self.objects.sealed_bytes)

@@ -272,6 +272,10 @@ class Activity(msgspec.Struct):
     evicted_files: int = 0
     transport: str = ""  # how it fetches from peers: "tcp", or "rdma" (TCP with peers without it)
     io_engine: str = ""  # how its SSD tier does I/O: "io_uring" or "threads" ("" without an SSD tier)
+    # Files the SSD tier failed to take (a storage failure; they stay in DRAM), and why.
+    offload_failed_files: int = 0
+    offload_failed_bytes: int = 0
+    storage_error: str = ""
 
 
 class Heartbeat(Request):
@@ -284,6 +288,12 @@ class Heartbeat(Request):
 
 class ClusterStatus(Request):
     pass
+
+
+class DirUsage(Request):
+    """Use per top-level directory; `files`: also sum what each holds (a walk of the namespace)."""
+
+    files: bool = True
 
 
 class RemoveNode(Request):
@@ -427,6 +437,26 @@ class ClusterInfo(msgspec.Struct):
     sealed_bytes: int
 
 
+class DirUsageRow(msgspec.Struct):
+    """One top-level directory: what it holds (sealed files), and lookups and reader opens in
+    it since the master started."""
+
+    name: str
+    files: int = 0
+    bytes: int = 0
+    dram_only_bytes: int = 0  # not yet on an SSD tier
+    ssd_bytes: int = 0
+    hits: int = 0  # reader opens of the files it holds now
+    lookups_found: int = 0
+    lookups_absent: int = 0
+    opens: int = 0
+    open_bytes: int = 0
+
+
+class DirUsageInfo(msgspec.Struct):
+    dirs: list[DirUsageRow]
+
+
 # What each request is answered with (the RPC client decodes responses by it).
 RESPONSE_TYPES: dict[type, type] = {
     Lookup: Entry, GetAttr: Attr, SetAttr: Attr, MkDir: Attr, Create: Opened, Unlink: Done, RmDir: Done,
@@ -435,5 +465,5 @@ RESPONSE_TYPES: dict[type, type] = {
     GetVersion: VersionInfo, Reclaim: Removed, Offloaded: Done, GetRecord: FileRecord, Lost: Removed,
     Restore: Restored, CollectOrphans: Removed, Stats: MasterStats, Register: Registered, Report: Reported,
     FinishRegistration: Done, Heartbeat: Beat, ClusterStatus: ClusterInfo, WatchNames: Names, Unwatch: Done,
-    RemoveNode: Removed,
+    RemoveNode: Removed, DirUsage: DirUsageInfo,
 }

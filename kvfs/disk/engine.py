@@ -163,7 +163,12 @@ class UringEngine(AlignedIo):
     kind = "io_uring"
 
     def __init__(self, entries: int = 256) -> None:
-        import liburing as u
+        try:
+            import liburing as u
+        except ImportError:
+            raise
+        except Exception as error:  # e.g. its import cache cannot be written (a read-only install)
+            raise ImportError(f"{type(error).__name__}: {error}") from error
 
         super().__init__()
         self._u = u

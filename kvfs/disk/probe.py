@@ -10,6 +10,7 @@ cleanly does the daemon open a ring itself.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -24,17 +25,21 @@ from kvfs.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-PROBE_TIMEOUT_S = 10.0
+# A real machine answers in ~0.2 s; an emulated one (qemu's TCG) in ~20 s. Only a hang waits this long.
+PROBE_TIMEOUT_S = 60.0
 
 
-def probe_io_uring(timeout: float = PROBE_TIMEOUT_S) -> str | None:
-    """None when io_uring works in a child process; otherwise why it does not."""
+def probe_io_uring(directory: Path | None = None, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """None when io_uring works in a child process, on a scratch file in `directory` (the SSD
+    tier's, so that its file system is proven too; a temporary directory if None); otherwise
+    why it does not."""
     # The child imports this kvfs even if the daemon's working directory changed since it started.
     package_parent = str(Path(kvfs.__file__).resolve().parent.parent)
     path = os.environ.get("PYTHONPATH")
     env = {**os.environ, "PYTHONPATH": (path + os.pathsep if path else "") + package_parent}
     try:
-        child = subprocess.run([sys.executable, "-m", "kvfs.disk.probe"], env=env, timeout=timeout,
+        command = [sys.executable, "-m", "kvfs.disk.probe"] + ([str(directory)] if directory is not None else [])
+        child = subprocess.run(command, env=env, timeout=timeout,
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     except subprocess.TimeoutExpired:
         return f"the io_uring self-test did not finish in {timeout:.0f} s"
@@ -53,12 +58,12 @@ def probe_io_uring(timeout: float = PROBE_TIMEOUT_S) -> str | None:
     return lines[-1] if lines else f"the io_uring self-test exited with {child.returncode}"
 
 
-def open_engine(io_engine: str = "auto") -> AlignedIo:
-    """The engine `io_engine` names. `auto` falls back to threads with one WARNING that says
-    why; `io_uring` refuses to start without it (ConfigError)."""
+def open_engine(io_engine: str = "auto", directory: Path | None = None) -> AlignedIo:
+    """The engine `io_engine` names, for files in `directory`. `auto` falls back to threads
+    with one WARNING that says why; `io_uring` refuses to start without it (ConfigError)."""
     if io_engine == "threads":
         return ThreadEngine()
-    reason = probe_io_uring()
+    reason = probe_io_uring(directory)
     if reason is None:
         try:
             return UringEngine()
@@ -78,39 +83,56 @@ def _describe(error: BaseException) -> str:
     return str(error)
 
 
-def _self_test() -> None:
+def _self_test(directory: str | None) -> None:
     """The child's side: one ring, a write, an fsync and a read of a scratch file."""
     import trio
 
-    async def exercise(engine: UringEngine, path: str) -> None:
+    async def exercise(engine: UringEngine, fd: int) -> None:
         payload = os.urandom(64 << 10)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(engine.run)
-                with trio.fail_after(PROBE_TIMEOUT_S / 2):
-                    await engine.write_from(fd, 0, payload)
-                    await engine.fsync(fd)
-                    back = bytearray(len(payload))
-                    got = await engine.read_into(fd, 0, memoryview(back))
-                if got != len(payload) or back != payload:
-                    raise OSError(0, "io_uring read back different bytes than it wrote")
-                nursery.cancel_scope.cancel()
-        finally:
-            os.close(fd)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            with trio.fail_after(PROBE_TIMEOUT_S / 2):
+                await engine.write_from(fd, 0, payload)
+                await engine.fsync(fd)
+                back = bytearray(len(payload))
+                got = await engine.read_into(fd, 0, memoryview(back))
+            if got != len(payload) or back != payload:
+                raise OSError(0, "io_uring read back different bytes than it wrote")
+            nursery.cancel_scope.cancel()
 
-    with tempfile.TemporaryDirectory(prefix="kvfs-probe-") as scratch:
+    try:
+        scratch = tempfile.TemporaryDirectory(prefix=".kvfs-probe-", dir=directory)
+        fd = _open_scratch(os.path.join(scratch.name, "probe"))
+    except OSError as error:
+        print(f"cannot write a scratch file in {directory or tempfile.gettempdir()}: {error.strerror}",
+              file=sys.stderr)
+        raise SystemExit(1)
+    try:
+        engine = UringEngine(entries=8)
         try:
-            engine = UringEngine(entries=8)
-            try:
-                trio.run(exercise, engine, os.path.join(scratch, "probe"))
-            finally:
-                engine.close()
-        except (ImportError, OSError, trio.TooSlowError) as error:
-            reason = "the io_uring self-test timed out" if isinstance(error, trio.TooSlowError) else _describe(error)
-            print(reason, file=sys.stderr)
-            raise SystemExit(1)
+            trio.run(exercise, engine, fd)
+        finally:
+            engine.close()
+    except (ImportError, OSError, trio.TooSlowError) as error:
+        reason = "the io_uring self-test timed out" if isinstance(error, trio.TooSlowError) else _describe(error)
+        print(reason, file=sys.stderr)
+        raise SystemExit(1)
+    finally:
+        os.close(fd)
+        scratch.cleanup()
+
+
+def _open_scratch(path: str) -> int:
+    """O_DIRECT as the SSD tier opens its segments, where the file system allows it (one that
+    does not may refuse only after creating the file: no O_EXCL)."""
+    flags = os.O_RDWR | os.O_CREAT
+    try:
+        return os.open(path, flags | os.O_DIRECT, 0o600)
+    except OSError as error:
+        if error.errno != errno.EINVAL:
+            raise
+        return os.open(path, flags, 0o600)
 
 
 if __name__ == "__main__":
-    _self_test()
+    _self_test(sys.argv[1] if len(sys.argv) > 1 else None)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from kvfs import systemd
+from kvfs import progress, systemd
 from kvfs.checksum import chunk_checksum
 from kvfs.disk.header import PAGE, HeaderBody, HeaderError, decode_header, header_span, magic_pages
 from kvfs.disk.records import IndexEntry
@@ -171,10 +171,9 @@ def scan_tier(directory: Path, capacity: int, chunk_size: int, activity: str) ->
         nonlocal last
         if time.monotonic() - last >= 1:
             last = time.monotonic()
-            log.warning("%s %s: scanned %d of %d MiB, %d files found", activity, directory, scanned >> 20,
-                        capacity >> 20, files)
-            # A long scan at start must not read as a hung start to systemd.
-            systemd.notify(f"EXTEND_TIMEOUT_USEC=30000000\nSTATUS={activity} {directory}: {scanned >> 20} MiB")
+            progress.report(f"{activity} {directory}: scanned {scanned >> 20} of {capacity >> 20} MiB, "
+                            f"{files} files found", log, logging.WARNING)
+            systemd.notify("EXTEND_TIMEOUT_USEC=30000000")  # a long scan is not a hung start
 
     result = Rebuilt(scanned_bytes=capacity)
     try:

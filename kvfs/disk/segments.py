@@ -12,14 +12,17 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
 from pathlib import Path
 
+from kvfs import progress
 from kvfs.config import format_size
 from kvfs.errors import StorageError
 
 log = logging.getLogger(__name__)
 
 SEGMENT_SIZE = 256 << 20
+PROGRESS_EVERY_S = 2.0  # a start that takes longer says how far it got this often
 
 
 def segment_path(directory: Path, index: int) -> Path:
@@ -34,9 +37,16 @@ class SegmentFiles:
         self.direct = direct_io
         directory.mkdir(parents=True, exist_ok=True)
         count = -(-capacity // SEGMENT_SIZE)
+        started = reported = time.monotonic()
         for index in range(count):
             size = min(SEGMENT_SIZE, capacity - index * SEGMENT_SIZE)
             self.fds.append(self._open(segment_path(directory, index), size))
+            if time.monotonic() - reported >= PROGRESS_EVERY_S and index + 1 < count:
+                reported = time.monotonic()
+                progress.report(f"preallocating the SSD tier in {directory}: {format_size((index + 1) * SEGMENT_SIZE)}"
+                                f" of {format_size(capacity)}", log)
+        if time.monotonic() - started >= PROGRESS_EVERY_S:
+            log.info("preallocated the %s SSD tier in %.1f s", format_size(capacity), time.monotonic() - started)
         # Segments left by a larger earlier configuration hold nothing we index any more.
         for stale in sorted(directory.glob("segment-*.dat"))[count:]:
             log.info("removing %s (beyond the configured disk size)", stale)

@@ -192,7 +192,13 @@ class SsdTier:
     async def write_chunks(self, offsets: list[int], sources: list[memoryview]) -> None:
         def write(offset: int, source: memoryview):
             fd, within = self.segments.locate(offset)
-            return lambda: self.engine.write_from(fd, within, source)
+
+            async def one() -> None:
+                done = await self.engine.write_from(fd, within, source)
+                if done < len(source):  # a short write is a failed write
+                    raise OSError(errno.EIO, f"short write at offset {offset} of {self.directory}: "
+                                             f"{done} of {len(source)} bytes")
+            return one
 
         await run_all(write(offset, source) for offset, source in zip(offsets, sources))
 

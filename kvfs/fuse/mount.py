@@ -8,17 +8,19 @@ import logging
 import os
 import signal
 import socket
+import select
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 import pyfuse3
 import trio
 
-from kvfs import systemd
+from kvfs import progress, systemd
 from kvfs.clock import SystemClock
 from kvfs.cluster.embedded import EmbeddedMaster
 from kvfs.cluster.link import MasterLink
@@ -28,7 +30,7 @@ from kvfs.cluster.transport import PeerServer, TcpTransport
 from kvfs.cluster.verbs import RdmaDevice
 from kvfs.concurrency import single_error
 from kvfs.config import MountConfig, format_size, split_address
-from kvfs.errors import KvfsError
+from kvfs.errors import CommandError, KvfsError
 from kvfs.fuse.operations import KvfsOperations
 from kvfs.metrics.exporter import serve_metrics
 from kvfs.metrics.node import NodeMetrics
@@ -70,6 +72,21 @@ def find_mount(mountpoint: str) -> MountInfo | None:
                 major, minor = fields[2].split(":")
                 fstype = fields[fields.index("-") + 1]
                 found = MountInfo(path, int(major), int(minor), fstype)  # the last one is on top
+    return found
+
+
+def mount_holding(path: str) -> MountInfo | None:
+    """The mount a path lies in (the deepest mount point above it), from /proc/self/mountinfo."""
+    target = os.path.realpath(path)
+    found = None
+    with open("/proc/self/mountinfo") as mountinfo:
+        for line in mountinfo:
+            fields = line.split()
+            point = fields[4].replace("\\040", " ")
+            inside = target == point or target.startswith(point.rstrip("/") + "/")
+            if inside and (found is None or len(point) >= len(found.mountpoint)):
+                major, minor = fields[2].split(":")
+                found = MountInfo(point, int(major), int(minor), fields[fields.index("-") + 1])
     return found
 
 
@@ -128,14 +145,18 @@ class Daemon:
         settings = MasterSettings(temp_suffix=config.temp_suffix.encode(), temp_grace_s=config.temp_grace_s,
                                   root_uid=os.getuid(), root_gid=os.getgid())
         self.service = MetadataService(clock, make_policy(config.eviction_policy), settings)
-        self.dram = DramTier(config.dram_bytes, populate=True)
+        self.dram = DramTier(config.dram_bytes)
+        self._stop_faulting = threading.Event()
+        self._faulting = threading.Thread(target=self._fault_in_dram, name="kvfs-fault-in", daemon=True)
         self.engine: AlignedIo | None = None
         ssd = None
         read_buffers = None
         if config.disk_path is not None:
             read_buffers = ReadBufferPool(READ_BUFFERS, self.dram.chunk_size)
-            self.engine = open_engine(config.io_engine)
-            ssd = SsdTier(Path(config.disk_path), config.disk_bytes, self.engine, self.dram.chunk_size, config.direct_io)
+            disk_path = Path(config.disk_path)
+            disk_path.mkdir(parents=True, exist_ok=True)
+            self.engine = open_engine(config.io_engine, disk_path)
+            ssd = SsdTier(disk_path, config.disk_bytes, self.engine, self.dram.chunk_size, config.direct_io)
             log.info("SSD tier: %s in %s (%s I/O, %s offload)", format_size(ssd.capacity), config.disk_path,
                      self.engine.kind, config.offload)
         tier_settings = TierSettings(config.offload, config.high_watermark, config.low_watermark,
@@ -158,6 +179,7 @@ class Daemon:
         self.link: MasterLink | None = None
         self.peer_server: PeerServer | None = None
         self._mounted = False
+        self.unsaved = (0, 0)  # files (and bytes) a clean stop could not copy to SSD
 
     @staticmethod
     def _forget_entries(entries: list[tuple[int, bytes]]) -> None:
@@ -171,16 +193,40 @@ class Daemon:
         # From a thread: the notification is a write to /dev/fuse that must not block the loop.
         await trio.to_thread.run_sync(lambda: pyfuse3.invalidate_inode(ino, attr_only=True))
 
-    def run(self, on_ready: Callable[[], None] = lambda: None) -> None:
+    def _fault_in_dram(self) -> None:
+        """Faults the DRAM tier in behind a mount that already serves, telling how far it got."""
+        capacity = format_size(self.dram.capacity)
+        reported = [time.monotonic()]
+
+        def tell(done: int, total: int) -> None:
+            if time.monotonic() - reported[0] >= 2 and done < total:
+                reported[0] = time.monotonic()
+                progress.report(f"faulting in the DRAM tier: {format_size(done)} of {capacity} "
+                                f"({100 * done // total}%)", log)
+        try:
+            seconds = self.dram.arena.populate(self._stop_faulting, tell)
+        except KvfsError as error:
+            log.error("%s; its pages fault in on first use", error)
+            return
+        if seconds is not None:
+            log.info("faulted in the %s DRAM tier in %.1f s", capacity, seconds)
+            if self._mounted:
+                systemd.notify(f"STATUS=serving {self.config.mountpoint}")
+
+    def run(self, on_ready: Callable[[], None] = lambda: None) -> int:
+        """Serves until stopped; the exit status: 1 if a clean stop lost files (named in the log)."""
         prepare_mountpoint(self.config.mountpoint)
+        self._faulting.start()
         try:
             trio.run(self._main, on_ready)
         except BaseExceptionGroup as group:  # a task's failure to start, wrapped by its nursery
-            error = single_error(group, (KvfsError, OSError))
+            error = single_error(group, (KvfsError, OSError, KeyboardInterrupt))
             if error is None:
                 raise
             raise error from None
         finally:
+            self._stop_faulting.set()
+            self._faulting.join()
             if self._mounted:
                 pyfuse3.close(unmount=True)
                 log.info("unmounted %s", self.config.mountpoint)
@@ -190,6 +236,7 @@ class Daemon:
                 self.engine.close()
             if self.rdma is not None:
                 self.rdma.close()
+        return 1 if self.unsaved[0] else 0
 
     def _mount(self) -> None:
         mountpoint = self.config.mountpoint
@@ -273,17 +320,27 @@ class Daemon:
             nursery.cancel_scope.cancel()
 
     async def _flush_to_disk(self) -> None:
-        """On a clean stop, copies what is only in DRAM to SSD so that a restart finds it."""
-        if self.store.ssd is None:
+        """On a clean stop, copies what is only in DRAM to SSD so that a restart finds it
+        (failed copies are tried once more), and names what it could not copy."""
+        store = self.store
+        if store.ssd is None:
             return
-        pending = self.store.queue_all_dram_only()
+        store.retry_now()
+        pending = store.queue_all_dram_only()
         if pending:
-            log.info("stopping: copying %d files still only in DRAM to %s", pending, self.store.ssd.directory)
+            log.info("stopping: copying %d files still only in DRAM to %s", pending, store.ssd.directory)
             systemd.notify(f"STATUS=stopping: copying {pending} files to SSD")
         with trio.move_on_after(SHUTDOWN_FLUSH_S) as scope:
-            await self.store.wait_offloaded()
-        if scope.cancelled_caught:
-            log.warning("stopping: offload did not finish within %d s; files only in DRAM are lost", SHUTDOWN_FLUSH_S)
+            await store.wait_offloaded()
+            await store.flush_removals_now()  # quarantined and deleted files must not come back
+        files, nbytes = self.unsaved = store.unsaved()
+        if not files:
+            return
+        why = (f"the copy did not finish within {SHUTDOWN_FLUSH_S} s" if scope.cancelled_caught
+               else store.faults.last_error() or "the SSD tier is full")
+        log.error("stopping: %d files (%s) could not be copied to %s and are lost: %s", files, format_size(nbytes),
+                  store.ssd.directory, why)
+        systemd.notify(f"STATUS=stopped: {files} files ({format_size(nbytes)}) could not be copied to SSD")
 
     async def _stop_on_signal(self) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -329,26 +386,89 @@ class Daemon:
         systemd.notify(f"READY=1\nSTATUS=serving {mountpoint}")
 
 
-def mount(config: MountConfig, foreground: bool, log_file: str | None = None) -> int:
+def mount(config: MountConfig, foreground: bool, log_file: str | None = None, start_timeout: float = 120.0) -> int:
     """Mounts kvfs; in the background unless `foreground`, returning once the mount is up.
 
-    In the background the daemon's stderr (its log) goes to `log_file`.
+    In the background the daemon's stderr (its log) goes to `log_file`, its start-up progress
+    to this process's terminal, and a daemon that is not up within `start_timeout` seconds is
+    stopped (a KvfsError says why).
     """
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` dumps the stacks of a hung daemon
     if foreground:
-        Daemon(config).run()
-        return 0
+        return Daemon(config).run()
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid:
         os.close(write_end)
-        with os.fdopen(read_end, "rb") as status:
-            message = status.read().decode()
-        if message == "ready":
-            return 0
-        log.error("mount failed: %s", message or "the daemon exited before the mount came up")
-        return 1
+        try:
+            _wait_until_up(pid, read_end, config.mountpoint, start_timeout)
+        finally:
+            os.close(read_end)
+        return 0
     os.close(read_end)
+    _run_daemon(config, write_end, log_file)
+
+
+def _wait_until_up(pid: int, status_fd: int, mountpoint: str, timeout: float) -> None:
+    """Follows the daemon's start through its status pipe: lines `status TEXT`, then `ready` or
+    `error TEXT` (`warning TEXT` for what holds it up). Progress goes to a terminal only (a
+    failure stays one line)."""
+    deadline = time.monotonic() + timeout
+    shown = sys.stderr.isatty()
+    last, blocker, buffered = "", "", b""
+    try:
+        while True:
+            ready, _, _ = select.select([status_fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                _stop_daemon(pid, mountpoint)
+                why = blocker or last
+                raise CommandError(errno.ETIMEDOUT, f"{mountpoint}: the daemon was not up within {timeout:.0f} s"
+                                                   f"{f' ({why})' if why else ''}; stopped it (--start-timeout)")
+            chunk = os.read(status_fd, 4096)
+            if not chunk:
+                _, code = os.waitpid(pid, 0)
+                reason = (f"killed by {signal.Signals(-os.waitstatus_to_exitcode(code)).name}"
+                          if os.WIFSIGNALED(code) else f"exit status {os.waitstatus_to_exitcode(code)}")
+                raise CommandError(errno.EIO, f"{mountpoint}: the daemon exited before the mount came up ({reason}"
+                                              f"{f'; last: {last}' if last else ''})")
+            buffered += chunk
+            while b"\n" in buffered:
+                line, buffered = buffered.split(b"\n", 1)
+                kind, _, text = line.decode(errors="replace").partition(" ")
+                if kind == "ready":
+                    return
+                if kind == "error":
+                    os.waitpid(pid, 0)
+                    raise CommandError(errno.EIO, text)
+                if kind == "warning":
+                    blocker = text
+                last = text
+                if shown:
+                    print(f"kvfs: {text}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        _stop_daemon(pid, mountpoint)
+        raise CommandError(errno.EINTR, f"{mountpoint}: interrupted; stopped the daemon (pid {pid})") from None
+
+
+def _stop_daemon(pid: int, mountpoint: str) -> None:
+    """Stops a daemon that never came up, and any mount it left."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(100):
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+    if find_mount(mountpoint) is not None:
+        subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True)
+
+
+def _run_daemon(config: MountConfig, status_fd: int, log_file: str | None) -> NoReturn:
+    """The forked daemon: its own session, its log in `log_file`, its start told on `status_fd`."""
     os.setsid()
     with open(os.devnull, "rb") as devnull:
         os.dup2(devnull.fileno(), 0)
@@ -357,19 +477,29 @@ def mount(config: MountConfig, foreground: bool, log_file: str | None = None) ->
         with open(log_file, "ab") as log_output:
             os.dup2(log_output.fileno(), 1)
             os.dup2(log_output.fileno(), 2)
-    notified = threading.Event()
+    lock = threading.Lock()
+    open_fd = [status_fd]
+
+    def send(line: str) -> None:
+        with lock:
+            if open_fd:
+                try:
+                    os.write(open_fd[0], (line.replace("\n", " ") + "\n").encode())
+                except OSError:  # the starting command is gone (interrupted)
+                    pass
+                if line.startswith(("ready", "error ")):
+                    os.close(open_fd.pop())
+
+    progress.listen(lambda text, level: send(f"{'warning' if level >= logging.WARNING else 'status'} {text}"))
 
     def ready() -> None:
-        os.write(write_end, b"ready")
-        os.close(write_end)
-        notified.set()
+        progress.stop_listening()
+        send("ready")
 
     try:
-        Daemon(config).run(ready)
-        code = 0
+        code = Daemon(config).run(ready)
     except (KvfsError, OSError) as error:
         log.error("%s", error)
-        if not notified.is_set():
-            os.write(write_end, str(error).encode())
+        send(f"error {error}")
         code = 1
     os._exit(code)

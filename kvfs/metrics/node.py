@@ -69,6 +69,14 @@ class NodeMetrics:
             checksum_failures[("peer",)] = node.transport.checksum_failures
         out.counters("checksum_failures", "chunks that failed their checksum, by where they came from",
                      ("source",), checksum_failures)
+        failed_files, failed_bytes = node.store.offload_failed()  # (0 without an SSD tier, as the backlog)
+        out.counters("storage_errors", "failures of the SSD tier by operation (offload, index, read) and cause "
+                     "(an errno name such as ENOSPC or EIO, or lmdb's error)", ("operation", "cause"),
+                     {key: count for key, count in node.store.faults.counts.items()})
+        out.gauge("offload_failed_files", "files a storage failure kept from SSD (in DRAM, retried)", failed_files)
+        out.gauge("offload_failed_bytes", "bytes a storage failure kept from SSD (in DRAM, retried)", failed_bytes)
+        out.counter("quarantined_files", "files removed for good because a chunk failed its checksum on SSD",
+                    stats.quarantined_files)
         out.counter("read_buffer_misses", "reads that found no free read buffer", node.store.read_buffers.misses)
 
     def _transports(self, out: Families, transport: object) -> None:

@@ -7,10 +7,13 @@ and out of it, and lets the same memory be registered once as an RDMA memory reg
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
+import threading
 import time
+from typing import Callable
 
 from kvfs.config import format_size
 from kvfs.errors import StorageError
@@ -20,7 +23,9 @@ log = logging.getLogger(__name__)
 
 PAGE_SIZE = 4096
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
-POPULATE_STEP = 256 << 20
+POPULATE_STEP = 64 << 20
+_libc = ctypes.CDLL(None, use_errno=True)  # madvise through ctypes releases the GIL; mmap.madvise does not
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 class Arena:
@@ -33,24 +38,30 @@ class Arena:
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self._map.madvise(mmap.MADV_HUGEPAGE)  # fewer TLB misses on multi-MiB copies
         self.view = memoryview(self._map)
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
 
-    def populate(self) -> None:
-        """Faults every page in now: a first touch costs more than the copy itself
-        (writes into fresh memory ran at 0.4 GB/s, into populated memory at 18 GB/s)."""
+    def populate(self, stop: threading.Event | None = None,
+                 progress: Callable[[int, int], None] = lambda done, total: None) -> float | None:
+        """Faults every page in: a first touch costs more than the copy itself (writes into
+        fresh memory ran at 0.4 GB/s, into populated memory at 18 GB/s). Safe while the arena
+        is in use: MADV_POPULATE_WRITE only maps pages that are absent, never changing a byte,
+        so it runs in a thread behind a mount that already serves. Returns the seconds it took,
+        or None when stopped or when the kernel (before 5.14) cannot do it."""
         started = time.monotonic()
         for offset in range(0, self.capacity, POPULATE_STEP):
+            if stop is not None and stop.is_set():
+                return None
             length = min(POPULATE_STEP, self.capacity - offset)
-            try:
-                self._map.madvise(MADV_POPULATE_WRITE, offset, length)
-            except OSError as error:
-                if error.errno != errno.EINVAL:  # ENOMEM: the memory is not there
-                    raise StorageError(error.errno or errno.ENOMEM,
-                                       f"cannot preallocate the {format_size(self.capacity)} DRAM tier") from None
-                for page in range(offset, offset + length, PAGE_SIZE):  # kernels before 5.14
-                    self._map[page] = 0
-            if self.capacity > 4 * POPULATE_STEP and (offset // POPULATE_STEP) % 8 == 7:
-                log.info("preallocating DRAM tier: %s of %s", format_size(offset + length), format_size(self.capacity))
-        log.info("preallocated %s DRAM tier in %.1f s", format_size(self.capacity), time.monotonic() - started)
+            if _libc.madvise(self._base + offset, length, MADV_POPULATE_WRITE) != 0:
+                code = ctypes.get_errno()
+                if code == errno.EINVAL:
+                    log.info("this kernel cannot fault memory in ahead (no MADV_POPULATE_WRITE): "
+                             "DRAM tier pages fault in on first use")
+                    return None
+                raise StorageError(code or errno.ENOMEM,
+                                   f"cannot fault in the {format_size(self.capacity)} DRAM tier") from None
+            progress(offset + length, self.capacity)
+        return time.monotonic() - started
 
     @property
     def used(self) -> int:

@@ -5,7 +5,12 @@ offloader copies sealed versions to SSD (eagerly, or when DRAM use passes a high
 watermark); when DRAM needs room it drops the DRAM copies of versions already
 safe on SSD (demotion), least valuable first. Writers wait, bounded, for the
 offloader rather than fail; only when nothing can be demoted, offloaded or
-evicted does a write get ENOSPC. A version read from SSD is verified chunk by
+evicted does a write get ENOSPC. A storage failure (lmdb, ENOSPC, EIO, a short write)
+never loses a file: its DRAM copy stays, the failure is counted and logged once per
+run (`kvfs.store.faults`), the files wait and are retried with a growing delay, and
+while they cannot be copied no DRAM-only file is evicted: writers wait, then get
+ENOSPC. A chunk that fails its checksum quarantines its file (it leaves the
+namespace and the index for good). A version read from SSD is verified chunk by
 chunk and served from a read buffer; on its second touch it is promoted back
 into DRAM. Whole-file eviction (the file leaves the namespace) is decided by the
 master and requested through the owner's `reclaim`.
@@ -29,6 +34,7 @@ from kvfs.disk.tier import CorruptChunk, SsdTier, rounded
 from kvfs.errors import NoSpace, StorageError
 from kvfs.policy import DEFAULT_POLICY, make_policy
 from kvfs.store.buffers import ReadBufferPool
+from kvfs.store.faults import STORAGE_ERRORS, StorageFaults
 from kvfs.store.dram import DramTier, chunk_count
 
 log = logging.getLogger(__name__)
@@ -40,6 +46,11 @@ OFFLOAD_BATCH_BYTES = 128 << 20
 # per batch, and not at all once DRAM passes the high watermark.
 OFFLOAD_QUIET_S = 0.02
 OFFLOAD_MAX_DEFER_S = 0.5
+# After a storage failure the offloader retries after RETRY_MIN_S, doubling up to
+# RETRY_MAX_S while it keeps failing: resumption within seconds of the cause going away,
+# without an attempt (and its I/O) per sealed file meanwhile.
+RETRY_MIN_S = 0.25
+RETRY_MAX_S = 5.0
 
 
 class StoreOwner(Protocol):
@@ -78,6 +89,8 @@ class StoreStats:
     backpressure_waits: int = 0
     backpressure_seconds: float = 0.0
     checksum_failures: int = 0
+    quarantined_files: int = 0
+    storage_errors: int = 0
 
 
 @dataclass
@@ -140,6 +153,12 @@ class TieredStore:
         self._nursery: trio.Nursery | None = None
         self._dram_only_bytes = 0  # sealed bytes whose only copy is in DRAM
         self._last_write = 0.0
+        self.faults = StorageFaults(str(ssd.directory) if ssd is not None else "", log)
+        self._parked: OrderedDict[int, None] = OrderedDict()  # offload failed: retried after a delay
+        self._resettle: dict[int, bool] = {}  # records to rewrite (True: a first offload, not yet reported)
+        self._retry_at = 0.0
+        self._retry_delay = RETRY_MIN_S
+        self._quarantined: set[int] = set()
 
     # Queries --------------------------------------------------------------------------
 
@@ -160,10 +179,24 @@ class TieredStore:
     def on_disk(self, version: int) -> bool:
         return self.ssd is not None and version in self.ssd
 
+    def is_saved(self, version: int) -> bool:
+        """Whether a version's SSD copy would survive a crash under its current name."""
+        return self.on_disk(version) and version not in self._unsettled
+
+    def unsaved(self) -> tuple[int, int]:
+        """Files (and bytes) stored here with no copy on SSD under their current name:
+        what stopping now would lose."""
+        versions = [version for version in self._sealed if not self.is_saved(version)]
+        return len(versions), sum(self._sealed[version].size for version in versions)
+
+    def offload_failed(self) -> tuple[int, int]:
+        """Files (and bytes) waiting for a retry after a storage failure."""
+        return len(self._parked), sum(self._sealed[v].size for v in self._parked if v in self._sealed)
+
     def tier_of(self, version: int) -> str:
         """Where a version is; "ssd" only once its copy there would survive a crash as named."""
-        on_ssd = self.on_disk(version) and version not in self._unsettled
-        tiers = [name for name, present in (("dram", version in self.dram), ("ssd", on_ssd)) if present]
+        tiers = [name for name, present in (("dram", version in self.dram), ("ssd", self.is_saved(version)))
+                 if present]
         return "+".join(tiers) or "none"
 
 
@@ -229,6 +262,9 @@ class TieredStore:
                 return operation()
             except NoSpace as error:
                 if not await self._make_room(error.needed or self.chunk_size):
+                    if self._offload_failing():
+                        raise StorageError(errno.ENOSPC, f"{error}; DRAM holds files that cannot be copied to "
+                                                         f"SSD ({self.faults.last_error()})") from error
                     raise StorageError(errno.ENOSPC, f"{error}; nothing can be demoted or evicted") from error
 
     async def _make_room(self, needed: int) -> bool:
@@ -238,9 +274,13 @@ class TieredStore:
             return await self._owner().reclaim("dram", needed)
         if not self._offload_queue and not self._offloading:
             self.queue_all_dram_only()
+        if self._offload_failing():  # evicting would lose files: wait (bounded) for the SSD to work again
+            return await self._wait_for_offload()
         if (self._offload_queue or self._offloading) and not self._offload_stuck:
             if await self._wait_for_offload():
                 return True
+        if self._offload_failing():  # it failed while we waited
+            return False
         # SSD cannot take more: evict whole files still only in DRAM.
         return await self._owner().reclaim("dram", needed)
 
@@ -249,7 +289,7 @@ class TieredStore:
         if self.ssd is None:  # nothing is (and the scan below would visit every version)
             return False
         for version in self._in_dram_order.candidates():
-            if self.on_disk(version) and not self._pins.get(version):
+            if self.is_saved(version) and not self._pins.get(version):
                 break
         else:
             return False
@@ -257,6 +297,10 @@ class TieredStore:
         self.dram.drop(version)
         self.stats.demoted_files += 1
         return True
+
+    def _offload_failing(self) -> bool:
+        """The SSD tier fails (until an offload or index write succeeds again)."""
+        return self.faults.failing("offload") or self.faults.failing("index")
 
     def queue_all_dram_only(self) -> int:
         """Queues every sealed version whose only copy is in DRAM; returns how many."""
@@ -437,7 +481,9 @@ class TieredStore:
         async def one(index: int) -> None:
             try:
                 await self._read_from_disk(source.version, source.chunks[index : index + 1], first_index=index)
-            except (StorageError, OSError) as error:
+            except StorageError as error:
+                source.failures[index] = error if error.errno == errno.EIO else StorageError(errno.EIO, str(error))
+            except OSError as error:
                 source.failures[index] = StorageError(errno.EIO, f"version {source.version}: {error}")
             except Exception as error:  # a bug must fail this read, not the daemon
                 log.exception("reading chunk %d of version %d failed", index, source.version)
@@ -500,7 +546,7 @@ class TieredStore:
         return True
 
     async def _read_from_disk(self, version: int, targets: list[memoryview], first_index: int = 0) -> None:
-        """Reads and verifies chunks; a corrupt one makes the file disappear (ESTALE/EIO)."""
+        """Reads and verifies chunks; a corrupt one quarantines the file and fails with EIO."""
         assert self.ssd is not None
         self._hold_disk_copy(version)
         try:
@@ -508,11 +554,30 @@ class TieredStore:
                           for index, target in enumerate(targets, first_index))
         except CorruptChunk as error:
             self.stats.checksum_failures += 1
-            log.error("%s; dropping the corrupt copy", error)
-            await self._owner().lost(version)
-            raise StorageError(errno.ESTALE if first_index == 0 else errno.EIO, str(error)) from None
+            await self._quarantine(version, error)
+            raise StorageError(errno.EIO, str(error)) from None
+        except OSError as error:  # the device failed the read: counted, logged once per run
+            self._count_failure("read", error, f"version {version}")
+            raise StorageError(errno.EIO, f"version {version}: reading {self.ssd.directory} failed: {error}") from None
         finally:
             self._release_disk_copy(version)
+        self.faults.succeeded("read")
+
+    async def _quarantine(self, version: int, error: CorruptChunk) -> None:
+        """A corrupt chunk: its file leaves the namespace, and its record and extents the
+        SSD, for good (once its reads are done). Logged once per file, with its path."""
+        if version in self._quarantined:
+            return
+        self._quarantined.add(version)
+        self.stats.quarantined_files += 1
+        record = await self._owner().describe(version)
+        name = "/" + "/".join(part.decode(errors="replace") for part in record.file.path) if record else "(unlinked)"
+        log.error("%s: %s; the file is quarantined (removed from the namespace and the SSD)", name, error)
+        await self._owner().lost(version)
+
+    def _count_failure(self, operation: str, error: BaseException, detail: str = "") -> None:
+        self.stats.storage_errors += 1
+        self.faults.failed(operation, error, detail)
 
     def _hold_disk_copy(self, version: int) -> None:
         """While held, a version's extents on SSD are not freed (its reads are in flight)."""
@@ -524,6 +589,8 @@ class TieredStore:
             self._disk_readers[version] = left
         else:
             del self._disk_readers[version]
+            if version in self._disk_removals:  # removed while it was read: free it now
+                self._offload_wanted.set()
 
     async def read(self, source: ReadSource, offset: int, length: int) -> memoryview | bytes:
         if source.from_dram:
@@ -566,10 +633,13 @@ class TieredStore:
     def drop(self, version: int) -> None:
         """Frees a version everywhere (its file is gone); SSD space is freed by the reaper."""
         sealed = self._sealed.pop(version, None)
-        if sealed is not None and version in self.dram and not self.on_disk(version):
+        if sealed is not None and version in self.dram and (not self.on_disk(version) or self._resettle.get(version)):
             self._dram_only_bytes -= sealed.size
         self._in_dram_order.remove(version)
         self._offload_queue.pop(version, None)
+        self._parked.pop(version, None)
+        if self._resettle.pop(version, None) is not None:
+            self._unsettled.discard(version)
         self._touches.pop(version, None)
         if self._pins.get(version) or version in self._offloading:
             self._dropped_while_busy.add(version)  # freed once the I/O using it is done
@@ -585,7 +655,11 @@ class TieredStore:
             busy = [v for v in self._disk_removals if v in self._disk_readers]
             versions = [v for v in self._disk_removals if v not in self._disk_readers]
             self._disk_removals = busy
-            await self.ssd.remove(versions)
+            try:
+                await self.ssd.remove(versions)
+            except BaseException:  # nothing was removed: the next pass tries again
+                self._disk_removals.extend(versions)
+                raise
 
     # The offloader --------------------------------------------------------------------
 
@@ -599,17 +673,89 @@ class TieredStore:
 
     async def _offload_forever(self) -> None:
         while True:
-            await self._offload_wanted.wait()
+            await self._wait_for_work()
             self._offload_wanted = trio.Event()
-            await self.flush_removals()
-            while self._offload_queue:
-                await self._yield_to_writers()
+            if time.monotonic() < self._retry_at:  # the SSD failed a moment ago: wait for the retry
+                self._park(list(self._offload_queue))
+            else:
                 try:
-                    await self._offload_batch(self._take_batch())
-                    await self.flush_removals()
-                except Exception:  # keep offloading the rest; the failed files stay in DRAM
-                    log.exception("offload batch failed")
+                    await self._offload_pass()
+                except Exception:  # a bug: the files stay in DRAM, and are retried later
+                    log.exception("offload pass failed")
+                    self._park(list(self._offload_queue) + list(self._offloading))
+                    self._schedule_retry()
             self._idle.set()
+
+    async def _wait_for_work(self) -> None:
+        """Until something is queued or removed, or (after a failure) the retry is due."""
+        if self._parked or self._resettle or (self._disk_removals and self.faults.failing("index")):
+            with trio.move_on_after(max(0.0, self._retry_at - time.monotonic())):
+                await self._offload_wanted.wait()
+        else:
+            await self._offload_wanted.wait()
+
+    async def _offload_pass(self) -> None:
+        for version in reversed(self._parked):  # their retry is due: first in line, in their order
+            self._offload_queue[version] = None
+            self._offload_queue.move_to_end(version, last=False)
+        self._parked.clear()
+        if not await self._settle_pending() or not await self._flush_removals_counted():
+            self._park(list(self._offload_queue))  # the index cannot be written: neither can records
+            return
+        while self._offload_queue:
+            await self._yield_to_writers()
+            if not await self._offload_batch(self._take_batch()):
+                self._park(list(self._offload_queue))  # until the retry: one attempt per delay
+                return
+            await self._flush_removals_counted()
+        self._retry_delay = RETRY_MIN_S
+        self.faults.succeeded("offload")  # (also when the files that failed went meanwhile)
+
+    def _park(self, versions: list[int]) -> None:
+        """Files whose offload failed (or waits for a retry): they stay in DRAM, undemotable."""
+        for version in versions:
+            self._offload_queue.pop(version, None)
+            if version in self._sealed and not self.on_disk(version):
+                self._parked[version] = None
+
+    def _schedule_retry(self) -> None:
+        self._retry_at = time.monotonic() + self._retry_delay
+        self._retry_delay = min(RETRY_MAX_S, self._retry_delay * 2)
+
+    def retry_now(self) -> None:
+        """Retries failed offloads and record rewrites at once (a stop, fsync, sync or flush)."""
+        self._retry_at = 0.0
+        for version in list(self._parked):
+            self._queue_offload(version)
+        self._parked.clear()
+        if self._resettle or self._disk_removals:
+            self._idle = trio.Event() if self._idle.is_set() else self._idle
+            self._offload_wanted.set()
+
+    def remove_later(self, versions: list[int], error: BaseException) -> None:
+        """Records the index failed to delete (at start): the offloader retries them."""
+        self._disk_removals.extend(versions)
+        self._count_failure("index", error, f"removing {len(versions)} records")
+        self._schedule_retry()
+
+    async def flush_removals_now(self) -> None:
+        """At a stop: removes the records of dropped files (a failure is counted and logged)."""
+        if self.ssd is not None:
+            await self._flush_removals_counted()
+
+    async def _flush_removals_counted(self) -> bool:
+        """Removes records of dropped files; False (counted, retried later) if the index fails."""
+        assert self.ssd is not None
+        writes = any(v in self.ssd and v not in self._disk_readers for v in self._disk_removals)
+        try:
+            await self.flush_removals()
+        except STORAGE_ERRORS as error:
+            self._count_failure("index", error, f"removing {len(self._disk_removals)} records")
+            self._schedule_retry()
+            return False
+        if writes:
+            self.faults.succeeded("index")
+        return True
 
     async def _yield_to_writers(self) -> None:
         deadline = time.monotonic() + OFFLOAD_MAX_DEFER_S
@@ -625,17 +771,31 @@ class TieredStore:
                 or self._space_freed.statistics().tasks_waiting > 0)
 
     def offload_backlog(self) -> tuple[int, int]:
-        """Files, and their bytes, queued for or being copied to SSD."""
+        """Files, and their bytes, queued for or being copied to SSD (or waiting for a retry)."""
         if self.ssd is None:
             return 0, 0
-        waiting = set(self._offload_queue) | self._offloading
+        waiting = set(self._offload_queue) | self._offloading | set(self._parked)
         return len(waiting), sum(self._sealed[v].size for v in waiting if v in self._sealed)
 
     async def wait_offloaded(self) -> None:
-        """Returns once every queued version is on SSD (or could not be)."""
-        if self.ssd is not None:
-            if self._offload_queue or self._offloading:
-                await self._idle.wait()
+        """Returns once every version queued so far is on SSD (or could not be): the end of
+        the offloader's pass that takes them (later seals do not prolong the wait)."""
+        if self.ssd is not None and (self._offload_queue or self._offloading or not self._idle.is_set()):
+            await self._idle.wait()
+
+    async def wait_saved(self, version: int) -> None:
+        """fsync of a sealed version: returns once it is on SSD under its current name (a
+        failed copy is retried at once); EIO if it cannot be copied now."""
+        if self.ssd is None or version not in self._sealed or self.is_saved(version):
+            return
+        if version not in self._offloading:
+            self._parked.pop(version, None)
+            self._queue_offload(version)
+        self.retry_now()
+        await self.wait_offloaded()
+        if version in self._sealed and not self.is_saved(version):
+            cause = self.faults.last_error() or "the SSD tier is full"
+            raise StorageError(errno.EIO, f"version {version} could not be copied to {self.ssd.directory}: {cause}")
 
     def _take_batch(self) -> list[int]:
         batch: list[int] = []
@@ -649,57 +809,85 @@ class TieredStore:
             nbytes += sealed.size
         return batch
 
-    async def _offload_batch(self, batch: list[int]) -> None:
+    async def _offload_batch(self, batch: list[int]) -> bool:
+        """Copies a batch to SSD; False after a storage failure (the batch is parked, in DRAM)."""
         assert self.ssd is not None
         planned: list[tuple[int, list[int], DiskRecord]] = []
-        for version in batch:
-            sealed = self._sealed[version]
-            lengths = sealed.lengths(self.chunk_size)
-            try:
-                self.dram.materialize(version, sealed.size)
-            except NoSpace:
-                continue
-            offsets = await self._allocate_disk(lengths)
-            if offsets is None:
-                continue
-            record = await self._owner().describe(version)
-            if record is None or version not in self._sealed:
-                self.ssd.release(offsets)
-                continue
-            record.chunks = [(o, n, c) for o, n, c in zip(offsets, lengths, sealed.checksums)]
-            planned.append((version, offsets, record))
-            self._offloading.add(version)
-        if not planned:
-            return
         try:
+            for version in batch:
+                sealed = self._sealed[version]
+                lengths = sealed.lengths(self.chunk_size)
+                try:
+                    self.dram.materialize(version, sealed.size)
+                except NoSpace:
+                    continue
+                offsets = await self._allocate_disk(lengths)
+                if offsets is None:
+                    continue
+                record = await self._owner().describe(version)
+                if record is None or version not in self._sealed:
+                    self.ssd.release(offsets)
+                    continue
+                record.chunks = [(o, n, c) for o, n, c in zip(offsets, lengths, sealed.checksums)]
+                planned.append((version, offsets, record))
+                self._offloading.add(version)
+            if not planned:
+                return True
             await run_all(functools.partial(self.ssd.write_chunks, offsets,
                                             [self.dram.block_view(version, i) for i in range(len(offsets))])
                           for version, offsets, _ in planned)
             await self.ssd.commit([record for _, _, record in planned])  # headers, one sync, the index
-        except OSError as error:
-            log.error("offload of %d files to %s failed: %s", len(planned), self.ssd.directory, error)
+        except BaseException as error:  # nothing of the batch is on SSD: it stays in DRAM
             for version, offsets, _ in planned:
                 self.ssd.release(offsets)
                 self._offloading.discard(version)
                 self._release_if_dropped(version)
-            return
+            self._park(batch)
+            if not isinstance(error, STORAGE_ERRORS):
+                raise
+            self._count_failure("offload", error, f"{len(batch)} files")
+            self._schedule_retry()
+            return False
+        self.faults.succeeded("offload")
+        self.faults.succeeded("index")  # the commit was an index write
         self._unsettled.update(version for version, _, _ in planned)
         for version, _, record in planned:
             self._offloading.discard(version)
-            if version in self._dropped_while_busy or version not in self._sealed or not await self._settle(record):
-                self._unsettled.discard(version)
-                self._disk_removals.append(version)
-                self._release_if_dropped(version)
+            if version in self._dropped_while_busy or version not in self._sealed:
+                self._unsettle_dropped(version)
                 continue
-            # Settled: the durable record names the file as it is now. From here on the
-            # master knows it is on SSD, so a later rename rewrites the record itself.
-            self._unsettled.discard(version)
-            await self._owner().offloaded([version])
-            self._dram_only_bytes -= record.file.size
-            self.stats.offloaded_files += 1
-            self.stats.offloaded_bytes += record.file.size
+            try:
+                settled = await self._settle(record)
+            except STORAGE_ERRORS as error:  # committed under an older name: rewritten later
+                self._count_failure("index", error, f"version {version}")
+                self._schedule_retry()
+                self._resettle[version] = True
+                continue
+            if not settled:
+                self._unsettle_dropped(version)
+                continue
+            await self._saved(version, first=True)
         self._space_freed.set()
         self._space_freed = trio.Event()
+        return True
+
+    def _unsettle_dropped(self, version: int) -> None:
+        self._unsettled.discard(version)
+        self._disk_removals.append(version)
+        self._release_if_dropped(version)
+
+    async def _saved(self, version: int, first: bool) -> None:
+        """A record now names the file as it is: from here on the master knows it is on SSD,
+        so a later rename rewrites the record itself."""
+        self._unsettled.discard(version)
+        sealed = self._sealed.get(version)
+        if not first or sealed is None:
+            return
+        await self._owner().offloaded([version])
+        size = sealed.size
+        self._dram_only_bytes -= size
+        self.stats.offloaded_files += 1
+        self.stats.offloaded_bytes += size
 
     async def _settle(self, record: DiskRecord) -> bool:
         """Rewrites a just-committed record until it matches the file's current path and
@@ -714,6 +902,38 @@ class TieredStore:
                 return True
             await self.ssd.update([current])  # type: ignore[union-attr]
             record = current
+
+    async def _settle_pending(self) -> bool:
+        """Rewrites the records that an index failure left naming an older path; False if
+        the index still fails."""
+        assert self.ssd is not None
+        rewritten = False
+        for version, first in list(self._resettle.items()):
+            if version not in self._sealed or not self.on_disk(version):
+                self._resettle.pop(version, None)
+                continue
+            record = await self._owner().describe(version)
+            if record is None:  # the file is going: its drop removes the record
+                self._resettle.pop(version, None)
+                self._unsettled.discard(version)
+                continue
+            record.chunks = [(e.offset, e.length, e.checksum) for e in self.ssd.extents[version]]
+            try:
+                await self.ssd.update([record])
+                settled = await self._settle(record)
+            except STORAGE_ERRORS as error:
+                self._count_failure("index", error, f"rewriting {len(self._resettle)} records")
+                self._schedule_retry()
+                return False
+            rewritten = True
+            self._resettle.pop(version, None)
+            if settled:
+                await self._saved(version, first)
+            else:  # the file went meanwhile: its drop removes the record
+                self._unsettled.discard(version)
+        if rewritten:
+            self.faults.succeeded("index")
+        return True
 
     def _release_if_dropped(self, version: int) -> None:
         if version in self._dropped_while_busy and not self._pins.get(version):
@@ -735,14 +955,22 @@ class TieredStore:
             await self.flush_removals()
 
     async def refresh_record(self, version: int) -> None:
-        """Rewrites a version's index record after its path or attributes changed."""
-        if self.ssd is None or version not in self.ssd:
+        """Rewrites a version's index record after its path or attributes changed; if the
+        index fails, the version counts as not on SSD until the offloader rewrites it."""
+        if self.ssd is None or version not in self.ssd or version in self._resettle:
             return
         record = await self._owner().describe(version)
         if record is None:
             return
         record.chunks = [(e.offset, e.length, e.checksum) for e in self.ssd.extents[version]]
-        await self.ssd.update([record])
+        try:
+            await self.ssd.update([record])
+        except STORAGE_ERRORS as error:
+            self._count_failure("index", error, f"version {version}")
+            self._schedule_retry()
+            self._unsettled.add(version)
+            self._resettle[version] = False
+            self._offload_wanted.set()
 
     def demote_all(self) -> int:
         """Drops every DRAM copy that is safe on SSD (an operator's or a benchmark's request)."""

@@ -1,0 +1,261 @@
+"""The preflight and the command's failures: each bad input is refused with one line on stderr,
+`kvfs: error: …` naming the path or address and the cause, a non-zero exit, within seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from conftest import CLUSTER_SECRET, KvfsMount, MasterDaemon
+from kvfs.fuse.mount import find_mount
+from kvfs.preflight import FAIL, OK, available_memory, check_memory
+
+KVFS = [sys.executable, "-m", "kvfs"]
+BOUND_S = 15  # a refusal comes within this, on a loaded machine
+
+
+def refused(*args: str, secret: str | None = CLUSTER_SECRET, bound: float = BOUND_S) -> str:
+    """Runs kvfs expecting a refusal; returns its one line of stderr."""
+    env = {key: value for key, value in os.environ.items() if key != "KVFS_SECRET"}
+    if secret is not None:
+        env["KVFS_SECRET"] = secret
+    started = time.monotonic()
+    result = subprocess.run([*KVFS, *args], capture_output=True, text=True, timeout=bound + 30, env=env)
+    elapsed = time.monotonic() - started
+    lines = result.stderr.splitlines()
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert len(lines) == 1 and lines[0].startswith("kvfs: error: "), result.stderr
+    assert "Traceback" not in result.stderr and elapsed < bound, (elapsed, result.stderr)
+    return lines[0]
+
+
+def daemons_of(path: Path) -> list[int]:
+    """Processes whose command line names `path` (a daemon that should have exited)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(path).encode() in cmdline:
+            found.append(int(pid))
+    return found
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 128 MiB tmpfs: a disk whose free space is known and small."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128M", "tmpfs", str(disk)], check=True)
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_unreachable_master_in_the_background_fails_after_the_stated_timeout(tmp_path: Path) -> None:
+    mountpoint = tmp_path / "mnt"
+    line = refused("node", "--master", "127.0.0.1:1", "--mount", str(mountpoint), "--dram", "64M",
+                   "--start-timeout", "3", "--log-file", str(tmp_path / "log"))
+    assert f"{mountpoint}: the daemon was not up within 3 s" in line
+    assert "master 127.0.0.1:1: cannot register (Connection refused)" in line and "--start-timeout" in line
+    assert not daemons_of(mountpoint) and find_mount(str(mountpoint)) is None
+
+
+def test_a_background_start_shows_its_progress_on_a_terminal(tmp_path: Path) -> None:
+    import pty
+
+    mountpoint = tmp_path / "mnt"
+    terminal, stderr = pty.openpty()
+    started = time.monotonic()
+    process = subprocess.Popen([*KVFS, "node", "--master", "127.0.0.1:1", "--mount", str(mountpoint), "--dram", "64M",
+                                "--start-timeout", "7", "--log-file", str(tmp_path / "log")],
+                               stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
+    os.close(stderr)
+    shown = b""
+    try:
+        while True:
+            try:
+                chunk = os.read(terminal, 4096)
+            except OSError:  # the pty's other end closed: the command exited
+                break
+            if not chunk:
+                break
+            shown += chunk
+        assert process.wait(timeout=30) == 1
+    finally:
+        os.close(terminal)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    lines = shown.decode().splitlines()
+    assert time.monotonic() - started < BOUND_S
+    progress = [line for line in lines if line.startswith("kvfs: master 127.0.0.1:1: cannot register")]
+    assert len(progress) >= 2, lines  # every 5 s while it waits
+    assert lines[-1].startswith(f"kvfs: error: {mountpoint}: the daemon was not up within 7 s"), lines
+
+
+def test_unreachable_master_in_the_foreground_is_reported_every_few_seconds(tmp_path: Path) -> None:
+    mountpoint = tmp_path / "mnt"
+    process = subprocess.Popen([*KVFS, "node", "--master", "127.0.0.1:1", "--mount", str(mountpoint), "-f",
+                                "--dram", "64M"], stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
+    try:
+        reports = []
+        deadline = time.monotonic() + 30
+        while len(reports) < 3 and time.monotonic() < deadline:
+            line = process.stderr.readline()  # type: ignore[union-attr]
+            if "cannot register" in line:
+                reports.append((time.monotonic(), line))
+        assert len(reports) == 3, reports
+        assert all("master 127.0.0.1:1: cannot register (Connection refused); retrying" in r[1] for r in reports)
+        gaps = [later[0] - earlier[0] for earlier, later in zip(reports, reports[1:])]
+        assert all(3 < gap < 10 for gap in gaps), gaps
+        process.send_signal(signal.SIGINT)
+        rest = process.communicate(timeout=15)[1]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130 and rest.splitlines()[-1] == "kvfs: error: node: interrupted", rest
+    assert "Traceback" not in rest
+
+
+def test_wrong_secret_for_status(tmp_path: Path) -> None:
+    master = MasterDaemon(tmp_path)
+    master.start()
+    try:
+        line = refused("status", "--master", master.address, secret="not-the-cluster-secret")
+    finally:
+        master.stop()
+    assert line.startswith(f"kvfs: error: master {master.address} refused this client (is the cluster secret")
+    assert refused("status", "--master", "127.0.0.1:1") == "kvfs: error: master 127.0.0.1:1: Connection refused"
+
+
+def test_master_on_a_port_in_use(tmp_path: Path, taken_port: int) -> None:
+    line = refused("master", "--listen", f"127.0.0.1:{taken_port}", "--data", str(tmp_path / "data"))
+    assert line == f"kvfs: error: --listen 127.0.0.1:{taken_port}: Address already in use"
+
+
+def test_taken_metrics_port(tmp_path: Path, taken_port: int) -> None:
+    line = refused("mount", str(tmp_path / "mnt"), "--dram", "64M", "--metrics-listen", f"127.0.0.1:{taken_port}")
+    assert line == f"kvfs: error: --metrics-listen 127.0.0.1:{taken_port}: Address already in use"
+    assert find_mount(str(tmp_path / "mnt")) is None
+
+
+def test_status_of_a_stale_mount_a_subdirectory_and_no_mount(make_mount, tmp_path: Path) -> None:
+    mount = make_mount("64M")
+    (mount.path / "model" / "r0").mkdir(parents=True)
+    shown = subprocess.run([*KVFS, "status", str(mount.path / "model" / "r0")], capture_output=True, text=True,
+                           timeout=60)
+    assert shown.returncode == 0 and f"mount {mount.path}:" in shown.stdout, shown.stderr
+    line = refused("status", str(tmp_path))
+    assert line.startswith(f"kvfs: error: {tmp_path} is not in a kvfs mount (it is on ")
+    mount.kill()
+    line = refused("status", str(mount.path / "model"))
+    assert line.startswith(f"kvfs: error: {mount.path} is a stale kvfs mount: its daemon died")
+    mount.start()  # cleans the stale mount up, and lets the fixture stop it
+
+
+def test_non_empty_mountpoint_needs_nonempty(tmp_path: Path) -> None:
+    mount = KvfsMount(tmp_path, "64M", "--nonempty")
+    (mount.path / "left-behind").write_text("x")
+    line = refused("mount", str(mount.path), "--dram", "64M")
+    assert line == (f"kvfs: error: {mount.path} is not empty (1 entries would be hidden); "
+                    f"--nonempty mounts over them")
+    mount.start()
+    try:
+        assert os.listdir(mount.path) == []  # mounted over
+    finally:
+        mount.stop()
+    assert os.listdir(mount.path) == ["left-behind"]
+
+
+def test_world_readable_secret_file(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text(CLUSTER_SECRET + "\n")
+    secret.chmod(0o644)
+    line = refused("node", "--master", "127.0.0.1:1", "--mount", str(tmp_path / "mnt"), "--dram", "64M",
+                   "--secret-file", str(secret), secret=None)
+    assert line == f"kvfs: error: secret file {secret} has mode 0644: others can read it (chmod 600 {secret})"
+    line = refused("status", "--master", "127.0.0.1:1", "--secret-file", str(secret), secret=None)
+    assert "has mode 0644" in line
+
+
+def test_disk_size_beyond_the_free_space(tmp_path: Path, small_disk: Path) -> None:
+    free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+    line = refused("mount", str(tmp_path / "mnt"), "--dram", "64M", "--disk", str(small_disk / "kvfs"),
+                   "--disk-size", "1G")
+    assert line == (f"kvfs: error: --disk-size 1.0 GiB is more than the 128.0 MiB free in {small_disk} "
+                    f"(--disk-fit takes what fits)")
+    after = os.statvfs(small_disk)
+    assert after.f_bavail * after.f_frsize == free and not (small_disk / "kvfs").exists()  # nothing allocated
+    (tmp_path / "fit").mkdir()
+    mount = KvfsMount(tmp_path / "fit", "64M", "--disk", str(small_disk / "kvfs"), "--disk-size", "1G", "--disk-fit",
+                      "--io-engine", "threads", "--no-direct-io")
+    mount.start()
+    try:
+        stats = os.statvfs(mount.path)  # 95% of the free 128 MiB (121 MiB), in whole chunks
+        assert 112 << 20 <= stats.f_blocks * stats.f_frsize <= 121 << 20
+        left = os.statvfs(small_disk)
+        assert left.f_bavail * left.f_frsize >= 6 << 20  # the disk is not filled
+    finally:
+        mount.stop()
+
+
+def test_dram_beyond_memory(tmp_path: Path) -> None:
+    line = refused("mount", str(tmp_path / "mnt"), "--dram", "1T")
+    assert line.startswith("kvfs: error: dram: 1.0 TiB is more than 90% of this machine's")
+    available = available_memory()
+    over = check_memory(available + (1 << 30))
+    assert over.result == FAIL and "of memory available" in over.detail
+    assert check_memory(64 << 20).result == OK
+
+
+def test_usage_errors_are_one_line(tmp_path: Path) -> None:
+    line = refused("mount", str(tmp_path / "mnt"), "--dram")
+    assert line == "kvfs: error: argument --dram: expected one argument (see 'kvfs mount --help')"
+
+
+def test_check_prints_the_preflight_as_a_table(tmp_path: Path, small_disk: Path, taken_port: int) -> None:
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("x")
+    secret = tmp_path / "secret"
+    secret.write_text(CLUSTER_SECRET)
+    secret.chmod(0o640)
+    env = {key: value for key, value in os.environ.items() if key != "KVFS_SECRET"}
+    result = subprocess.run([*KVFS, "check", str(full), "--dram", "64M", "--disk", str(small_disk), "--disk-size",
+                             "1G", "--metrics-listen", f"127.0.0.1:{taken_port}", "--secret-file", str(secret),
+                             "--io-engine", "threads", "--master", "127.0.0.1:1"],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 1, result.stderr
+    rows = {line[:20].strip(): line[20:].split(None, 1) for line in result.stdout.splitlines()[1:]}
+    assert result.stdout.splitlines()[0].split() == ["CHECK", "RESULT", "DETAIL"]
+    assert rows["memory"][0] == "ok" and rows["fuse"][0] == "ok" and rows["io_uring"][0] == "ok"
+    assert rows["mount point"][0] == "fail" and "is not empty" in rows["mount point"][1]
+    assert rows["disk space"][0] == "fail" and "128.0 MiB free" in rows["disk space"][1]
+    assert rows["port metrics-listen"][0] == "fail" and "Address already in use" in rows["port metrics-listen"][1]
+    assert rows["credentials"][0] == "fail" and "mode 0640" in rows["credentials"][1]
+    assert rows["master"] == ["fail", "master 127.0.0.1:1: Connection refused"]
+    secret.chmod(0o600)
+    result = subprocess.run([*KVFS, "check", str(tmp_path / "new"), "--dram", "64M", "--no-metrics",
+                             "--secret-file", str(secret)], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0 and result.stdout.count(" ok ") == 4, result.stdout
