@@ -496,7 +496,8 @@ class Node(NodeMembership):
                 discard.append(record.version)  # its writer died before publishing it
                 continue
             checksums = [chunk[2] for chunk in record.chunks]
-            result = await self.master.call(m.Restore(record.version, self.node_id, to_file_record(record.file), checksums))
+            restore = m.Restore(record.version, self.node_id, to_file_record(record.file), checksums)
+            result = await self.master.call(restore)
             discard.extend(result.dropped)
             if result.kept:
                 self.store.adopt_recovered(record.version, record.file.size, checksums)

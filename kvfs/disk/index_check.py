@@ -91,8 +91,11 @@ def examine(path: Path, capacity: int, chunk_size: int, map_size: int) -> IndexS
                 return IndexState("layout", f"{meta}", layout=0)
             if problem is not None:
                 return IndexState("damaged", problem)
-            with env.begin(db=meta_db, write=True) as txn:  # a write must work too
-                txn.put(b"layout", raw)
+            try:  # a write must work too (it reads the free-page list)
+                with env.begin(db=meta_db, write=True) as txn:
+                    txn.put(b"layout", raw)
+            except lmdb.Error as error:  # e.g. a full file system: not damage, the store handles it
+                return IndexState("ok", f"it cannot be written now ({error})", records=count)
             return IndexState("ok", records=count)
         finally:
             env.close()

@@ -85,7 +85,7 @@ class SegmentReader:
         self.fds.clear()
 
 
-def scan(reader: SegmentReader, progress: Callable[[int, int], None]) -> tuple[list[Found], list[str]]:
+def scan(reader: SegmentReader, tell: Callable[[int, int], None]) -> tuple[list[Found], list[str]]:
     """Every valid header in the address range, and a line for each damaged one."""
     found: list[Found] = []
     damaged: list[str] = []
@@ -107,7 +107,7 @@ def scan(reader: SegmentReader, progress: Callable[[int, int], None]) -> tuple[l
                 segment = segment_path(reader.directory, offset // SEGMENT_SIZE).name
                 damaged.append(f"header at tier offset {offset} ({segment} byte {offset % SEGMENT_SIZE}): "
                                f"{error}; skipped")
-        progress(min(start + WINDOW, reader.capacity), len(found))
+        tell(min(start + WINDOW, reader.capacity), len(found))
     return found, damaged
 
 
@@ -167,7 +167,7 @@ def scan_tier(directory: Path, capacity: int, chunk_size: int, activity: str) ->
     started = last = time.monotonic()
     reader = SegmentReader(directory, capacity)
 
-    def progress(scanned: int, files: int) -> None:
+    def tell(scanned: int, files: int) -> None:
         nonlocal last
         if time.monotonic() - last >= 1:
             last = time.monotonic()
@@ -177,7 +177,7 @@ def scan_tier(directory: Path, capacity: int, chunk_size: int, activity: str) ->
 
     result = Rebuilt(scanned_bytes=capacity)
     try:
-        found, result.skipped = scan(reader, progress)
+        found, result.skipped = scan(reader, tell)
         kept, skipped = choose(found, capacity, chunk_size)
         result.skipped += skipped
         for item in kept:

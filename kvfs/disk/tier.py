@@ -138,6 +138,8 @@ class SsdTier:
                         f" (the damaged copy is kept as {aside})" if aside.exists() else "")
         elif state.kind == "absent":
             shutil.rmtree(path, ignore_errors=True)  # an empty index: start afresh
+        elif state.detail:  # readable, and whole: the store copes with failing writes
+            log.warning("the SSD index %s: %s", path, state.detail)
         index = DiskIndex(path, map_size=map_size)
         if not damaged and state.kind != "ok":
             index.set_layout(self._layout())
