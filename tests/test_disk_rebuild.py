@@ -317,3 +317,24 @@ def test_the_index_check_reports_any_damage_without_dying(tmp_path: Path) -> Non
         assert state.kind == "damaged" or state.records == 3000, state
         kinds.append(state.kind)
     assert "damaged" in kinds, kinds
+
+
+def test_a_cluster_node_rebuilds_its_index_and_serves_its_files_again(cluster, tmp_path: Path) -> None:
+    owner = cluster.add_node("64M", "--disk", str(tmp_path / "owner-disk"), "--disk-size", "256M", name="owner")
+    reader = cluster.add_node("64M", name="reader")
+    files = {f"m/k{i}.bin": content(f"k{i}", size) for i, size in enumerate(SIZES)}
+    (owner.path / "m").mkdir()
+    for name, data in files.items():
+        (owner.path / name).write_bytes(data)
+    os.setxattr(owner.path, "user.kvfs.control", b"flush")
+    owner.stop()
+    damage(tmp_path / "owner-disk" / "index", "zeroed")
+    owner.start()
+    assert "rebuilding it from the segments" in owner.log_text()
+    assert f": {len(files)} files" in owner.log_text()
+    deadline = time.monotonic() + 30
+    while not all((reader.path / name).exists() for name in files) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    drop_page_cache()
+    for name, data in files.items():
+        assert (reader.path / name).read_bytes() == data, name
