@@ -30,7 +30,7 @@ from kvfs.cluster import messages as m
 from kvfs.cluster.dircache import DirectoryCache
 from kvfs.cluster.embedded import MasterClient
 from kvfs.cluster.prefetch import Prefetches
-from kvfs.cluster.namespace import ROOT_INO
+from kvfs.cluster.namespace import ROOT_INO, check_name
 from kvfs.cluster.rpc import MasterUnavailable
 from kvfs.cluster.transport import Transport
 from kvfs.config import format_size
@@ -62,6 +62,7 @@ class OpenFile:
     source: ReadSource | None = None  # where a reader's bytes come from
     leased: bool = True  # the master counts this handle (not when opened while it was unreachable)
     finished: bool = False  # a writer whose part is done (sealed at close in cluster mode)
+    reopening: trio.Event | None = None  # set when a finished writer's new version is ready
 
 
 @dataclass(slots=True)
@@ -71,6 +72,7 @@ class WriteState:
     size: int
     writers: int
     mtime_ns: int
+    ctime_ns: int = 0  # the last write or truncate (mtime_ns may since have been set by utimensat)
 
 
 @dataclass(frozen=True)
@@ -140,11 +142,13 @@ class Node(NodeMembership):
         state = self._writing.get(attr.version)
         if state is not None:
             attr.size, attr.mtime_ns = state.size, state.mtime_ns
+            attr.ctime_ns = max(attr.ctime_ns, state.ctime_ns)
         if self.invalidate_attrs is not None and attr.version:
             self._kernel_versions[attr.ino] = (attr.version, attr.size)
         return attr
 
     async def lookup(self, parent: int, name: bytes) -> m.Attr | None:
+        check_name(name)  # as the master would: a name that cannot exist is no miss (ENAMETOOLONG)
         if self.dircache is not None and self.dircache.absent(parent, name):
             self.lookups_absent += 1
             return None
@@ -192,6 +196,9 @@ class Node(NodeMembership):
             await self._truncate(ino, size, handle)
         if (mode, uid, gid, atime_ns, mtime_ns) != (None,) * 5:
             attr = await self.master.call(m.SetAttr(ino, mode, uid, gid, atime_ns, mtime_ns))
+            state = self._writing.get(attr.version)
+            if mtime_ns is not None and state is not None:  # else the seal would put back the last write's
+                state.mtime_ns = mtime_ns
             if mode is not None or uid is not None or gid is not None:
                 await self.store.refresh_record(attr.version)
         return await self.getattr(ino)
@@ -199,6 +206,7 @@ class Node(NodeMembership):
     async def _truncate(self, ino: int, size: int, handle: OpenFile | None) -> None:
         self._check_file_size(size)
         if handle is not None and handle.writable:
+            await self._writable(handle)
             self._resize(handle.version, size)
             return
         # A path truncate is a short write session: copy-on-write, resize, seal.
@@ -212,7 +220,8 @@ class Node(NodeMembership):
         state = self._writing[version]
         if size < state.size:
             self.store.truncate(version, size)
-        state.size, state.mtime_ns = size, self.clock.wall_ns()
+        state.size = size
+        state.mtime_ns = state.ctime_ns = self.clock.wall_ns()
 
     def _check_file_size(self, size: int) -> None:
         capacity = self.store.dram.capacity
@@ -225,6 +234,12 @@ class Node(NodeMembership):
         attr = await self.master.call(m.MkDir(parent, name, mode, uid, gid))
         self._remember_dir(attr)
         return attr
+
+    async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> m.Attr:
+        return await self.master.call(m.Symlink(parent, name, target, uid, gid))
+
+    async def readlink(self, ino: int) -> bytes:
+        return (await self.master.call(m.ReadLink(ino))).target
 
     async def unlink(self, parent: int, name: bytes) -> None:
         self._drop((await self.master.call(m.Unlink(parent, name))).dropped)
@@ -365,7 +380,8 @@ class Node(NodeMembership):
                 self._resize(version, 0)
         else:
             self.store.create(version)
-            state = self._writing[version] = WriteState(0, 1, self.clock.wall_ns())
+            now = self.clock.wall_ns()
+            state = self._writing[version] = WriteState(0, 1, now, now)
             if opened.copy_from:
                 self._count_open(opened.copy_from, False, 1)
                 try:
@@ -396,18 +412,38 @@ class Node(NodeMembership):
         self.served_bytes[handle.source.tier] += len(data)
         return data
 
+    async def _writable(self, handle: OpenFile) -> None:
+        """Makes sure a writer's handle has a version being written. In cluster mode the close
+        of a descriptor seals the file even while a duplicate of it (dup, a shell's redirection)
+        stays open: a write through that one starts a new version, as opening it again would."""
+        while handle.finished:
+            if handle.reopening is not None:  # another request of this handle is at it
+                await handle.reopening.wait()
+                continue
+            handle.reopening = trio.Event()
+            try:
+                fresh = await self._open_version(handle.ino, truncate=False)
+            except KvfsError as error:
+                raise StorageError(errno.EBADF, f"inode {handle.ino} was sealed when a descriptor of it was "
+                                                f"closed, and cannot be written again: {error}") from None
+            finally:
+                handle.reopening.set()
+                handle.reopening = None
+            sealed = OpenFile(handle.ino, handle.version, True, 0, leased=handle.leased, finished=True)
+            handle.version, handle.leased, handle.finished = fresh.version, fresh.leased, False
+            await self.release(sealed)  # the handle's lease moves to the new version
+
     async def write(self, handle: OpenFile, offset: int, data: bytes) -> int:
         if not handle.writable:
             raise StorageError(errno.EBADF, f"inode {handle.ino} is not open for writing")
-        if handle.finished:
-            raise StorageError(errno.EBADF, f"inode {handle.ino} was sealed when a descriptor of it was closed")
+        await self._writable(handle)
         end = offset + len(data)
         self._check_file_size(end)
         await self.store.write(handle.version, offset, data)
         self.written_bytes += len(data)
         state = self._writing[handle.version]
         state.size = max(state.size, end)
-        state.mtime_ns = self.clock.wall_ns()
+        state.mtime_ns = state.ctime_ns = self.clock.wall_ns()
         return len(data)
 
     async def flush(self, handle: OpenFile) -> None:
@@ -431,7 +467,8 @@ class Node(NodeMembership):
         # Until the master confirms, a registration reports the seal (with its mtime) itself.
         self._unreported_seals[handle.version] = state.mtime_ns
         try:
-            attr = await self.master.call(m.Seal(handle.version, state.size, state.mtime_ns, checksums))
+            attr = await self.master.call(m.Seal(handle.version, state.size, state.mtime_ns, checksums,
+                                                 state.ctime_ns))
         except MasterUnavailable:
             log.warning("inode %d: the master is unreachable; its seal is reported on reconnection", handle.ino)
             return

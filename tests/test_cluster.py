@@ -8,12 +8,14 @@ import json
 import mmap
 import os
 import random
+import stat
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import pytest
 from conftest import CLUSTER_SECRET, Cluster, KvfsMount, is_stored, run_writers_then_readers
 from test_consumers import MiB, fill, key_path, run_vllm_pattern, vllm_load, vllm_store
 
@@ -381,3 +383,45 @@ def test_a_node_with_the_wrong_secret_says_so_and_exits(cluster: Cluster, tmp_pa
     assert result.returncode == 1
     assert "cannot authenticate with master" in result.stderr and "Traceback" not in result.stderr
     assert "refused connection" in cluster.master.log_text()
+
+
+def test_symlinks_and_link_counts_across_nodes_and_a_master_restart(cluster: Cluster) -> None:
+    a, b = cluster.add_node("64M"), cluster.add_node("64M")
+    (a.path / "models").mkdir()
+    (a.path / "models" / "v1").mkdir()
+    (a.path / "models" / "v1" / "block.bin").write_bytes(b"kv" * 1000)
+    for i in range(5):  # misses: node B keeps a copy of the directory's names from now on
+        assert not os.path.lexists(b.path / "models" / f"absent-{i}")
+    assert stats(b)["cached_directories"] >= 1
+    with pytest.raises(OSError) as raised:  # a name too long is not a miss (pjdfstest */02.t)
+        os.lstat(b.path / "models" / ("n" * 256))
+    assert raised.value.errno == errno.ENAMETOOLONG
+    os.symlink("v1", a.path / "models" / "current")  # created on A ...
+    os.symlink("/an/absolute/target", a.path / "models" / "dangling")
+
+    def readlink_on_b() -> bool:
+        try:
+            return os.readlink(b.path / "models" / "current") == "v1"
+        except FileNotFoundError:
+            return False
+
+    wait_until(readlink_on_b, timeout=5, what="the link on node B")  # ... read on B
+    assert os.readlink(b.path / "models" / "dangling") == "/an/absolute/target"
+    assert stat.S_ISLNK(os.lstat(b.path / "models" / "current").st_mode)
+    assert (b.path / "models" / "current" / "block.bin").read_bytes() == b"kv" * 1000  # followed to A's bytes
+    assert os.stat(b.path / "models").st_nlink == 3
+    # Renamed and removed on B: A's kernel is told, like for any name.
+    os.rename(b.path / "models" / "dangling", b.path / "models" / "moved")
+    wait_until(lambda: not os.path.lexists(a.path / "models" / "dangling")
+               and os.path.lexists(a.path / "models" / "moved"), timeout=5, what="the rename on node A")
+    os.unlink(b.path / "models" / "moved")
+    wait_until(lambda: not os.path.lexists(a.path / "models" / "moved"), timeout=5, what="the unlink on node A")
+    # The master keeps links in its saved state: a restarted master still has them.
+    cluster.master.kill()
+    cluster.master.start(port=cluster.master.port)
+    wait_until(lambda: os.path.lexists(b.path / "models" / "v1" / "block.bin"), timeout=30,
+               what="the namespace after the master restart")
+    assert os.readlink(a.path / "models" / "current") == "v1" and os.readlink(b.path / "models" / "current") == "v1"
+    assert os.stat(b.path / "models").st_nlink == 3
+    for node in cluster.nodes:
+        node.allowed_errors.append("master")

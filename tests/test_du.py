@@ -39,8 +39,11 @@ def test_du_per_model_directory(make_mount) -> None:
     for path in llama[:2]:
         assert path.read_bytes()
     assert not os.path.exists(mount.path / "llama_r0" / "fff" / "ff_g0" / ("f" * 64 + ".bin"))  # a miss
+    for k in range(20):  # names asked for at the root that do not exist: counted under "/", no row each
+        assert not os.path.exists(mount.path / f"nothing-{k}")
     rows = {row["name"]: row for row in json.loads(du(str(mount.path), "--json", "--interval", "0").stdout)["dirs"]}
-    assert set(rows) == {"llama_r0", "qwen_r0"}
+    assert set(rows) == {"llama_r0", "qwen_r0", "/"}
+    assert rows["/"]["files"] == 0 and rows["/"]["lookups_absent"] >= 20
     llama_row, qwen_row = rows["llama_r0"], rows["qwen_r0"]
     assert (llama_row["files"], llama_row["bytes"], llama_row["dram_only_bytes"]) == (3, 6 * MiB, 6 * MiB)
     assert (qwen_row["files"], qwen_row["bytes"], qwen_row["ssd_bytes"]) == (1, 4 * MiB, 0)
@@ -64,7 +67,7 @@ def test_du_per_model_directory(make_mount) -> None:
     finally:
         stop.set()
         thread.join()
-    assert table[0].startswith(f"mount {mount.path}: 2 top-level entries (rates over ")
+    assert table[0].startswith(f"mount {mount.path}: 3 top-level entries (rates over ")
     assert table[1].split() == ["DIRECTORY", "FILES", "BYTES", "DRAM-ONLY", "ON", "SSD", "LOOKUPS", "HIT", "READS",
                                 "READS/s", "READ/s"]
     first = table[2].split()
@@ -78,6 +81,8 @@ def test_du_across_a_cluster(cluster: Cluster) -> None:
     path = vllm_store(first.path, "llama", f"{1:064x}", 3 * MiB)
     assert (second.path / path.relative_to(first.path)).read_bytes() == path.read_bytes()
     rows = json.loads(du("--master", cluster.master.address, "--json", "--interval", "0").stdout)["dirs"]
-    assert [(row["name"], row["files"], row["bytes"], row["opens"]) for row in rows] == [("llama_r0", 1, 3 * MiB, 2)]
+    # "/": the lookup of llama_r0 before it was made (an absent name in the root)
+    assert [(row["name"], row["files"], row["bytes"], row["opens"]) for row in rows] == [("llama_r0", 1, 3 * MiB, 2),
+                                                                                        ("/", 0, 0, 0)]
     from_node = json.loads(du(str(second.path), "--json", "--interval", "0").stdout)["dirs"]
     assert from_node[0]["files"] == 1 and from_node[0]["opens"] == 2

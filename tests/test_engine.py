@@ -8,6 +8,7 @@ import mmap
 import os
 import random
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,36 @@ def test_cancellation_waits_for_the_kernel_and_leaves_the_engine_usable(tmp_path
 
     try:
         run_with(UringEngine, test)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_a_nursery_cancelled_whole_does_not_wait_forever_for_a_request() -> None:
+    """A daemon's stop cancels the completion task and a request in flight at once: the
+    request's own cancellation must reap its completion."""
+    read_end, write_end = os.pipe()
+    outcome: list[object] = []
+
+    async def main():
+        engine = UringEngine()
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(engine.run)
+                nursery.start_soon(engine.read_into, read_end, 0, memoryview(bytearray(16)))
+                await trio.sleep(0.1)  # the read is in the kernel, waiting on the empty pipe
+                nursery.cancel_scope.cancel()
+            outcome.append(dict(engine._pending))
+        finally:
+            engine.close()
+
+    # A shielded wait cannot be cancelled from inside trio: bound it from outside.
+    runner = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    try:
+        runner.start()
+        runner.join(timeout=20)
+        assert not runner.is_alive(), "the cancelled request waited for a completion nobody delivers"
+        assert outcome == [{}]
     finally:
         os.close(read_end)
         os.close(write_end)

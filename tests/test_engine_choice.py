@@ -101,3 +101,22 @@ def test_the_probe_runs_in_the_tier_directory_and_names_it_when_it_cannot_write(
     assert [entry.name for entry in tmp_path.iterdir()] == []  # the scratch file is gone
     reason = probe_io_uring(Path("/proc/self"))
     assert reason is not None and reason.startswith("cannot write a scratch file in /proc/self:")
+
+
+def test_the_probe_reason_is_the_childs_verdict_not_its_traceback(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "liburing.py").write_text("raise OSError(13, 'Permission denied')\n")
+    monkeypatch.setenv("PYTHONPATH", str(broken))
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    assert probe_io_uring(disk) == "liburing is not importable: PermissionError: [Errno 13] Permission denied"
+    assert list(disk.iterdir()) == []  # the scratch directory is removed by the parent
+
+
+def test_a_child_killed_by_a_signal_leaves_no_scratch_directory(crashing_liburing: Path, tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    assert "SIGILL" in (probe_io_uring(disk) or "")
+    assert list(disk.iterdir()) == []

@@ -2,6 +2,7 @@
 
 import errno
 import random
+import stat
 
 import pytest
 
@@ -255,3 +256,62 @@ def test_every_policy_evicts_only_sealed_closed_files_and_deterministically(poli
 
     first = run(seed=11)
     assert first and run(seed=11) == first
+
+
+def test_symlinks_keep_their_target_and_are_not_files(master: MetadataService, clock: ManualClock) -> None:
+    attr = master.handle(m.Symlink(ROOT_INO, b"l", b"../somewhere/else", 1000, 1000))
+    assert stat.S_ISLNK(attr.mode) and attr.size == len(b"../somewhere/else") and attr.nlink == 1
+    assert (attr.uid, attr.gid, attr.version) == (1000, 1000, 0)
+    assert master.handle(m.ReadLink(attr.ino)).target == b"../somewhere/else"
+    assert master.handle(m.Lookup(ROOT_INO, b"l")).attr.ino == attr.ino
+    assert master.handle(m.Stats()).files == 0  # no bytes anywhere, never evicted
+    fails(master, m.Symlink(ROOT_INO, b"l", b"x", 0, 0), errno.EEXIST)
+    fails(master, m.Symlink(ROOT_INO, b"e", b"", 0, 0), errno.ENOENT)
+    fails(master, m.Symlink(ROOT_INO, b"long", b"t" * 4096, 0, 0), errno.ENAMETOOLONG)
+    assert master.handle(m.ReadLink(master.handle(m.Symlink(ROOT_INO, b"max", b"t" * 4095, 0, 0)).ino)).target \
+        == b"t" * 4095
+    fails(master, m.ReadLink(store(master, ROOT_INO, b"f").ino), errno.EINVAL)
+    fails(master, m.OpenRead(attr.ino), errno.ELOOP)
+    clock.advance(3)
+    master.handle(m.Rename(ROOT_INO, b"l", ROOT_INO, b"l2"))
+    moved = master.handle(m.GetAttr(attr.ino))
+    assert moved.ctime_ns == clock.wall_ns() and master.handle(m.ReadLink(attr.ino)).target == b"../somewhere/else"
+    master.handle(m.Rename(ROOT_INO, b"l2", ROOT_INO, b"f"))  # a link may replace a file
+    assert master.handle(m.Lookup(ROOT_INO, b"f")).attr.ino == attr.ino
+    master.handle(m.Unlink(ROOT_INO, b"f"))
+    assert master.handle(m.Lookup(ROOT_INO, b"f")).attr is None
+
+
+def test_directory_link_count_is_two_plus_subdirectories(master: MetadataService) -> None:
+    def nlink(ino: int) -> int:
+        return master.handle(m.GetAttr(ino)).nlink
+
+    a = master.handle(m.MkDir(ROOT_INO, b"a", 0o755, 0, 0))
+    b = master.handle(m.MkDir(ROOT_INO, b"b", 0o755, 0, 0))
+    assert nlink(ROOT_INO) == 4 and nlink(a.ino) == 2
+    store(master, a.ino, b"file")
+    master.handle(m.Symlink(a.ino, b"link", b"file", 0, 0))
+    assert nlink(a.ino) == 2  # files and links do not count
+    sub = master.handle(m.MkDir(a.ino, b"sub", 0o755, 0, 0))
+    assert nlink(a.ino) == 3
+    master.handle(m.Rename(a.ino, b"sub", b.ino, b"sub"))
+    assert (nlink(a.ino), nlink(b.ino), nlink(sub.ino)) == (2, 3, 2)
+    empty = master.handle(m.MkDir(a.ino, b"empty", 0o755, 0, 0))
+    master.handle(m.Rename(a.ino, b"empty", b.ino, b"sub"))  # replaces an empty directory
+    assert (nlink(a.ino), nlink(b.ino)) == (2, 3) and master.handle(m.Lookup(b.ino, b"sub")).attr.ino == empty.ino
+    master.handle(m.RmDir(b.ino, b"sub"))
+    assert nlink(b.ino) == 2
+    master.handle(m.RmDir(ROOT_INO, b"b"))
+    assert nlink(ROOT_INO) == 3
+
+
+def test_a_seal_moves_ctime_to_the_last_write_and_never_back(master: MetadataService, clock: ManualClock) -> None:
+    opened = master.handle(m.Create(ROOT_INO, b"f", 0o644, 0, 0, NODE, exclusive=True))
+    created = opened.attr.ctime_ns
+    clock.advance(2)
+    written = clock.wall_ns()
+    clock.advance(2)
+    master.handle(m.SetAttr(opened.attr.ino, mtime_ns=5))  # utimensat while the file is written
+    chmod_time = clock.wall_ns()
+    attr = master.handle(m.Seal(opened.version, 10, 5, [1], written))
+    assert attr.mtime_ns == 5 and attr.ctime_ns == chmod_time > written > created

@@ -190,6 +190,51 @@ def test_state_survives_a_restart_and_nodes_bring_their_files_back(cluster: Clus
     state.close()
 
 
+def test_symlinks_and_link_counts_survive_a_restart(cluster: Cluster, tmp_path: Path) -> None:
+    state = MasterState(tmp_path / "state")
+    master = cluster.master
+    a, _ = cluster.join("a")
+    d = master.handle(m.MkDir(ROOT_INO, b"dir", 0o755, 0, 0), a)
+    master.handle(m.MkDir(d.ino, b"sub", 0o755, 0, 0), a)
+    link = master.handle(m.Symlink(d.ino, b"latest", b"sub/block.bin", 7, 8), a)
+    state.save(master)
+    state.close()
+
+    restarted = MetadataService(cluster.clock, LruPolicy(), MasterSettings(cluster=True))
+    state = MasterState(tmp_path / "state")
+    assert state.load(restarted) == 0  # directories and links are not files
+    assert restarted.handle(m.ReadLink(link.ino), 0).target == b"sub/block.bin"
+    assert restarted.handle(m.Lookup(d.ino, b"latest"), 0).attr == link
+    assert restarted.handle(m.GetAttr(d.ino), 0).nlink == 3
+    assert restarted.handle(m.GetAttr(ROOT_INO), 0).nlink == 3
+    state.close()
+
+
+def test_state_saved_before_symlinks_existed_still_loads(tmp_path: Path) -> None:
+    """Inodes saved without a target field (the layout before symbolic links) load unchanged."""
+    import lmdb
+    import msgspec
+
+    env = lmdb.open(str(tmp_path / "master.lmdb"), max_dbs=3, subdir=True)
+    inodes, meta = env.open_db(b"inodes"), env.open_db(b"meta")
+    with env.begin(write=True) as txn:
+        # mode, uid, gid, atime, mtime, ctime, parent, name, entry_id, is_dir, version, xattrs
+        root = [0o40755, 0, 0, 0, 0, 0, 0, b"", 0, True, 0, {}]
+        old_dir = [0o40755, 0, 0, 1, 2, 3, ROOT_INO, b"old", 1, True, 0, {}]
+        for ino, saved in ((ROOT_INO, root), (5, old_dir)):
+            txn.put(ino.to_bytes(8, "big"), msgspec.msgpack.encode(saved), db=inodes)
+        txn.put(b"meta", msgspec.msgpack.encode({"layout": 1, "next_ino": 6, "next_entry_id": 2,
+                                                 "next_version": 1, "nodes": []}), db=meta)
+    env.close()
+    state = MasterState(tmp_path)
+    restarted = MetadataService(ManualClock(), LruPolicy(), MasterSettings(cluster=True))
+    state.load(restarted)
+    attr = restarted.handle(m.Lookup(ROOT_INO, b"old"), 0).attr
+    assert (attr.ino, attr.mode, attr.ctime_ns, attr.nlink) == (5, 0o40755, 3, 2)
+    assert restarted.handle(m.GetAttr(ROOT_INO), 0).nlink == 3
+    state.close()
+
+
 def test_a_large_directory_is_watched_page_by_page(cluster: Cluster) -> None:
     a, _ = cluster.join("a")
     b, _ = cluster.join("b")

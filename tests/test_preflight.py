@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import pty
+import select
 import signal
 import socket
 import subprocess
@@ -80,8 +82,6 @@ def test_unreachable_master_in_the_background_fails_after_the_stated_timeout(tmp
 
 
 def test_a_background_start_shows_its_progress_on_a_terminal(tmp_path: Path) -> None:
-    import pty
-
     mountpoint = tmp_path / "mnt"
     terminal, stderr = pty.openpty()
     started = time.monotonic()
@@ -90,8 +90,11 @@ def test_a_background_start_shows_its_progress_on_a_terminal(tmp_path: Path) -> 
                                stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
     os.close(stderr)
     shown = b""
+    deadline = time.monotonic() + 30
     try:
         while True:
+            ready, _, _ = select.select([terminal], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, f"the command wrote nothing and did not exit within 30 s: {shown!r}"
             try:
                 chunk = os.read(terminal, 4096)
             except OSError:  # the pty's other end closed: the command exited

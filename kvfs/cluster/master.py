@@ -18,7 +18,7 @@ import xxhash
 from kvfs.clock import Clock
 from kvfs.cluster import messages as m
 from kvfs.cluster.membership import Membership
-from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace, check_name
+from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace, check_name, check_target
 from kvfs.cluster.objects import FileVersion, ObjectDirectory
 from kvfs.cluster.registry import LOCAL_NODE, Registry
 from kvfs.cluster.usage import DirectoryUsage
@@ -72,6 +72,8 @@ class MetadataService(Membership):
             m.GetAttr: self._getattr,
             m.SetAttr: self._setattr,
             m.MkDir: self._mkdir,
+            m.Symlink: self._symlink,
+            m.ReadLink: self._readlink,
             m.Create: self._create,
             m.Unlink: self._unlink,
             m.RmDir: self._rmdir,
@@ -139,7 +141,7 @@ class MetadataService(Membership):
         self.objects.load(versions, next_version)
         self.registry.load(nodes)
         now = self.clock.monotonic()
-        for inode in sorted((i for i in inodes if not i.is_dir), key=lambda i: i.mtime_ns):
+        for inode in sorted((i for i in inodes if i.is_file), key=lambda i: i.mtime_ns):
             version = self.objects.versions.get(inode.version)
             if self._is_temp(inode.name):
                 self._temp_files.add(inode.ino)
@@ -171,8 +173,11 @@ class MetadataService(Membership):
     # Helpers ---------------------------------------------------------------------------
 
     def attr(self, inode: Inode) -> m.Attr:
-        if inode.children is not None:
-            return m.Attr(inode.ino, inode.mode, 2, inode.uid, inode.gid, 0,
+        if inode.children is not None:  # "." and each subdirectory's ".." link here
+            return m.Attr(inode.ino, inode.mode, 2 + inode.subdirs, inode.uid, inode.gid, 0,
+                          inode.atime_ns, inode.mtime_ns, inode.ctime_ns)
+        if inode.is_symlink:
+            return m.Attr(inode.ino, inode.mode, 1 if inode.linked else 0, inode.uid, inode.gid, len(inode.target),
                           inode.atime_ns, inode.mtime_ns, inode.ctime_ns)
         version = self.objects.versions.get(inode.version)
         size, sealed = (version.size, version.sealed) if version else (0, True)
@@ -217,6 +222,8 @@ class MetadataService(Membership):
         inode = self.ns.get(ino)
         if inode.is_dir:
             raise MetadataError(errno.EISDIR, f"inode {ino} is a directory")
+        if inode.is_symlink:  # the kernel follows links itself: only O_NOFOLLOW gets here
+            raise MetadataError(errno.ELOOP, f"inode {ino} is a symbolic link")
         return inode
 
     @staticmethod
@@ -242,7 +249,7 @@ class MetadataService(Membership):
 
     def _link(self, directory: Inode, name: bytes, inode: Inode, now: int) -> None:
         self.ns.link(directory, name, inode, now)
-        if inode.is_dir:
+        if not inode.is_file:
             return
         if self._is_temp(name):
             self._temp_files.add(inode.ino)
@@ -297,7 +304,7 @@ class MetadataService(Membership):
         check_name(req.name)
         inode = self._entry(req.parent, req.name)
         if not self._is_temp(req.name):  # a writer's check for its temp file is no miss
-            self.usage.looked_up(self.ns, req.parent, req.name, inode is not None)
+            self.usage.looked_up(self.ns, req.parent, req.name, inode)
         if inode is None:
             return m.Entry(None)
         entry = m.Entry(self._referenced(inode))
@@ -339,6 +346,20 @@ class MetadataService(Membership):
         inode = self.ns.new_inode(stat.S_IFDIR | stat.S_IMODE(req.mode), req.uid, req.gid, now, directory=True)
         self._link(directory, req.name, inode, now)
         return self._referenced(inode)
+
+    def _symlink(self, req: m.Symlink) -> m.Attr:
+        check_target(req.target)
+        directory = self._new_entry(req.parent, req.name)
+        now = self.clock.wall_ns()
+        inode = self.ns.new_symlink(req.target, req.uid, req.gid, now)
+        self._link(directory, req.name, inode, now)
+        return self._referenced(inode)
+
+    def _readlink(self, req: m.ReadLink) -> m.LinkTarget:
+        inode = self.ns.get(req.ino)
+        if not inode.is_symlink:
+            raise MetadataError(errno.EINVAL, f"inode {req.ino} is not a symbolic link")
+        return m.LinkTarget(inode.target)
 
     def _create(self, req: m.Create) -> m.Opened:
         check_name(req.name)
@@ -518,7 +539,9 @@ class MetadataService(Membership):
         inode = self.ns.inodes.get(version.ino)
         if inode is None:
             return m.Attr(version.ino, stat.S_IFREG, 0, 0, 0, req.size, 0, 0, 0, version.version, True)
-        inode.mtime_ns = inode.ctime_ns = req.mtime_ns
+        # ctime never goes back: a chmod or utimensat while the file was written already moved it.
+        inode.mtime_ns = req.mtime_ns
+        inode.ctime_ns = max(inode.ctime_ns, req.ctime_ns or req.mtime_ns)
         self.ns.dirty.add(inode.ino)
         if newly and version.current and inode.linked:
             self._admit(inode, req.size)
@@ -662,7 +685,7 @@ class MetadataService(Membership):
         dropped: list[int] = []
         existing = self.ns.lookup(directory.ino, name)
         if existing is not None:
-            if existing.is_dir or existing.version > req.version:
+            if not existing.is_file or existing.version > req.version:
                 return m.Restored(False, [req.version])
             self._remove_file(existing, now, dropped)  # an older version of the same name
         inode = self.ns.new_inode(record.mode, record.uid, record.gid, record.mtime_ns, directory=False)

@@ -96,6 +96,18 @@ class MkDir(Request):
     gid: int
 
 
+class Symlink(Request):
+    parent: int
+    name: bytes
+    target: bytes
+    uid: int
+    gid: int
+
+
+class ReadLink(Request):
+    ino: int
+
+
 class Create(Request):
     parent: int
     name: bytes
@@ -160,6 +172,7 @@ class Seal(Request):
     size: int
     mtime_ns: int
     checksums: list[int]
+    ctime_ns: int = 0  # the last write's (0: mtime_ns), later than mtime_ns after a utimensat
 
 
 class GetXattr(Request):
@@ -363,6 +376,10 @@ class Listing(msgspec.Struct):
     entries: list[DirEntry]
 
 
+class LinkTarget(msgspec.Struct):
+    target: bytes
+
+
 class XattrValue(msgspec.Struct):
     value: bytes
 
@@ -465,5 +482,5 @@ RESPONSE_TYPES: dict[type, type] = {
     GetVersion: VersionInfo, Reclaim: Removed, Offloaded: Done, GetRecord: FileRecord, Lost: Removed,
     Restore: Restored, CollectOrphans: Removed, Stats: MasterStats, Register: Registered, Report: Reported,
     FinishRegistration: Done, Heartbeat: Beat, ClusterStatus: ClusterInfo, WatchNames: Names, Unwatch: Done,
-    RemoveNode: Removed, DirUsage: DirUsageInfo,
+    RemoveNode: Removed, DirUsage: DirUsageInfo, Symlink: Attr, ReadLink: LinkTarget,
 }

@@ -10,6 +10,7 @@ from kvfs.errors import MetadataError
 
 ROOT_INO = 1
 NAME_MAX = 255
+SYMLINK_MAX = 4095  # PATH_MAX - 1: the longest target the kernel hands to symlink()
 
 
 @dataclass(slots=True, eq=False)
@@ -31,6 +32,8 @@ class Inode:
     entry_id: int = 0  # position in its parent's listing
     refs: int = 0  # bit n set: node n's kernel holds a lookup reference
     watchers: int = 0  # bit n set: node n keeps a copy of this directory's names
+    target: bytes = b""  # a symbolic link's target (fixed at creation)
+    subdirs: int = 0  # directories among the children (derived, not saved): st_nlink is 2 + subdirs
 
     @property
     def referenced(self) -> bool:
@@ -39,6 +42,15 @@ class Inode:
     @property
     def is_dir(self) -> bool:
         return self.children is not None
+
+    @property
+    def is_symlink(self) -> bool:
+        return stat.S_ISLNK(self.mode)
+
+    @property
+    def is_file(self) -> bool:
+        """A regular file: the only kind of inode that has versions and bytes."""
+        return self.children is None and not stat.S_ISLNK(self.mode)
 
     @property
     def linked(self) -> bool:
@@ -50,6 +62,16 @@ def check_name(name: bytes) -> None:
         raise MetadataError(errno.ENAMETOOLONG, f"name of {len(name)} bytes (limit {NAME_MAX})")
     if not name or b"/" in name or b"\0" in name:
         raise MetadataError(errno.EINVAL, f"invalid name {name!r}")
+
+
+def check_target(target: bytes) -> None:
+    """A symbolic link's target: as Linux file systems accept it (non-empty, at most PATH_MAX - 1)."""
+    if not target:
+        raise MetadataError(errno.ENOENT, "empty symbolic link target")
+    if len(target) > SYMLINK_MAX:
+        raise MetadataError(errno.ENAMETOOLONG, f"symbolic link target of {len(target)} bytes (limit {SYMLINK_MAX})")
+    if b"\0" in target:
+        raise MetadataError(errno.EINVAL, f"symbolic link target {target[:64]!r} holds a NUL byte")
 
 
 class Namespace:
@@ -103,12 +125,21 @@ class Namespace:
             self.files += 1
         return inode
 
+    def new_symlink(self, target: bytes, uid: int, gid: int, now_ns: int) -> Inode:
+        inode = Inode(self.next_ino, stat.S_IFLNK | 0o777, uid, gid, now_ns, now_ns, now_ns, target=target)
+        self.next_ino += 1
+        self.inodes[inode.ino] = inode
+        self.dirty.add(inode.ino)
+        return inode
+
     def link(self, parent: Inode, name: bytes, inode: Inode, now_ns: int) -> None:
         assert parent.children is not None and name not in parent.children
         parent.children[name] = (inode.ino, self.next_entry_id)
         inode.entry_id = self.next_entry_id
         self.next_entry_id += 1
         inode.parent, inode.name = parent.ino, name
+        if inode.is_dir:
+            parent.subdirs += 1
         parent.mtime_ns = parent.ctime_ns = now_ns
         self.dirty.update((parent.ino, inode.ino))
         if parent.watchers:
@@ -123,6 +154,8 @@ class Namespace:
         """Removes the inode's entry but keeps the inode (for rename)."""
         parent = self.inodes[inode.parent]
         del parent.children[inode.name]  # type: ignore[union-attr]
+        if inode.is_dir:
+            parent.subdirs -= 1
         parent.mtime_ns = parent.ctime_ns = now_ns
         if parent.watchers:
             self.changes.append((parent.watchers, parent.ino, inode.name, False))
@@ -135,7 +168,7 @@ class Namespace:
         if not inode.linked and not inode.referenced and inode.ino in self.inodes:
             del self.inodes[inode.ino]
             self.dirty.add(inode.ino)
-            if not inode.is_dir:
+            if inode.is_file:
                 self.files -= 1
 
     def restore(self, inodes: list[Inode]) -> None:
@@ -144,11 +177,13 @@ class Namespace:
             self.inodes[inode.ino] = inode
             self.next_ino = max(self.next_ino, inode.ino + 1)
             self.next_entry_id = max(self.next_entry_id, inode.entry_id + 1)
-            if not inode.is_dir:
+            if inode.is_file:
                 self.files += 1
         for inode in sorted(inodes, key=lambda i: i.entry_id):
             if inode.parent:
-                self.inodes[inode.parent].children[inode.name] = (inode.ino, inode.entry_id)  # type: ignore[index]
+                parent = self.inodes[inode.parent]
+                parent.children[inode.name] = (inode.ino, inode.entry_id)  # type: ignore[index]
+                parent.subdirs += inode.is_dir
         self.dirty.clear()
 
     def is_ancestor(self, ancestor: int, ino: int) -> bool:

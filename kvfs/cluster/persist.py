@@ -42,6 +42,7 @@ class SavedInode(msgspec.Struct, array_like=True):
     is_dir: bool
     version: int
     xattrs: dict[bytes, bytes]
+    target: bytes = b""  # a symbolic link's (state saved before symlinks existed has none)
 
 
 class SavedVersion(msgspec.Struct, array_like=True):
@@ -91,7 +92,8 @@ class MasterState:
                 saved = decode_inode(value)
                 inode = Inode(int.from_bytes(key, "big"), saved.mode, saved.uid, saved.gid, saved.atime_ns,
                               saved.mtime_ns, saved.ctime_ns, saved.parent, saved.name,
-                              {} if saved.is_dir else None, dict(saved.xattrs), saved.version, saved.entry_id)
+                              {} if saved.is_dir else None, dict(saved.xattrs), saved.version, saved.entry_id,
+                              target=saved.target)
                 inodes.append(inode)
             versions = []
             for key, value in txn.cursor(db=self._versions):
@@ -113,7 +115,8 @@ class MasterState:
                 if inode is not None and inode.linked:
                     txn.put(_key(ino), self._encode(SavedInode(
                         inode.mode, inode.uid, inode.gid, inode.atime_ns, inode.mtime_ns, inode.ctime_ns,
-                        inode.parent, inode.name, inode.entry_id, inode.is_dir, inode.version, inode.xattrs)),
+                        inode.parent, inode.name, inode.entry_id, inode.is_dir, inode.version, inode.xattrs,
+                        inode.target)),
                         db=self._inodes)
                 else:
                     txn.delete(_key(ino), db=self._inodes)

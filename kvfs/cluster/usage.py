@@ -1,8 +1,9 @@
 """What the cache holds and serves per top-level directory (per model in vLLM's layout) (pure).
 
 Lookups and opens are counted as the master answers them, under the top-level directory they
-fall in; files and bytes are summed from the namespace when asked. Files directly in the root
-count under "/".
+fall in; files and bytes are summed from the namespace when asked. Files directly in the root,
+and names looked up there that do not exist, count under "/" (so rows exist only for real
+top-level directories, whatever names clients ask for).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvfs.cluster import messages as m
-from kvfs.cluster.namespace import ROOT_INO, Namespace
+from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace
 from kvfs.cluster.objects import ObjectDirectory
 
 ROOT_FILES = "/"
@@ -51,10 +52,14 @@ class DirectoryUsage:
             counters = self.counters[top] = Counters()
         return counters
 
-    def looked_up(self, ns: Namespace, parent: int, name: bytes, found: bool) -> None:
-        counters = self._of(ns, parent, name)
+    def looked_up(self, ns: Namespace, parent: int, name: bytes, found: Inode | None) -> None:
+        if parent == ROOT_INO and (found is None or found.children is None):
+            # A file in the root, or an absent name: under "/", never a row per name asked for.
+            counters: Counters | None = self._root_files()
+        else:
+            counters = self._of(ns, parent, name)
         if counters is not None:
-            if found:
+            if found is not None:
                 counters.lookups_found += 1
             else:
                 counters.lookups_absent += 1

@@ -13,6 +13,7 @@ single task waits on an eventfd registered with the ring for completions.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -149,7 +150,9 @@ class _Pending:
 
 
 FSYNC_DATASYNC = 1  # IORING_FSYNC_DATASYNC
-CANCEL_TOKEN = (1 << 64) - 1  # the user_data of cancel requests (the binding refuses 0); never a request's
+IGNORED_TOKEN = (1 << 64) - 1  # user_data of cancels and no-ops (the binding refuses 0): no request's
+TRANSIENT_SUBMIT_ERRORS = frozenset({errno.EAGAIN, errno.EBUSY, errno.EINTR})
+REAP_POLL_S = 0.001
 
 
 class UringEngine(AlignedIo):
@@ -167,8 +170,8 @@ class UringEngine(AlignedIo):
             import liburing as u
         except ImportError:
             raise
-        except Exception as error:  # e.g. its import cache cannot be written (a read-only install)
-            raise ImportError(f"{type(error).__name__}: {error}") from error
+        except Exception as error:  # e.g. its import cache cannot be written (a read-only install):
+            raise ImportError(f"{type(error).__name__}: {error}") from error  # reported as not importable
 
         super().__init__()
         self._u = u
@@ -189,60 +192,89 @@ class UringEngine(AlignedIo):
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Delivers completions; runs in the node's nursery for the engine's lifetime."""
         task_status.started()
-        u = self._u
         while True:
             await trio.lowlevel.wait_readable(self._efd)
             try:
                 os.eventfd_read(self._efd)
             except BlockingIOError:
                 pass
-            while u.io_uring_peek_cqe(self._ring, self._cqe) == 0:
-                entry = self._cqe[0]
-                pending = self._pending.pop(entry.user_data, None)
-                if pending is not None:
-                    pending.result = entry.res
-                    pending.done.set()
-                u.io_uring_cqe_seen(self._ring, entry)
+            self._reap()
 
-    def _get_sqe(self) -> object:
+    def _reap(self) -> None:
+        """Delivers every completion the kernel has posted."""
         u = self._u
-        sqe = u.io_uring_get_sqe(self._ring)
-        if not sqe:  # the submission queue is full: flush it
-            u.io_uring_submit(self._ring)
-            self._unsubmitted = 0
-            sqe = u.io_uring_get_sqe(self._ring)
+        while u.io_uring_peek_cqe(self._ring, self._cqe) == 0:
+            entry = self._cqe[0]
+            pending = self._pending.pop(entry.user_data, None)
+            if pending is not None:
+                pending.result = entry.res
+                pending.done.set()
+            u.io_uring_cqe_seen(self._ring, entry)
+
+    async def _flush(self) -> None:
+        """Submits every queued SQE. The kernel's transient refusals (EBUSY: completions not
+        yet reaped; EAGAIN; EINTR) are retried, so no request is left queued behind a caller
+        that gave up and released its buffer."""
+        while self._unsubmitted:
+            try:
+                self._u.io_uring_submit(self._ring)
+            except OSError as error:
+                if error.errno not in TRANSIENT_SUBMIT_ERRORS:
+                    raise
+                self._reap()
+                await trio.sleep(REAP_POLL_S)
+            else:
+                self._unsubmitted = 0
+
+    async def _get_sqe(self) -> object:
+        sqe = self._u.io_uring_get_sqe(self._ring)
+        while not sqe:  # the submission queue is full: submit it
+            await self._flush()
+            sqe = self._u.io_uring_get_sqe(self._ring)
+            if not sqe:
+                await trio.sleep(REAP_POLL_S)
         return sqe
 
     async def _submit(self, prepare: Callable[[object], object]) -> int:
-        sqe = self._get_sqe()
+        sqe = await self._get_sqe()
+        try:
+            keep = prepare(sqe)
+        except BaseException:  # the slot is taken: it must not replay whatever it held before
+            self._u.io_uring_prep_nop(sqe)
+            sqe.user_data = IGNORED_TOKEN
+            self._unsubmitted += 1
+            raise
         token = self._next_token
         self._next_token += 1
-        pending = self._pending[token] = _Pending()
-        pending.keep = prepare(sqe)
+        pending = self._pending[token] = _Pending(keep=keep)
         sqe.user_data = token
         self._unsubmitted += 1
         try:
             await trio.lowlevel.checkpoint()  # other tasks of this tick add their requests
-            if self._unsubmitted:
-                self._u.io_uring_submit(self._ring)
-                self._unsubmitted = 0
+            await self._flush()
             await pending.done.wait()
         except trio.Cancelled:
             with trio.CancelScope(shield=True):  # the kernel may still touch the buffer
-                if not pending.done.is_set():
-                    self._cancel(token)
-                    await pending.done.wait()
+                await self._cancel_and_wait(token, pending)
             raise
         if pending.result < 0:
             raise OSError(-pending.result, os.strerror(-pending.result))
         return pending.result
 
-    def _cancel(self, token: int) -> None:
-        sqe = self._get_sqe()
+    async def _cancel_and_wait(self, token: int, pending: _Pending) -> None:
+        """Cancels a request in the kernel and waits for its completion. It reaps completions
+        itself: when a whole nursery is cancelled, the task running `run` may be gone."""
+        if pending.done.is_set():
+            return
+        sqe = await self._get_sqe()
         self._u.io_uring_prep_cancel64(sqe, token, 0)
-        sqe.user_data = CANCEL_TOKEN
-        self._u.io_uring_submit(self._ring)
-        self._unsubmitted = 0
+        sqe.user_data = IGNORED_TOKEN
+        self._unsubmitted += 1
+        await self._flush()
+        while not pending.done.is_set():
+            self._reap()
+            with trio.move_on_after(REAP_POLL_S):
+                await pending.done.wait()
 
     async def _readv(self, fd: int, offset: int, buffer: memoryview) -> int:
         def prepare(sqe: object) -> object:

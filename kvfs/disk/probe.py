@@ -13,11 +13,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 import kvfs
 from kvfs.disk.engine import AlignedIo, ThreadEngine, UringEngine
@@ -27,35 +29,54 @@ log = logging.getLogger(__name__)
 
 # A real machine answers in ~0.2 s; an emulated one (qemu's TCG) in ~20 s. Only a hang waits this long.
 PROBE_TIMEOUT_S = 60.0
+REASON_PREFIX = "kvfs-probe: "
 
 
 def probe_io_uring(directory: Path | None = None, timeout: float = PROBE_TIMEOUT_S) -> str | None:
     """None when io_uring works in a child process, on a scratch file in `directory` (the SSD
     tier's, so that its file system is proven too; a temporary directory if None); otherwise
     why it does not."""
-    # The child imports this kvfs even if the daemon's working directory changed since it started.
-    package_parent = str(Path(kvfs.__file__).resolve().parent.parent)
-    path = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONPATH": (path + os.pathsep if path else "") + package_parent}
     try:
-        command = [sys.executable, "-m", "kvfs.disk.probe"] + ([str(directory)] if directory is not None else [])
-        child = subprocess.run(command, env=env, timeout=timeout,
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    except subprocess.TimeoutExpired:
-        return f"the io_uring self-test did not finish in {timeout:.0f} s"
+        scratch = tempfile.mkdtemp(prefix=".kvfs-probe-", dir=directory)
+    except OSError as error:
+        return f"cannot write a scratch file in {directory or tempfile.gettempdir()}: {error.strerror}"
+    try:
+        return _run_child(Path(scratch) / "probe", timeout)
+    finally:  # the parent cleans up: a child killed by a signal cannot
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_child(scratch_file: Path, timeout: float) -> str | None:
+    # From the directory holding this kvfs, so that the child imports the same one.
+    package_parent = Path(kvfs.__file__).resolve().parent.parent
+    try:
+        child = subprocess.Popen([sys.executable, "-m", "kvfs.disk.probe", str(scratch_file)], cwd=package_parent,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     except OSError as error:
         return f"cannot start the io_uring self-test ({error.strerror})"
+    try:
+        _, stderr = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        try:
+            child.communicate(timeout=5)
+        except subprocess.TimeoutExpired:  # stuck in the kernel (a failing disk): leave it
+            return f"the io_uring self-test hung for {timeout:.0f} s and cannot be killed"
+        return f"the io_uring self-test did not finish in {timeout:.0f} s"
     if child.returncode == 0:
         return None
     if child.returncode < 0:
-        number = -child.returncode
-        name = signal.Signals(number).name if number in signal.Signals._value2member_map_ else f"signal {number}"
-        if number == signal.SIGILL:
+        if -child.returncode == signal.SIGILL:
             return ("the liburing extension died with SIGILL, an instruction this CPU lacks "
                     "(build liburing from source: docs/ssd-tier.md)")
+        try:
+            name = signal.Signals(-child.returncode).name
+        except ValueError:
+            name = f"signal {-child.returncode}"
         return f"the io_uring self-test died with {name}"
-    lines = child.stderr.decode(errors="replace").strip().splitlines()
-    return lines[-1] if lines else f"the io_uring self-test exited with {child.returncode}"
+    reasons = [line[len(REASON_PREFIX):] for line in stderr.decode(errors="replace").splitlines()
+               if line.startswith(REASON_PREFIX)]
+    return reasons[-1] if reasons else f"the io_uring self-test exited with status {child.returncode}"
 
 
 def open_engine(io_engine: str = "auto", directory: Path | None = None) -> AlignedIo:
@@ -79,47 +100,50 @@ def _describe(error: BaseException) -> str:
     if isinstance(error, ImportError):
         return f"liburing is not importable: {error}"
     if isinstance(error, OSError) and error.errno:
-        return f"io_uring setup failed: {os.strerror(error.errno)}"
+        return f"io_uring failed: {os.strerror(error.errno)}"
     return str(error)
 
 
-def _self_test(directory: str | None) -> None:
-    """The child's side: one ring, a write, an fsync and a read of a scratch file."""
+def _self_test(path: str) -> None:
+    """The child's side: one ring, a write, an fsync and a read of a scratch file. Its one
+    line of verdict on failure starts with REASON_PREFIX."""
     import trio
 
     async def exercise(engine: UringEngine, fd: int) -> None:
         payload = os.urandom(64 << 10)
+        failure: BaseException | None = None
         async with trio.open_nursery() as nursery:
             await nursery.start(engine.run)
-            with trio.fail_after(PROBE_TIMEOUT_S / 2):
-                await engine.write_from(fd, 0, payload)
-                await engine.fsync(fd)
-                back = bytearray(len(payload))
-                got = await engine.read_into(fd, 0, memoryview(back))
-            if got != len(payload) or back != payload:
-                raise OSError(0, "io_uring read back different bytes than it wrote")
+            try:
+                with trio.fail_after(PROBE_TIMEOUT_S / 2):
+                    await engine.write_from(fd, 0, payload)
+                    await engine.fsync(fd)
+                    back = bytearray(len(payload))
+                    got = await engine.read_into(fd, 0, memoryview(back))
+                if got != len(payload) or back != payload:
+                    failure = OSError("io_uring read back different bytes than it wrote")
+            except (OSError, trio.TooSlowError) as error:  # out of the nursery as itself, not a group
+                failure = error
             nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
 
     try:
-        scratch = tempfile.TemporaryDirectory(prefix=".kvfs-probe-", dir=directory)
-        fd = _open_scratch(os.path.join(scratch.name, "probe"))
+        fd = _open_scratch(path)
     except OSError as error:
-        print(f"cannot write a scratch file in {directory or tempfile.gettempdir()}: {error.strerror}",
-              file=sys.stderr)
-        raise SystemExit(1)
+        _fail(f"cannot write a scratch file in {os.path.dirname(path)}: {error.strerror}")
     try:
         engine = UringEngine(entries=8)
         try:
             trio.run(exercise, engine, fd)
         finally:
             engine.close()
-    except (ImportError, OSError, trio.TooSlowError) as error:
-        reason = "the io_uring self-test timed out" if isinstance(error, trio.TooSlowError) else _describe(error)
-        print(reason, file=sys.stderr)
-        raise SystemExit(1)
+    except trio.TooSlowError:
+        _fail("the io_uring self-test timed out")
+    except (ImportError, OSError) as error:
+        _fail(_describe(error))
     finally:
         os.close(fd)
-        scratch.cleanup()
 
 
 def _open_scratch(path: str) -> int:
@@ -134,5 +158,10 @@ def _open_scratch(path: str) -> int:
         return os.open(path, flags, 0o600)
 
 
+def _fail(reason: str) -> NoReturn:
+    print(REASON_PREFIX + reason, file=sys.stderr)
+    raise SystemExit(1)
+
+
 if __name__ == "__main__":
-    _self_test(sys.argv[1] if len(sys.argv) > 1 else None)
+    _self_test(sys.argv[1])

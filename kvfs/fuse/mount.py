@@ -496,10 +496,14 @@ def _run_daemon(config: MountConfig, status_fd: int, log_file: str | None) -> No
         progress.stop_listening()
         send("ready")
 
+    code = 1
     try:
         code = Daemon(config).run(ready)
     except (KvfsError, OSError) as error:
         log.error("%s", error)
         send(f"error {error}")
-        code = 1
-    os._exit(code)
+    except BaseException as error:  # a bug: the command still hears why; the fork never returns
+        log.exception("the daemon failed")
+        send(f"error {type(error).__name__}: {error}")
+    finally:
+        os._exit(code)

@@ -149,7 +149,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     @fuse_handler
     async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        raise KvfsError(errno.EPERM, "symbolic links are not supported (kvfs holds only files and directories)")
+        return self._referenced(await self.node.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
 
     @fuse_handler
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -161,7 +161,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     @fuse_handler
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
-        raise KvfsError(errno.EINVAL, f"inode {inode} is not a symbolic link")
+        return await self.node.readlink(inode)
 
     # Directories -----------------------------------------------------------------------
 
