@@ -1,4 +1,4 @@
-"""The `kvfs` command line: mount, node, master, status, umount."""
+"""The `kvfs` command line: mount, node, master, status, fsck, umount."""
 
 from __future__ import annotations
 
@@ -229,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     completion = commands.add_parser("completion", help="print the shell completion script (install.sh "
                                                         "installs it)")
     completion.add_argument("shell", choices=["bash"])
+
+    fsck = commands.add_parser("fsck", help="check an SSD tier offline (index against segments), or repair it")
+    fsck.add_argument("--disk", required=True, help="the SSD tier's directory (not in use by a mount)")
+    fsck.add_argument("--repair", action="store_true", help="rebuild or fix the index, keeping every intact file")
 
     umount = commands.add_parser("umount", help="unmount a kvfs mount")
     umount.add_argument("mountpoint")
@@ -529,6 +533,18 @@ def run_completion(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_fsck(args: argparse.Namespace) -> int:
+    """0: clean or repaired; 2: problems found and left alone."""
+    from pathlib import Path
+
+    from kvfs.disk.fsck import fsck, render
+
+    directory = Path(os.path.abspath(args.disk))
+    report = fsck(directory, args.repair)
+    print(render(directory, report))
+    return 0 if report.clean or report.repaired else 2
+
+
 def run_umount(args: argparse.Namespace) -> int:
     from kvfs.fuse.mount import find_mount, unmount
 
@@ -545,7 +561,7 @@ def run_umount(args: argparse.Namespace) -> int:
 
 COMMANDS = {"mount": run_mount, "node": run_node, "master": run_master, "status": run_status, "top": run_top,
             "du": run_du, "inspect": run_inspect, "remove-node": run_remove_node, "check": run_check,
-            "completion": run_completion, "umount": run_umount}
+            "fsck": run_fsck, "completion": run_completion, "umount": run_umount}
 
 
 def fail(message: str) -> int:

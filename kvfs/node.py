@@ -35,9 +35,9 @@ from kvfs.cluster.namespace import ROOT_INO, check_name
 from kvfs.cluster.rpc import MasterUnavailable
 from kvfs.cluster.transport import Transport
 from kvfs.config import format_size
-from kvfs.disk.index import DiskRecord
+from kvfs.disk.records import DiskRecord
 from kvfs.errors import KvfsError, StorageError
-from kvfs.node_membership import NodeMembership
+from kvfs.node_membership import NodeMembership, to_disk_file, to_file_record
 from kvfs.store.evictions import EvictionSummary
 from kvfs.store.faults import STORAGE_ERRORS
 from kvfs.store.tiered import ReadSource, TieredStore
@@ -538,7 +538,7 @@ class Node(NodeMembership):
             info = await self.master.call(m.GetRecord(version))
         except KvfsError:
             return None
-        return DiskRecord(version, info, [])
+        return DiskRecord(version, to_disk_file(info), [])
 
     async def offloaded(self, versions: list[int]) -> None:
         await self.master.call(m.Offloaded(versions))
@@ -563,7 +563,8 @@ class Node(NodeMembership):
                 discard.append(record.version)  # its writer died before publishing it
                 continue
             checksums = [chunk[2] for chunk in record.chunks]
-            result = await self.master.call(m.Restore(record.version, self.node_id, record.file, checksums))
+            restore = m.Restore(record.version, self.node_id, to_file_record(record.file), checksums)
+            result = await self.master.call(restore)
             discard.extend(result.dropped)
             if result.kept:
                 self.store.adopt_recovered(record.version, record.file.size, checksums)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from kvfs.cluster import messages as m
 from kvfs.cluster.embedded import MasterClient
 from kvfs.cluster.rpc import MasterUnavailable
+from kvfs.disk.records import DiskFile
 from kvfs.errors import KvfsError
 
 if TYPE_CHECKING:
@@ -28,6 +29,17 @@ log = logging.getLogger("kvfs.node")
 
 REPORT_BATCH = 2000  # versions per registration report
 HEARTBEAT_S = 0.5  # the master declares a node dead after 2.5 s without one
+
+
+def to_disk_file(record: m.FileRecord) -> DiskFile:
+    """The master's description of a file, as the SSD tier stores it (its own format)."""
+    return DiskFile(record.path, record.size, record.mode, record.uid, record.gid, record.mtime_ns,
+                    dict(record.xattrs))
+
+
+def to_file_record(file: DiskFile) -> m.FileRecord:
+    """A file from the SSD tier, as the master's messages carry it."""
+    return m.FileRecord(file.path, file.size, file.mode, file.uid, file.gid, file.mtime_ns, dict(file.xattrs))
 
 
 class NodeMembership(_Base):
@@ -124,7 +136,7 @@ class NodeMembership(_Base):
         for version, size, checksums, on_disk in self.store.holdings():
             record = records.get(version)
             held.append(m.Held(version, size, True, on_disk, self._unreported_seals.get(version, 0), checksums,
-                               record.file if record is not None and on_disk else None))
+                               to_file_record(record.file) if record is not None and on_disk else None))
         for version, state in self._writing.items():
             held.append(m.Held(version, state.size, False, False, state.mtime_ns))
         return held

@@ -52,7 +52,9 @@ class VersionInfo(msgspec.Struct):
 
 
 class FileRecord(msgspec.Struct):
-    """What a node's SSD index keeps of a file, to rebuild the namespace after a restart."""
+    """A file's path and attributes, as the master describes it to a node for its SSD index
+    and a node reports it back to restore the file (the index keeps its own struct,
+    kvfs.disk.records.DiskFile: a change here never changes the disk format)."""
 
     path: list[bytes]
     size: int

@@ -1,9 +1,11 @@
 """The lmdb index of the SSD tier: which file versions are on disk, and where.
 
-A record is written only after its chunks are on disk and synced, and deleted
-before its extents are freed, so after a crash at any point the index points
-only at complete, checksummed data. Each record carries the file's path and
-attributes, so that a restart can rebuild the namespace from the index alone.
+A record is written only after its chunks and its extent header are on disk and
+synced, and deleted before its extents are freed, so after a crash at any point
+the index points only at complete, checksummed data. Each record carries the
+file's path and attributes, so that a restart can rebuild the namespace from the
+index alone; the extent headers hold the same records, so that the index itself
+can be rebuilt from the segments (kvfs/disk/rebuild.py).
 """
 
 from __future__ import annotations
@@ -14,34 +16,24 @@ from typing import Iterator
 import lmdb
 import msgspec
 
-from kvfs.cluster.messages import FileRecord
-
-LAYOUT_VERSION = 1
-
-
-class DiskRecord(msgspec.Struct):
-    version: int
-    file: FileRecord  # path from the root, size, attributes, user xattrs
-    chunks: list[tuple[int, int, int]]  # (tier offset, length, xxh3-64)
-
-
-class LayoutMeta(msgspec.Struct):
-    layout: int
-    chunk_size: int
-    segment_size: int
+from kvfs.disk.records import DiskRecord, IndexEntry, LayoutMeta
 
 
 def _key(version: int) -> bytes:
     return version.to_bytes(8, "big")
 
 
+def open_environment(path: Path, map_size: int) -> lmdb.Environment:
+    return lmdb.open(str(path), map_size=map_size, max_dbs=2, sync=True, metasync=True)
+
+
 class DiskIndex:
     def __init__(self, path: Path, map_size: int = 1 << 30) -> None:
-        self.env = lmdb.open(str(path), map_size=map_size, max_dbs=2, sync=True, metasync=True)
+        self.env = open_environment(path, map_size)
         self._files = self.env.open_db(b"files")
         self._meta = self.env.open_db(b"meta")
         self._encode = msgspec.msgpack.Encoder().encode
-        self._decode_record = msgspec.msgpack.Decoder(DiskRecord).decode
+        self._decode_entry = msgspec.msgpack.Decoder(IndexEntry).decode
 
     def layout(self) -> LayoutMeta | None:
         with self.env.begin(db=self._meta) as txn:
@@ -52,11 +44,11 @@ class DiskIndex:
         with self.env.begin(db=self._meta, write=True) as txn:
             txn.put(b"layout", self._encode(meta))
 
-    def put(self, records: list[DiskRecord]) -> None:
-        """Stores records durably (one transaction, synced on commit)."""
+    def put(self, entries: list[IndexEntry]) -> None:
+        """Stores entries durably (one transaction, synced on commit)."""
         with self.env.begin(db=self._files, write=True) as txn:
-            for record in records:
-                txn.put(_key(record.version), self._encode(record))
+            for entry in entries:
+                txn.put(_key(entry.record.version), self._encode(entry))
 
     def delete(self, versions: list[int]) -> None:
         with self.env.begin(db=self._files, write=True) as txn:
@@ -67,14 +59,20 @@ class DiskIndex:
         with self.env.begin(db=self._files) as txn:
             return txn.stat(self._files)["entries"]
 
-    def records(self) -> Iterator[DiskRecord | bytes]:
-        """Every record; a record that does not decode is yielded as its raw key."""
+    def entries(self) -> Iterator[IndexEntry | bytes]:
+        """Every entry; one that does not decode is yielded as its raw key."""
         with self.env.begin(db=self._files) as txn:
             for key, value in txn.cursor():
                 try:
-                    yield self._decode_record(value)
+                    yield self._decode_entry(value)
                 except msgspec.DecodeError:
                     yield bytes(key)
+
+    def records(self) -> Iterator[DiskRecord]:
+        """Every record that decodes."""
+        for entry in self.entries():
+            if isinstance(entry, IndexEntry):
+                yield entry.record
 
     def delete_keys(self, keys: list[bytes]) -> None:
         with self.env.begin(db=self._files, write=True) as txn:

@@ -25,6 +25,10 @@ SEGMENT_SIZE = 256 << 20
 PROGRESS_EVERY_S = 2.0  # a start that takes longer says how far it got this often
 
 
+def segment_path(directory: Path, index: int) -> Path:
+    return directory / f"segment-{index:05d}.dat"
+
+
 class SegmentFiles:
     def __init__(self, directory: Path, capacity: int, direct_io: bool) -> None:
         self.directory = directory
@@ -36,7 +40,7 @@ class SegmentFiles:
         started = reported = time.monotonic()
         for index in range(count):
             size = min(SEGMENT_SIZE, capacity - index * SEGMENT_SIZE)
-            self.fds.append(self._open(directory / f"segment-{index:05d}.dat", size))
+            self.fds.append(self._open(segment_path(directory, index), size))
             if time.monotonic() - reported >= PROGRESS_EVERY_S and index + 1 < count:
                 reported = time.monotonic()
                 progress.report(f"preallocating the SSD tier in {directory}: {format_size((index + 1) * SEGMENT_SIZE)}"

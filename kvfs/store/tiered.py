@@ -836,8 +836,7 @@ class TieredStore:
             await run_all(functools.partial(self.ssd.write_chunks, offsets,
                                             [self.dram.block_view(version, i) for i in range(len(offsets))])
                           for version, offsets, _ in planned)
-            await self.ssd.sync([o for _, offsets, _ in planned for o in offsets])
-            await self.ssd.commit([record for _, _, record in planned])
+            await self.ssd.commit([record for _, _, record in planned])  # headers, one sync, the index
         except BaseException as error:  # nothing of the batch is on SSD: it stays in DRAM
             for version, offsets, _ in planned:
                 self.ssd.release(offsets)
