@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pty
 import select
@@ -262,3 +263,17 @@ def test_check_prints_the_preflight_as_a_table(tmp_path: Path, small_disk: Path,
     result = subprocess.run([*KVFS, "check", str(tmp_path / "new"), "--dram", "64M", "--no-metrics",
                              "--secret-file", str(secret)], capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 0 and result.stdout.count(" ok ") == 4, result.stdout
+
+
+def test_a_failed_preallocation_gives_the_space_back(small_disk: Path) -> None:
+    """Space taken after the preflight (another writer, thin provisioning): the tier that
+    could not start leaves no segment behind, so the disk is as free as before."""
+    from kvfs.disk.segments import SegmentFiles
+    from kvfs.errors import StorageError
+
+    free_before = os.statvfs(small_disk).f_bavail
+    with pytest.raises(StorageError) as raised:
+        SegmentFiles(small_disk / "segments", 1 << 30, direct_io=True)
+    assert raised.value.errno == errno.ENOSPC
+    assert list((small_disk / "segments").iterdir()) == []
+    assert os.statvfs(small_disk).f_bavail == free_before

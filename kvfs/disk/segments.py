@@ -38,9 +38,19 @@ class SegmentFiles:
         directory.mkdir(parents=True, exist_ok=True)
         count = -(-capacity // SEGMENT_SIZE)
         started = reported = time.monotonic()
+        created: list[Path] = []  # segments this start made, removed again if it fails
         for index in range(count):
             size = min(SEGMENT_SIZE, capacity - index * SEGMENT_SIZE)
-            self.fds.append(self._open(segment_path(directory, index), size))
+            path = segment_path(directory, index)
+            if not path.exists():
+                created.append(path)
+            try:
+                self.fds.append(self._open(path, size))
+            except BaseException:  # never leave the disk full of a tier that did not start
+                self.close()
+                for made in created:
+                    made.unlink(missing_ok=True)
+                raise
             if time.monotonic() - reported >= PROGRESS_EVERY_S and index + 1 < count:
                 reported = time.monotonic()
                 progress.report(f"preallocating the SSD tier in {directory}: {format_size((index + 1) * SEGMENT_SIZE)}"
