@@ -12,7 +12,7 @@ import time
 from typing import NoReturn
 
 from kvfs import __version__, preflight
-from kvfs.cluster import messages as m
+from kvfs.wire import messages as m
 from kvfs.config import (DEFAULT_MASTER_METRICS, DEFAULT_NODE_METRICS, MountConfig, check_address,
                          default_disk_bytes, default_dram_bytes, format_size, parse_size)
 from kvfs.config_sources import parse_with_sources
@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _secret(args: argparse.Namespace) -> bytes:
-    from kvfs.cluster.auth import AuthError, load_secret
+    from kvfs.wire.auth import AuthError, load_secret
 
     preflight.refuse_on_failure([preflight.check_secret_file(args.secret_file)])
     try:
@@ -356,8 +356,8 @@ def ask_master(args: argparse.Namespace, request):  # type: ignore[no-untyped-de
                 finally:
                     await master.aclose()
 
-    from kvfs.cluster.auth import AuthError
-    from kvfs.cluster.protocol import ProtocolError
+    from kvfs.wire.auth import AuthError
+    from kvfs.wire.protocol import ProtocolError
     from kvfs.concurrency import single_error
 
     refused = (AuthError, ProtocolError, EOFError, trio.BrokenResourceError)

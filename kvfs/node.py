@@ -27,7 +27,7 @@ import trio
 from kvfs import progress
 from kvfs.checksum import format_checksum
 from kvfs.clock import Clock
-from kvfs.cluster import messages as m
+from kvfs.wire import messages as m
 from kvfs.cluster.dircache import DirectoryCache
 from kvfs.cluster.embedded import MasterClient
 from kvfs.cluster.prefetch import Prefetches

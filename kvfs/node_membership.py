@@ -12,7 +12,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from kvfs.cluster import messages as m
+from kvfs.wire import messages as m
 from kvfs.cluster.embedded import MasterClient
 from kvfs.cluster.rpc import MasterUnavailable
 from kvfs.disk.records import DiskFile

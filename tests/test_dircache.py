@@ -1,6 +1,6 @@
 """A node's copies of directory entries: answers, pushed changes, the size bound (pure)."""
 
-from kvfs.cluster import messages as m
+from kvfs.wire import messages as m
 from kvfs.cluster.dircache import LOOKUPS_BEFORE_COPY, DirectoryCache
 
 

@@ -18,7 +18,7 @@ import trio
 
 from kvfs import systemd
 from kvfs.clock import SystemClock
-from kvfs.cluster import messages as m
+from kvfs.wire import messages as m
 from kvfs.cluster.master import MasterSettings, MetadataService
 from kvfs.cluster.persist import MasterState
 from kvfs.cluster.rpc import MetadataServer

@@ -25,10 +25,10 @@ import msgspec
 import trio
 
 from kvfs.checksum import chunk_checksum
-from kvfs.cluster.auth import AuthError
-from kvfs.cluster.protocol import (PREFIX_SIZE, ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame,
+from kvfs.wire.auth import AuthError
+from kvfs.wire.protocol import (PREFIX_SIZE, ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame,
                                    parse_prefix)
-from kvfs.cluster.rdma_messages import RDMA_REQUESTS, Unlease
+from kvfs.wire.rdma_messages import RDMA_REQUESTS, Unlease
 from kvfs.cluster.rpc import FrameStream, handshake, peer_name, serve_tcp
 from kvfs.config import split_address
 from kvfs.errors import KvfsError, StorageError

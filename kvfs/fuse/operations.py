@@ -15,7 +15,7 @@ from typing import Sequence
 import pyfuse3
 import trio
 
-from kvfs.cluster import messages as m
+from kvfs.wire import messages as m
 from kvfs.cluster.rpc import MasterUnavailable
 from kvfs.config import MountConfig
 from kvfs.errors import KvfsError
