@@ -341,7 +341,7 @@ def ask_master(args: argparse.Namespace, request):  # type: ignore[no-untyped-de
     """One request to the master named by --master, as an authenticated client."""
     import trio
 
-    from kvfs.cluster.rpc import RemoteMaster
+    from kvfs.net.rpc import RemoteMaster
     from kvfs.config import split_address
 
     host, port = split_address(args.master)

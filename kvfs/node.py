@@ -32,8 +32,8 @@ from kvfs.cluster.dircache import DirectoryCache
 from kvfs.cluster.embedded import MasterClient
 from kvfs.cluster.prefetch import Prefetches
 from kvfs.cluster.namespace import ROOT_INO, check_name
-from kvfs.cluster.rpc import MasterUnavailable
-from kvfs.cluster.transport import Transport
+from kvfs.net.rpc import MasterUnavailable
+from kvfs.net.transport import Transport
 from kvfs.config import format_size
 from kvfs.disk.records import DiskRecord
 from kvfs.errors import KvfsError, StorageError

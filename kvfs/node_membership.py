@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvfs.wire import messages as m
 from kvfs.cluster.embedded import MasterClient
-from kvfs.cluster.rpc import MasterUnavailable
+from kvfs.net.rpc import MasterUnavailable
 from kvfs.disk.records import DiskFile
 from kvfs.errors import KvfsError
 

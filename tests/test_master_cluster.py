@@ -319,7 +319,7 @@ def test_a_watched_directory_carries_the_entries_nodes_may_answer_lookups_with(c
 
 def test_pages_and_pushes_of_large_entries_fit_a_frame(cluster: Cluster) -> None:
     from kvfs.wire.protocol import MAX_HEADER
-    from kvfs.cluster.rpc import push_batches
+    from kvfs.net.rpc import push_batches
     import msgspec
 
     a, _ = cluster.join("a")

@@ -17,7 +17,7 @@ from kvfs.wire.auth import AuthError
 from kvfs.cluster.master import MetadataService
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.wire.protocol import PREFIX, FrameKind
-from kvfs.cluster.rpc import FrameStream, MetadataServer, RemoteMaster, handshake
+from kvfs.net.rpc import FrameStream, MetadataServer, RemoteMaster, handshake
 from kvfs.errors import MetadataError
 from kvfs.policy import LruPolicy
 

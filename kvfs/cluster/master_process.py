@@ -21,7 +21,7 @@ from kvfs.clock import SystemClock
 from kvfs.wire import messages as m
 from kvfs.cluster.master import MasterSettings, MetadataService
 from kvfs.cluster.persist import MasterState
-from kvfs.cluster.rpc import MetadataServer
+from kvfs.net.rpc import MetadataServer
 from kvfs.config import split_address
 from kvfs.config import DEFAULT_MASTER_METRICS
 from kvfs.metrics.exporter import serve_metrics

@@ -23,11 +23,11 @@ import trio
 from kvfs import progress, systemd
 from kvfs.clock import SystemClock
 from kvfs.cluster.embedded import EmbeddedMaster
-from kvfs.cluster.link import MasterLink
+from kvfs.net.link import MasterLink
 from kvfs.cluster.master import MasterSettings, MetadataService
-from kvfs.cluster.rdma import RdmaExporter, RdmaTransport, open_rdma
-from kvfs.cluster.transport import PeerServer, TcpTransport
-from kvfs.cluster.verbs import RdmaDevice
+from kvfs.net.rdma import RdmaExporter, RdmaTransport, open_rdma
+from kvfs.net.transport import PeerServer, TcpTransport
+from kvfs.net.verbs import RdmaDevice
 from kvfs.concurrency import single_error
 from kvfs.config import MountConfig, format_size, split_address
 from kvfs.errors import CommandError, KvfsError

@@ -16,7 +16,7 @@ import pyfuse3
 import trio
 
 from kvfs.wire import messages as m
-from kvfs.cluster.rpc import MasterUnavailable
+from kvfs.net.rpc import MasterUnavailable
 from kvfs.config import MountConfig
 from kvfs.errors import KvfsError
 from kvfs.fuse.errors import fuse_handler

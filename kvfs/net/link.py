@@ -18,7 +18,7 @@ from kvfs import progress
 from kvfs.wire import messages as m
 from kvfs.wire.auth import AuthError
 from kvfs.wire.protocol import ProtocolError
-from kvfs.cluster.rpc import MasterUnavailable, RemoteMaster
+from kvfs.net.rpc import MasterUnavailable, RemoteMaster
 from kvfs.config import split_address
 from kvfs.errors import KvfsError, reason_of
 from kvfs.metrics.histogram import OperationStats

@@ -40,9 +40,9 @@ from kvfs.wire.auth import AuthError
 from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame
 from kvfs.wire.rdma_messages import (NOT_IN_DRAM, Locate, Located, RdmaAccepted, RdmaConnect, RevokeForTest,
                                          Unlease)
-from kvfs.cluster.rpc import FrameStream, handshake
-from kvfs.cluster.transport import CONNECT_TIMEOUT_S, MeasuredTransport, TcpTransport
-from kvfs.cluster.verbs import (Endpoint, QueuePair, RdmaDevice, RdmaError, RdmaUnavailable, Window, buffer_address,
+from kvfs.net.rpc import FrameStream, handshake
+from kvfs.net.transport import CONNECT_TIMEOUT_S, MeasuredTransport, TcpTransport
+from kvfs.net.verbs import (Endpoint, QueuePair, RdmaDevice, RdmaError, RdmaUnavailable, Window, buffer_address,
                                 probe)
 from kvfs.config import split_address
 from kvfs.errors import ConfigError, KvfsError, StorageError
