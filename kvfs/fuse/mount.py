@@ -34,8 +34,8 @@ from kvfs.errors import CommandError, KvfsError
 from kvfs.fuse.operations import KvfsOperations
 from kvfs.metrics.exporter import serve_metrics
 from kvfs.metrics.node import NodeMetrics
-from kvfs.node import Node
-from kvfs.node_membership import HEARTBEAT_S
+from kvfs.node.service import Node
+from kvfs.node.membership import HEARTBEAT_S
 from kvfs.policy import make_policy
 from kvfs.disk.engine import AlignedIo
 from kvfs.disk.probe import open_engine

@@ -11,7 +11,7 @@ from kvfs.net.transport import PeerServer, TcpTransport
 from kvfs.metrics.families import Families
 from kvfs.metrics.histogram import OperationStats
 from kvfs.metrics.master import describe_namespace
-from kvfs.node import TIERS, Node
+from kvfs.node.service import TIERS, Node
 
 
 @dataclass
