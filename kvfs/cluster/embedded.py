@@ -6,7 +6,7 @@ from typing import Any, Protocol
 
 from kvfs.cluster.master import MetadataService
 from kvfs.wire.messages import Request
-from kvfs.metrics.histogram import OperationStats
+from kvfs.histogram import OperationStats
 
 
 class MasterClient(Protocol):

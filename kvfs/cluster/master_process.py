@@ -25,7 +25,7 @@ from kvfs.net.rpc import MetadataServer
 from kvfs.config import split_address
 from kvfs.config import DEFAULT_MASTER_METRICS
 from kvfs.metrics.exporter import serve_metrics
-from kvfs.metrics.histogram import OperationStats
+from kvfs.histogram import OperationStats
 from kvfs.metrics.master import MasterMetrics
 from kvfs.policy import DEFAULT_POLICY, make_policy
 

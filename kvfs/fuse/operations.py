@@ -21,7 +21,7 @@ from kvfs.config import MountConfig
 from kvfs.errors import KvfsError
 from kvfs.fuse.errors import fuse_handler
 from kvfs.fuse.handles import HandleTable, LookupCounts
-from kvfs.metrics.histogram import OperationStats
+from kvfs.histogram import OperationStats
 from kvfs.node.service import Node, OpenFile
 
 log = logging.getLogger("kvfs.fuse")

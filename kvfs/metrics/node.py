@@ -9,7 +9,7 @@ from kvfs.cluster.master import MetadataService
 from kvfs.net.rdma import RdmaExporter, RdmaTransport
 from kvfs.net.transport import PeerServer, TcpTransport
 from kvfs.metrics.families import Families
-from kvfs.metrics.histogram import OperationStats
+from kvfs.histogram import OperationStats
 from kvfs.metrics.master import describe_namespace
 from kvfs.node.service import TIERS, Node
 

@@ -21,7 +21,7 @@ from kvfs.wire.protocol import ProtocolError
 from kvfs.net.rpc import MasterUnavailable, RemoteMaster
 from kvfs.config import split_address
 from kvfs.errors import KvfsError, reason_of
-from kvfs.metrics.histogram import OperationStats
+from kvfs.histogram import OperationStats
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from kvfs.wire.rdma_messages import RDMA_REQUESTS, Unlease
 from kvfs.net.rpc import FrameStream, handshake, peer_name, serve_tcp
 from kvfs.config import split_address
 from kvfs.errors import KvfsError, StorageError
-from kvfs.metrics.histogram import OperationStats
+from kvfs.histogram import OperationStats
 
 log = logging.getLogger(__name__)
 
