@@ -321,7 +321,7 @@ def run_node(args: argparse.Namespace) -> int:
 def run_master(args: argparse.Namespace) -> int:
     import trio
 
-    from kvfs.cluster.master_process import MasterConfig, MasterProcess
+    from kvfs.daemons.master import MasterConfig, MasterProcess
 
     check_address(args.listen, "listen")
     checks = [preflight.check_port(args.listen, "listen")]

@@ -27,9 +27,6 @@ KNOWN_MODULE_CYCLES: set[frozenset[str]] = {
     frozenset({"kvfs.node.service", "kvfs.node.membership"}),
 }
 KNOWN_PACKAGE_CYCLES: set[frozenset[str]] = {
-    # The master's process (in cluster) starts metrics' exporter while metrics reads the master
-    # and the node, and the node uses cluster's embedded master.
-    frozenset({"cluster", "metrics", "node"}),
     # The SSD tier uses the DRAM tier's buddy allocator while the tiered store drives the SSD tier.
     frozenset({"disk", "store"}),
 }
