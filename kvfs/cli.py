@@ -297,7 +297,7 @@ def _store_checks(config: MountConfig, nonempty: bool) -> list[preflight.Check]:
 
 
 def _start(config: MountConfig, args: argparse.Namespace) -> int:
-    from kvfs.fuse.mount import mount
+    from kvfs.daemons.node import mount
 
     preflight.refuse_on_failure(_store_checks(config, args.nonempty))
     log_file = None if args.foreground else (args.log_file or default_log_file(config.mountpoint))
