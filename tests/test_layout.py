@@ -26,10 +26,7 @@ KNOWN_MODULE_CYCLES: set[frozenset[str]] = {
     # Node and its membership mixin: the same, on the node side.
     frozenset({"kvfs.node.service", "kvfs.node.membership"}),
 }
-KNOWN_PACKAGE_CYCLES: set[frozenset[str]] = {
-    # The SSD tier uses the DRAM tier's buddy allocator while the tiered store drives the SSD tier.
-    frozenset({"disk", "store"}),
-}
+KNOWN_PACKAGE_CYCLES: set[frozenset[str]] = set()
 
 
 def module_name(path: Path) -> str:
