@@ -12,7 +12,7 @@ import time
 from typing import NoReturn
 
 from kvfs import __version__, preflight
-from kvfs.cluster import messages as m
+from kvfs.wire import messages as m
 from kvfs.config import (DEFAULT_MASTER_METRICS, DEFAULT_NODE_METRICS, MountConfig, check_address,
                          default_disk_bytes, default_dram_bytes, format_size, parse_size)
 from kvfs.config_sources import parse_with_sources
@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _secret(args: argparse.Namespace) -> bytes:
-    from kvfs.cluster.auth import AuthError, load_secret
+    from kvfs.wire.auth import AuthError, load_secret
 
     preflight.refuse_on_failure([preflight.check_secret_file(args.secret_file)])
     try:
@@ -297,7 +297,7 @@ def _store_checks(config: MountConfig, nonempty: bool) -> list[preflight.Check]:
 
 
 def _start(config: MountConfig, args: argparse.Namespace) -> int:
-    from kvfs.fuse.mount import mount
+    from kvfs.daemons.node import mount
 
     preflight.refuse_on_failure(_store_checks(config, args.nonempty))
     log_file = None if args.foreground else (args.log_file or default_log_file(config.mountpoint))
@@ -321,7 +321,7 @@ def run_node(args: argparse.Namespace) -> int:
 def run_master(args: argparse.Namespace) -> int:
     import trio
 
-    from kvfs.cluster.master_process import MasterConfig, MasterProcess
+    from kvfs.daemons.master import MasterConfig, MasterProcess
 
     check_address(args.listen, "listen")
     checks = [preflight.check_port(args.listen, "listen")]
@@ -341,7 +341,7 @@ def ask_master(args: argparse.Namespace, request):  # type: ignore[no-untyped-de
     """One request to the master named by --master, as an authenticated client."""
     import trio
 
-    from kvfs.cluster.rpc import RemoteMaster
+    from kvfs.net.rpc import RemoteMaster
     from kvfs.config import split_address
 
     host, port = split_address(args.master)
@@ -356,8 +356,8 @@ def ask_master(args: argparse.Namespace, request):  # type: ignore[no-untyped-de
                 finally:
                     await master.aclose()
 
-    from kvfs.cluster.auth import AuthError
-    from kvfs.cluster.protocol import ProtocolError
+    from kvfs.wire.auth import AuthError
+    from kvfs.wire.protocol import ProtocolError
     from kvfs.concurrency import single_error
 
     refused = (AuthError, ProtocolError, EOFError, trio.BrokenResourceError)
@@ -455,7 +455,7 @@ def _dir_usage(args: argparse.Namespace, files: bool) -> tuple[str, str | None, 
     """(source, the top-level directory PATH is in or None, the usage) from --master or a mount."""
     import msgspec
 
-    from kvfs.node import ROOT_USAGE, ROOT_USAGE_COUNTERS
+    from kvfs.node.service import ROOT_USAGE, ROOT_USAGE_COUNTERS
 
     if args.master:
         return f"master {args.master}", None, ask_master(args, m.DirUsage(files=files))

@@ -3,7 +3,7 @@ bytes held, by tier, the hit rate of lookups and the rate of reads (pure renderi
 
 from __future__ import annotations
 
-from kvfs.cluster import messages as m
+from kvfs.wire import messages as m
 from kvfs.config import format_size
 from kvfs.status import percent
 

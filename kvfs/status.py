@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvfs.cluster import messages as m
+from kvfs.wire import messages as m
 from kvfs.config import format_size
 
 

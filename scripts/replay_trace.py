@@ -35,7 +35,7 @@ from kvfs.config import format_size, parse_size  # noqa: E402
 from kvfs.fuse.mount import find_mount  # noqa: E402
 from kvfs.policy import DEFAULT_POLICY, POLICIES, make_policy  # noqa: E402
 from kvfs.policy.replay import Request, belady, capacities, load_trace, replay  # noqa: E402
-from kvfs.store.dram import CHUNK_SIZE  # noqa: E402
+from kvfs.chunks import CHUNK_SIZE  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from live_replay import LiveResult, replay_live  # noqa: E402

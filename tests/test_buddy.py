@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from kvfs.store.buddy import BuddyAllocator
+from kvfs.buddy import BuddyAllocator
 
 MiB = 1 << 20
 

@@ -1,7 +1,7 @@
 """A node's copies of directory entries: answers, pushed changes, the size bound (pure)."""
 
-from kvfs.cluster import messages as m
-from kvfs.cluster.dircache import LOOKUPS_BEFORE_COPY, DirectoryCache
+from kvfs.wire import messages as m
+from kvfs.node.dircache import LOOKUPS_BEFORE_COPY, DirectoryCache
 
 
 def test_misses_are_answered_once_the_names_are_copied() -> None:

@@ -8,7 +8,7 @@ import trio
 
 from kvfs.errors import MetadataError, NoSpace, errno_of
 from kvfs.fuse.errors import fuse_handler
-from kvfs.metrics.histogram import OperationStats
+from kvfs.histogram import OperationStats
 
 
 class Handlers:

@@ -7,7 +7,7 @@ import stat
 import pytest
 
 from kvfs.clock import ManualClock
-from kvfs.cluster import messages as m
+from kvfs.wire import messages as m
 from kvfs.cluster.master import MasterSettings, MetadataService
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.errors import MetadataError

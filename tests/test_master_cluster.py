@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvfs.clock import ManualClock
-from kvfs.cluster import messages as m
+from kvfs.wire import messages as m
 from kvfs.cluster.master import MasterSettings, MetadataService
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.cluster.persist import MasterState
@@ -318,8 +318,8 @@ def test_a_watched_directory_carries_the_entries_nodes_may_answer_lookups_with(c
 
 
 def test_pages_and_pushes_of_large_entries_fit_a_frame(cluster: Cluster) -> None:
-    from kvfs.cluster.protocol import MAX_HEADER
-    from kvfs.cluster.rpc import push_batches
+    from kvfs.wire.protocol import MAX_HEADER
+    from kvfs.net.rpc import push_batches
     import msgspec
 
     a, _ = cluster.join("a")

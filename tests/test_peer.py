@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvfs.checksum import chunk_checksum
-from kvfs.cluster.protocol import PREFIX, FrameKind, encode_frame
-from kvfs.cluster.rpc import FrameStream, handshake, serve_tcp
-from kvfs.cluster.transport import ChunkData, FetchChunks, PeerServer, TcpTransport
+from kvfs.wire.protocol import PREFIX, FrameKind, encode_frame
+from kvfs.net.rpc import FrameStream, handshake, serve_tcp
+from kvfs.net.transport import ChunkData, FetchChunks, PeerServer, TcpTransport
 from kvfs.errors import StorageError
 from kvfs.store.buffers import ReadBufferPool
 from kvfs.store.dram import DramTier

@@ -69,7 +69,7 @@ def test_a_block_stored_again_under_its_name_is_known_as_reused() -> None:
 
 def test_the_master_names_blocks_so_that_history_survives_eviction() -> None:
     from kvfs.clock import ManualClock
-    from kvfs.cluster import messages as m
+    from kvfs.wire import messages as m
     from kvfs.cluster.master import MasterSettings, MetadataService
     from kvfs.cluster.namespace import ROOT_INO
 

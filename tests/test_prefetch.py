@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvfs.cluster.prefetch import PrefetchGate
+from kvfs.node.prefetch import PrefetchGate
 
 
 def test_the_gate_shuts_when_half_of_the_recent_prefetches_go_unclaimed_and_reopens_later() -> None:
@@ -30,7 +30,7 @@ def test_prefetches_are_bounded_claimed_once_and_dropped_when_stale() -> None:
     import trio.testing
 
     from kvfs.clock import ManualClock
-    from kvfs.cluster.prefetch import MAX_CHUNKS_HELD, TTL_S, Prefetches
+    from kvfs.node.prefetch import MAX_CHUNKS_HELD, TTL_S, Prefetches
     from kvfs.store.buffers import ReadBufferPool
     from kvfs.store.dram import DramTier
     from kvfs.store.tiered import TieredStore

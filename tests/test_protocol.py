@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfs.cluster import messages as m
-from kvfs.cluster.auth import AuthError, Hello, Proof, check, load_secret, new_nonce, prove
-from kvfs.cluster.protocol import (MAX_HEADER, MAX_PAYLOAD, PREFIX, PREFIX_SIZE, ErrorReply, FrameKind, FrameReader,
+from kvfs.wire import messages as m
+from kvfs.wire.auth import AuthError, Hello, Proof, check, load_secret, new_nonce, prove
+from kvfs.wire.protocol import (MAX_HEADER, MAX_PAYLOAD, PREFIX, PREFIX_SIZE, ErrorReply, FrameKind, FrameReader,
                                    HeaderDecoder, ProtocolError, encode_frame, parse_prefix)
 
 ANY_REQUEST = typing.Union[tuple(m.Request.__subclasses__())]  # type: ignore[misc]

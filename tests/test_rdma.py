@@ -15,9 +15,9 @@ import pytest
 import trio
 
 from conftest import CLUSTER_SECRET, Cluster
-from kvfs.cluster.protocol import ErrorReply, FrameKind, HeaderDecoder, encode_frame
-from kvfs.cluster.rdma_messages import Locate, RdmaConnect
-from kvfs.cluster.rpc import FrameStream, handshake
+from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder, encode_frame
+from kvfs.wire.rdma_messages import Locate, RdmaConnect
+from kvfs.net.rpc import FrameStream, handshake
 from kvfs.config import split_address
 
 REPO = Path(__file__).resolve().parent.parent

@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfs.clock import ManualClock
-from kvfs.cluster import messages as m
-from kvfs.cluster.auth import AuthError
+from kvfs.wire import messages as m
+from kvfs.wire.auth import AuthError
 from kvfs.cluster.master import MetadataService
 from kvfs.cluster.namespace import ROOT_INO
-from kvfs.cluster.protocol import PREFIX, FrameKind
-from kvfs.cluster.rpc import FrameStream, MetadataServer, RemoteMaster, handshake
+from kvfs.wire.protocol import PREFIX, FrameKind
+from kvfs.net.rpc import FrameStream, MetadataServer, RemoteMaster, handshake
 from kvfs.errors import MetadataError
 from kvfs.policy import LruPolicy
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from kvfs.cluster.master import MetadataService
-from kvfs.cluster.messages import Request
-from kvfs.metrics.histogram import OperationStats
+from kvfs.wire.messages import Request
+from kvfs.histogram import OperationStats
 
 
 class MasterClient(Protocol):

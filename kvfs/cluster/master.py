@@ -16,7 +16,7 @@ from typing import Any, Callable
 import xxhash
 
 from kvfs.clock import Clock
-from kvfs.cluster import messages as m
+from kvfs.wire import messages as m
 from kvfs.cluster.membership import Membership
 from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace, check_name, check_target
 from kvfs.cluster.objects import FileVersion, ObjectDirectory
@@ -53,7 +53,7 @@ class MasterSettings:
 
 
 class MetadataService(Membership):
-    """Handles metadata requests; see `kvfs.cluster.messages` for the protocol. The
+    """Handles metadata requests; see `kvfs.wire.messages` for the protocol. The
     handlers of cluster membership (registration, heartbeats, node death, watched
     directories) are in `kvfs.cluster.membership`."""
 

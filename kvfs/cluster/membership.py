@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 from typing import TYPE_CHECKING
 
-from kvfs.cluster import messages as m
+from kvfs.wire import messages as m
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.cluster.objects import FileVersion
 from kvfs.cluster.registry import NodeRecord

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvfs.cluster.messages import Activity, NameChange
+from kvfs.wire.messages import Activity, NameChange
 
 LOCAL_NODE = 1  # the only node of a single-node (embedded) mount
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfs.cluster import messages as m
+from kvfs.wire import messages as m
 from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace
 from kvfs.cluster.objects import ObjectDirectory
 

@@ -31,7 +31,7 @@ from kvfs.disk.records import LAYOUT_VERSION, IndexEntry, LayoutMeta
 from kvfs.disk.segments import SEGMENT_SIZE, segment_path
 from kvfs.disk.tier import index_map_size, lock_directory, old_layout_message, set_aside
 from kvfs.errors import StorageError
-from kvfs.store.dram import CHUNK_SIZE
+from kvfs.chunks import CHUNK_SIZE
 
 log = logging.getLogger(__name__)
 

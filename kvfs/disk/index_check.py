@@ -26,7 +26,7 @@ import msgspec
 
 from kvfs.disk.records import LAYOUT_VERSION, IndexEntry, LayoutMeta
 from kvfs.disk.segments import SEGMENT_SIZE
-from kvfs.store.buddy import BuddyAllocator
+from kvfs.buddy import BuddyAllocator
 
 PAGE = 4096
 

@@ -23,7 +23,7 @@ from kvfs.checksum import chunk_checksum
 from kvfs.disk.header import PAGE, HeaderBody, HeaderError, decode_header, header_span, magic_pages
 from kvfs.disk.records import IndexEntry
 from kvfs.disk.segments import SEGMENT_SIZE, segment_path
-from kvfs.store.buddy import BuddyAllocator
+from kvfs.buddy import BuddyAllocator
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 These structs are the on-disk format, versioned by `LAYOUT_VERSION`, and belong
 to the tier alone: the cluster's RPC messages are converted to and from them at
-the node (kvfs/node.py), so a change on the wire never changes the disk format.
+the node (kvfs/node/membership.py), so a change on the wire never changes the disk format.
 Changing a field here is a layout change: bump `LAYOUT_VERSION`.
 """
 

@@ -32,7 +32,7 @@ from kvfs.disk.rebuild import scan_tier
 from kvfs.disk.records import LAYOUT_VERSION, DiskRecord, IndexEntry, LayoutMeta
 from kvfs.disk.segments import SEGMENT_SIZE, SegmentFiles, segment_path
 from kvfs.errors import StorageError
-from kvfs.store.buddy import BuddyAllocator
+from kvfs.buddy import BuddyAllocator
 
 log = logging.getLogger(__name__)
 

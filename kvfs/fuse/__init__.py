@@ -1,1 +1,1 @@
-"""The POSIX adapter: translates FUSE requests into calls on a `kvfs.node.Node`."""
+"""The POSIX adapter: translates FUSE requests into calls on a `kvfs.node.service.Node`."""

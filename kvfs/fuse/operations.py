@@ -15,14 +15,14 @@ from typing import Sequence
 import pyfuse3
 import trio
 
-from kvfs.cluster import messages as m
-from kvfs.cluster.rpc import MasterUnavailable
+from kvfs.wire import messages as m
+from kvfs.net.rpc import MasterUnavailable
 from kvfs.config import MountConfig
 from kvfs.errors import KvfsError
 from kvfs.fuse.errors import fuse_handler
 from kvfs.fuse.handles import HandleTable, LookupCounts
-from kvfs.metrics.histogram import OperationStats
-from kvfs.node import Node, OpenFile
+from kvfs.histogram import OperationStats
+from kvfs.node.service import Node, OpenFile
 
 log = logging.getLogger("kvfs.fuse")
 

@@ -6,7 +6,7 @@ from typing import Iterable, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from kvfs.metrics.histogram import Histogram, OperationStats
+from kvfs.histogram import Histogram, OperationStats
 
 Labels = tuple[str, ...]
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from kvfs import __version__
 from kvfs.cluster.master import MetadataService
-from kvfs.cluster.rpc import MetadataServer
+from kvfs.net.rpc import MetadataServer
 from kvfs.metrics.families import Families
-from kvfs.metrics.histogram import OperationStats
+from kvfs.histogram import OperationStats
 
 
 def describe_namespace(out: Families, service: MetadataService) -> None:

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 from kvfs import __version__
 from kvfs.cluster.master import MetadataService
-from kvfs.cluster.rdma import RdmaExporter, RdmaTransport
-from kvfs.cluster.transport import PeerServer, TcpTransport
+from kvfs.net.rdma import RdmaExporter, RdmaTransport
+from kvfs.net.transport import PeerServer, TcpTransport
 from kvfs.metrics.families import Families
-from kvfs.metrics.histogram import OperationStats
+from kvfs.histogram import OperationStats
 from kvfs.metrics.master import describe_namespace
-from kvfs.node import TIERS, Node
+from kvfs.node.service import TIERS, Node
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Callable
 
 from kvfs.config import format_size
 from kvfs.errors import StorageError
-from kvfs.store.buddy import BuddyAllocator
+from kvfs.buddy import BuddyAllocator
 
 log = logging.getLogger(__name__)
 

@@ -18,21 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvfs.checksum import chunk_checksum
+from kvfs.chunks import CHUNK_SIZE, chunk_count
 from kvfs.errors import NoSpace
 from kvfs.store.arena import PAGE_SIZE, Arena
-
-CHUNK_SIZE = 4 << 20
-
 
 @dataclass
 class Extent:
     offset: int  # where the chunk's block starts in the arena
     filled: int  # bytes [0, filled) of the chunk hold written data
     room: int  # the size of its block (a chunk being written may outgrow it)
-
-
-def chunk_count(size: int, chunk_size: int = CHUNK_SIZE) -> int:
-    return -(-size // chunk_size)
 
 
 class DramTier:

@@ -35,7 +35,8 @@ from kvfs.errors import NoSpace, StorageError
 from kvfs.policy import DEFAULT_POLICY, make_policy
 from kvfs.store.buffers import ReadBufferPool
 from kvfs.store.faults import STORAGE_ERRORS, StorageFaults
-from kvfs.store.dram import DramTier, chunk_count
+from kvfs.chunks import chunk_count
+from kvfs.store.dram import DramTier
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import sys
 
 import trio
 
-from kvfs.cluster.verbs import RdmaError, buffer_address, probe
+from kvfs.net.verbs import RdmaError, buffer_address, probe
 
 
 async def expect_refused(read) -> str:

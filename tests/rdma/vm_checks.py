@@ -166,8 +166,8 @@ def main() -> None:
 
     @check("a revoked rkey is refused and the fetch falls back to TCP")
     def _() -> None:
-        from kvfs.cluster.rdma import RdmaTransport, open_rdma
-        from kvfs.cluster.transport import TcpTransport
+        from kvfs.net.rdma import RdmaTransport, open_rdma
+        from kvfs.net.transport import TcpTransport
         from kvfs.store.buffers import ReadBufferPool
 
         info = json.loads(os.getxattr(reader_path / "blocks" / f"{10 * MiB + 12345}.bin", "user.kvfs.info"))

@@ -2,7 +2,7 @@
 
 Every node's peer server understands them (a node without RDMA answers
 `RdmaConnect` with ENOTSUP, so that its peers fetch from it over TCP); the
-transport itself is `kvfs.cluster.rdma`.
+transport itself is `kvfs.net.rdma`.
 """
 
 from __future__ import annotations

@@ -345,7 +345,7 @@ class Done(msgspec.Struct):
 class Entry(msgspec.Struct):
     attr: Attr | None  # None: no such name (a negative entry)
     # A sealed file whose bytes are on another (live) node: where, as in `Opened`, so
-    # that the caller can start fetching before it opens (kvfs.cluster.prefetch).
+    # that the caller can start fetching before it opens (kvfs.node.prefetch).
     node: int = 0
     address: str = ""
     checksums: list[int] = []

@@ -15,13 +15,13 @@ from typing import Any, Awaitable, Callable
 import trio
 
 from kvfs import progress
-from kvfs.cluster import messages as m
-from kvfs.cluster.auth import AuthError
-from kvfs.cluster.protocol import ProtocolError
-from kvfs.cluster.rpc import MasterUnavailable, RemoteMaster
+from kvfs.wire import messages as m
+from kvfs.wire.auth import AuthError
+from kvfs.wire.protocol import ProtocolError
+from kvfs.net.rpc import MasterUnavailable, RemoteMaster
 from kvfs.config import split_address
 from kvfs.errors import KvfsError, reason_of
-from kvfs.metrics.histogram import OperationStats
+from kvfs.histogram import OperationStats
 
 log = logging.getLogger(__name__)
 

@@ -18,14 +18,14 @@ import trio
 
 from kvfs import systemd
 from kvfs.clock import SystemClock
-from kvfs.cluster import messages as m
+from kvfs.wire import messages as m
 from kvfs.cluster.master import MasterSettings, MetadataService
 from kvfs.cluster.persist import MasterState
-from kvfs.cluster.rpc import MetadataServer
+from kvfs.net.rpc import MetadataServer
 from kvfs.config import split_address
 from kvfs.config import DEFAULT_MASTER_METRICS
 from kvfs.metrics.exporter import serve_metrics
-from kvfs.metrics.histogram import OperationStats
+from kvfs.histogram import OperationStats
 from kvfs.metrics.master import MasterMetrics
 from kvfs.policy import DEFAULT_POLICY, make_policy
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvfs.cluster.messages import Entry
+from kvfs.wire.messages import Entry
 
 LOOKUPS_BEFORE_COPY = 2  # lookups in a directory answered by the master before its names are fetched
 

@@ -12,14 +12,14 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from kvfs.cluster import messages as m
+from kvfs.wire import messages as m
 from kvfs.cluster.embedded import MasterClient
-from kvfs.cluster.rpc import MasterUnavailable
+from kvfs.net.rpc import MasterUnavailable
 from kvfs.disk.records import DiskFile
 from kvfs.errors import KvfsError
 
 if TYPE_CHECKING:
-    from kvfs.node import Node
+    from kvfs.node.service import Node
 
     _Base = Node
 else:
@@ -44,7 +44,7 @@ def to_file_record(file: DiskFile) -> m.FileRecord:
 
 class NodeMembership(_Base):
     async def _copy_directory(self, ino: int) -> None:
-        """Fetches a directory's names and watches it (see kvfs.cluster.dircache). Changes
+        """Fetches a directory's names and watches it (see kvfs.node.dircache). Changes
         pushed while the answer is on its way are applied after it."""
         assert self.dircache is not None
         if ino in self._fetching:

@@ -25,14 +25,14 @@ import msgspec
 import trio
 
 from kvfs.checksum import chunk_checksum
-from kvfs.cluster.auth import AuthError
-from kvfs.cluster.protocol import (PREFIX_SIZE, ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame,
+from kvfs.wire.auth import AuthError
+from kvfs.wire.protocol import (PREFIX_SIZE, ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame,
                                    parse_prefix)
-from kvfs.cluster.rdma_messages import RDMA_REQUESTS, Unlease
-from kvfs.cluster.rpc import FrameStream, handshake, peer_name, serve_tcp
+from kvfs.wire.rdma_messages import RDMA_REQUESTS, Unlease
+from kvfs.net.rpc import FrameStream, handshake, peer_name, serve_tcp
 from kvfs.config import split_address
 from kvfs.errors import KvfsError, StorageError
-from kvfs.metrics.histogram import OperationStats
+from kvfs.histogram import OperationStats
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def _tune(sock: trio.socket.SocketType) -> None:
 
 
 class RdmaService(Protocol):
-    """The owner's side of the RDMA transport (`kvfs.cluster.rdma.RdmaExporter`)."""
+    """The owner's side of the RDMA transport (`kvfs.net.rdma.RdmaExporter`)."""
 
     async def handle(self, session: Any, request: Any,
                      reply: Callable[[FrameKind, Any], Awaitable[None]]) -> Any:

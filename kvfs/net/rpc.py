@@ -2,7 +2,7 @@
 
 `MetadataServer` serves a request handler (the master's `MetadataService.handle`)
 to authenticated peers; `RemoteMaster` is the node's `MasterClient` for a master
-in another process. Frames are parsed by `kvfs.cluster.protocol`; this module
+in another process. Frames are parsed by `kvfs.wire.protocol`; this module
 only moves bytes. A peer that fails the handshake or sends an invalid frame is
 disconnected with a logged reason; other connections are not affected.
 """
@@ -17,9 +17,9 @@ from typing import Any, Callable, Protocol
 
 import trio
 
-from kvfs.cluster import messages as m
-from kvfs.cluster.auth import AuthError, HandshakeMessage, Hello, Proof, check, new_nonce, prove
-from kvfs.cluster.protocol import (PREFIX_SIZE, ErrorReply, FrameKind, HeaderDecoder, Prefix, ProtocolError,
+from kvfs.wire import messages as m
+from kvfs.wire.auth import AuthError, HandshakeMessage, Hello, Proof, check, new_nonce, prove
+from kvfs.wire.protocol import (PREFIX_SIZE, ErrorReply, FrameKind, HeaderDecoder, Prefix, ProtocolError,
                                    encode_frame, parse_prefix)
 from kvfs.errors import KvfsError, MetadataError
 

@@ -27,22 +27,22 @@ import trio
 from kvfs import progress
 from kvfs.checksum import format_checksum
 from kvfs.clock import Clock
-from kvfs.cluster import messages as m
-from kvfs.cluster.dircache import DirectoryCache
+from kvfs.wire import messages as m
+from kvfs.node.dircache import DirectoryCache
 from kvfs.cluster.embedded import MasterClient
-from kvfs.cluster.prefetch import Prefetches
+from kvfs.node.prefetch import Prefetches
 from kvfs.cluster.namespace import ROOT_INO, check_name
-from kvfs.cluster.rpc import MasterUnavailable
-from kvfs.cluster.transport import Transport
+from kvfs.net.rpc import MasterUnavailable
+from kvfs.net.transport import Transport
 from kvfs.config import format_size
 from kvfs.disk.records import DiskRecord
 from kvfs.errors import KvfsError, StorageError
-from kvfs.node_membership import NodeMembership, to_disk_file, to_file_record
+from kvfs.node.membership import NodeMembership, to_disk_file, to_file_record
 from kvfs.store.evictions import EvictionSummary
 from kvfs.store.faults import STORAGE_ERRORS
 from kvfs.store.tiered import ReadSource, TieredStore
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvfs.node")
 
 VIRTUAL_XATTRS = (b"user.kvfs.tier", b"user.kvfs.size", b"user.kvfs.version", b"user.kvfs.sealed",
                   b"user.kvfs.chunks", b"user.kvfs.checksum", b"user.kvfs.hits", b"user.kvfs.last_access_ns",
@@ -92,7 +92,7 @@ TIERS = ("dram", "ssd", "peer")  # where a reader is served from (ReadSource.tie
 
 
 class Node(NodeMembership):
-    """The POSIX file service of one node (its part in a cluster: `kvfs.node_membership`)."""
+    """The POSIX file service of one node (its part in a cluster: `kvfs.node.membership`)."""
 
     def __init__(self, master: MasterClient, store: TieredStore, clock: Clock, node_id: int = 1,
                  forget_entries: Callable[[list[tuple[int, bytes, int]]], None] = lambda entries: None,

@@ -36,13 +36,13 @@ import msgspec
 import trio
 
 from kvfs.checksum import chunk_checksum
-from kvfs.cluster.auth import AuthError
-from kvfs.cluster.protocol import ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame
-from kvfs.cluster.rdma_messages import (NOT_IN_DRAM, Locate, Located, RdmaAccepted, RdmaConnect, RevokeForTest,
+from kvfs.wire.auth import AuthError
+from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame
+from kvfs.wire.rdma_messages import (NOT_IN_DRAM, Locate, Located, RdmaAccepted, RdmaConnect, RevokeForTest,
                                          Unlease)
-from kvfs.cluster.rpc import FrameStream, handshake
-from kvfs.cluster.transport import CONNECT_TIMEOUT_S, MeasuredTransport, TcpTransport
-from kvfs.cluster.verbs import (Endpoint, QueuePair, RdmaDevice, RdmaError, RdmaUnavailable, Window, buffer_address,
+from kvfs.net.rpc import FrameStream, handshake
+from kvfs.net.transport import CONNECT_TIMEOUT_S, MeasuredTransport, TcpTransport
+from kvfs.net.verbs import (Endpoint, QueuePair, RdmaDevice, RdmaError, RdmaUnavailable, Window, buffer_address,
                                 probe)
 from kvfs.config import split_address
 from kvfs.errors import ConfigError, KvfsError, StorageError

@@ -1,0 +1,1 @@
+"""Composition roots: one module per process, building it from the packages below and running it."""

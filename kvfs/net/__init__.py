@@ -1,0 +1,5 @@
+"""The network: the only code with sockets or RDMA verbs.
+
+The master's server and its pipelined client, a node's link to the master, the peer chunk
+transports (TCP and RDMA) and the verbs beneath them. What travels is defined in kvfs.wire.
+"""
