@@ -6,6 +6,7 @@ it did not expect, and fails teardown if the daemon does not unmount cleanly.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -131,6 +132,18 @@ def run_writers_then_readers(writers: list, readers: list, done) -> None:
     done.set()
     for thread in threads[1]:
         thread.join()
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `path` (made here): a file system whose room is known and
+    small. Unmounted lazily at the end (a daemon of the test may still hold it a moment)."""
+    path.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "kvfs-test", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def drop_page_cache() -> None:

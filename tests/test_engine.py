@@ -7,13 +7,13 @@ import functools
 import mmap
 import os
 import random
-import subprocess
 import threading
 from pathlib import Path
 
 import pytest
 import trio
 
+from conftest import small_tmpfs
 from kvfs.concurrency import run_all
 from kvfs.disk.engine import ThreadEngine, UringEngine
 
@@ -112,10 +112,7 @@ def test_short_files_and_unaligned_tail(tmp_path: Path, engine_class) -> None:
 
 @pytest.mark.parametrize("engine_class", ENGINES)
 def test_errors_are_raised_as_oserror(tmp_path: Path, engine_class) -> None:
-    small = tmp_path / "small"
-    small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "kvfs-test", str(small)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "small", "1m") as small:
         async def test(engine):
             with pytest.raises(OSError) as raised:
                 await engine.read_into(987654, 0, memoryview(bytearray(10)))
@@ -129,8 +126,6 @@ def test_errors_are_raised_as_oserror(tmp_path: Path, engine_class) -> None:
                 os.close(fd)
 
         run_with(engine_class, test)
-    finally:
-        subprocess.run(["umount", str(small)], check=True)
 
 
 def test_cancellation_waits_for_the_kernel_and_leaves_the_engine_usable(tmp_path: Path) -> None:

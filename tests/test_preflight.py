@@ -17,7 +17,7 @@ from typing import Iterator
 
 import pytest
 
-from conftest import CLUSTER_SECRET, KvfsMount, MasterDaemon
+from conftest import CLUSTER_SECRET, KvfsMount, MasterDaemon, small_tmpfs
 from kvfs.fuse.mount import find_mount
 from kvfs.preflight import FAIL, OK, available_memory, check_memory
 
@@ -64,13 +64,8 @@ def taken_port() -> Iterator[int]:
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 128 MiB tmpfs: a disk whose free space is known and small."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128M", "tmpfs", str(disk)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "disk", "128M") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
 def test_unreachable_master_in_the_background_fails_after_the_stated_timeout(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from conftest import drop_page_cache
+from conftest import drop_page_cache, small_tmpfs
 
 from kvfs.config import format_size
 
@@ -35,13 +35,8 @@ FULL = ("No space left on device", "Input/output error")
 def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A 72 MiB tmpfs: room for a 64 MiB SSD tier and a little index (asked for before
     make_mount, so that the daemon stops before it goes)."""
-    directory = tmp_path / "fs"
-    directory.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=72m", "tmpfs", str(directory)], check=True)
-    try:
+    with small_tmpfs(tmp_path / "fs", "72m") as directory:
         yield directory
-    finally:
-        subprocess.run(["umount", "-l", str(directory)], check=False)
 
 
 def fill(directory: Path) -> Path:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import subprocess
 from dataclasses import dataclass
+from typing import Iterator
 
 from kvfs.config import MountConfig
 from kvfs.errors import KvfsError
@@ -24,18 +26,24 @@ class MountInfo:
     fstype: str
 
 
+def _mounts() -> Iterator[MountInfo]:
+    """Every mount, in /proc/self/mountinfo's order (a later one is on top of an earlier one)."""
+    with open("/proc/self/mountinfo") as mountinfo:
+        for line in mountinfo:
+            fields = line.split()
+            major, minor = fields[2].split(":")
+            # The kernel escapes space, tab, newline and backslash as octal \ooo.
+            point = re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), fields[4])
+            yield MountInfo(point, int(major), int(minor), fields[fields.index("-") + 1])
+
+
 def find_mount(mountpoint: str) -> MountInfo | None:
     """The mount at `mountpoint`, read from /proc/self/mountinfo (never touches the mount itself)."""
     target = os.path.realpath(mountpoint)
     found = None
-    with open("/proc/self/mountinfo") as mountinfo:
-        for line in mountinfo:
-            fields = line.split()
-            path = fields[4].replace("\\040", " ")
-            if path == target:
-                major, minor = fields[2].split(":")
-                fstype = fields[fields.index("-") + 1]
-                found = MountInfo(path, int(major), int(minor), fstype)  # the last one is on top
+    for mount in _mounts():
+        if mount.mountpoint == target:
+            found = mount  # the last one is on top
     return found
 
 
@@ -43,14 +51,11 @@ def mount_holding(path: str) -> MountInfo | None:
     """The mount a path lies in (the deepest mount point above it), from /proc/self/mountinfo."""
     target = os.path.realpath(path)
     found = None
-    with open("/proc/self/mountinfo") as mountinfo:
-        for line in mountinfo:
-            fields = line.split()
-            point = fields[4].replace("\\040", " ")
-            inside = target == point or target.startswith(point.rstrip("/") + "/")
-            if inside and (found is None or len(point) >= len(found.mountpoint)):
-                major, minor = fields[2].split(":")
-                found = MountInfo(point, int(major), int(minor), fields[fields.index("-") + 1])
+    for mount in _mounts():
+        point = mount.mountpoint
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and (found is None or len(point) >= len(found.mountpoint)):
+            found = mount
     return found
 
 
