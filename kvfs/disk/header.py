@@ -67,13 +67,19 @@ def encode_header(record: DiskRecord, chunk_size: int, written_ns: int) -> bytes
     return block + bytes(header_length(body) - len(block))
 
 
-def header_span(page: bytes | memoryview) -> int:
-    """From a header's first page: the length of its whole block (to read the rest)."""
-    if len(page) < _PREFIX.size:
-        raise HeaderError("cut short")
-    magic, _, length, _ = _PREFIX.unpack_from(page)
+def _prefix(block: bytes | memoryview) -> tuple[int, int, int]:
+    """A header's layout version, body length and checksum; HeaderError if it has no prefix."""
+    if len(block) < _PREFIX.size:
+        raise HeaderError("shorter than a header")
+    magic, layout, length, checksum = _PREFIX.unpack_from(block)
     if magic != MAGIC:
         raise HeaderError("no header magic")
+    return layout, length, checksum
+
+
+def header_span(page: bytes | memoryview) -> int:
+    """From a header's first page: the length of its whole block (to read the rest)."""
+    _, length, _ = _prefix(page)
     if length > MAX_BODY:
         raise HeaderError(f"body length {length} is implausible")
     return -(-(_PREFIX.size + length) // PAGE) * PAGE
@@ -81,11 +87,7 @@ def header_span(page: bytes | memoryview) -> int:
 
 def decode_header(block: bytes | memoryview) -> HeaderBody:
     """The header in `block` (its first page at least); HeaderError if it is not valid."""
-    if len(block) < _PREFIX.size:
-        raise HeaderError("shorter than a header")
-    magic, layout, length, checksum = _PREFIX.unpack_from(block)
-    if magic != MAGIC:
-        raise HeaderError("no header magic")
+    layout, length, checksum = _prefix(block)
     if layout != LAYOUT_VERSION:
         raise HeaderError(f"layout {layout}, not {LAYOUT_VERSION}")
     body = memoryview(block)[_PREFIX.size : _PREFIX.size + length]
