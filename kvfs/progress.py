@@ -4,6 +4,7 @@ STATUS= (`systemctl status`), and the terminal of a background `kvfs mount`."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
 
 from kvfs import systemd
@@ -26,3 +27,19 @@ def listen(callback: Callable[[str, int], None]) -> None:
 
 def stop_listening() -> None:
     _listeners.clear()
+
+
+class Every:
+    """Paces progress lines: `due()` is true at most once per `seconds`, counted from
+    creation and then from the last time it was true."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._last = time.monotonic()
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self._last < self.seconds:
+            return False
+        self._last = now
+        return True

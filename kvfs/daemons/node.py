@@ -114,11 +114,10 @@ class Daemon:
     def _fault_in_dram(self) -> None:
         """Faults the DRAM tier in behind a mount that already serves, telling how far it got."""
         capacity = format_size(self.dram.capacity)
-        reported = [time.monotonic()]
+        pace = progress.Every(2.0)
 
         def tell(done: int, total: int) -> None:
-            if time.monotonic() - reported[0] >= 2 and done < total:
-                reported[0] = time.monotonic()
+            if done < total and pace.due():
                 progress.report(f"faulting in the DRAM tier: {format_size(done)} of {capacity} "
                                 f"({100 * done // total}%)", log)
         try:

@@ -164,13 +164,12 @@ def scan_tier(directory: Path, capacity: int, chunk_size: int, activity: str) ->
     """Index entries for every intact file in the segments under `directory`, with a progress
     line every second (`activity` says what for); each damaged header or file is
     logged once and left out."""
-    started = last = time.monotonic()
+    started = time.monotonic()
+    pace = progress.Every(1.0)
     reader = SegmentReader(directory, capacity)
 
     def tell(scanned: int, files: int) -> None:
-        nonlocal last
-        if time.monotonic() - last >= 1:
-            last = time.monotonic()
+        if pace.due():
             progress.report(f"{activity} {directory}: scanned {scanned >> 20} of {capacity >> 20} MiB, "
                             f"{files} files found", log, logging.WARNING)
             systemd.notify("EXTEND_TIMEOUT_USEC=30000000")  # a long scan is not a hung start

@@ -37,7 +37,8 @@ class SegmentFiles:
         self.direct = direct_io
         directory.mkdir(parents=True, exist_ok=True)
         count = -(-capacity // SEGMENT_SIZE)
-        started = reported = time.monotonic()
+        started = time.monotonic()
+        pace = progress.Every(PROGRESS_EVERY_S)
         created: list[Path] = []  # segments this start made, removed again if it fails
         for index in range(count):
             size = min(SEGMENT_SIZE, capacity - index * SEGMENT_SIZE)
@@ -51,8 +52,7 @@ class SegmentFiles:
                 for made in created:
                     made.unlink(missing_ok=True)
                 raise
-            if time.monotonic() - reported >= PROGRESS_EVERY_S and index + 1 < count:
-                reported = time.monotonic()
+            if index + 1 < count and pace.due():
                 progress.report(f"preallocating the SSD tier in {directory}: {format_size((index + 1) * SEGMENT_SIZE)}"
                                 f" of {format_size(capacity)}", log)
         if time.monotonic() - started >= PROGRESS_EVERY_S:
