@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import NoReturn
 
 from kvfs import __version__, preflight
@@ -63,6 +64,7 @@ def default_log_file(mountpoint: str) -> str:
 
 
 DEFAULT_SECRET_FILE = "/etc/kvfs/secret"
+DEFAULT_CA_DIR = "/etc/kvfs/ca"
 DEFAULT_MASTER_LISTEN = "0.0.0.0:7400"
 DEFAULT_MASTER_DATA = "/var/lib/kvfs/master"
 
@@ -233,6 +235,24 @@ def build_parser() -> argparse.ArgumentParser:
     fsck = commands.add_parser("fsck", help="check an SSD tier offline (index against segments), or repair it")
     fsck.add_argument("--disk", required=True, help="the SSD tier's directory (not in use by a mount)")
     fsck.add_argument("--repair", action="store_true", help="rebuild or fix the index, keeping every intact file")
+
+    ca = commands.add_parser("ca", help="the cluster's certificate authority: create it, issue identities")
+    ca_commands = ca.add_subparsers(dest="ca_command", required=True)
+    ca_init = ca_commands.add_parser("init", help="create the CA's key and certificate")
+    ca_init.add_argument("--dir", default=DEFAULT_CA_DIR, help=f"where to keep them (default {DEFAULT_CA_DIR})")
+    ca_init.add_argument("--force", action="store_true", help="replace an existing CA (every identity must be "
+                                                             "issued again)")
+    ca_issue = ca_commands.add_parser("issue", help="issue an identity's bundle (identity.crt, identity.key, "
+                                                    "ca.crt) for --tls-dir")
+    ca_issue.add_argument("name", help="the identity: a node's --name, 'master', or an operator's name")
+    ca_issue.add_argument("--role", required=True, choices=["master", "node", "admin", "client"],
+                          help="what it may do: serve metadata, be that node, change the cluster, read status")
+    ca_issue.add_argument("--address", action="append", default=[],
+                          help="an IP address a node may advertise (repeat for several)")
+    ca_issue.add_argument("--out", required=True, help="the bundle's directory (copy it to the machine's "
+                                                       "/etc/kvfs/tls)")
+    ca_issue.add_argument("--ca-dir", default=DEFAULT_CA_DIR, help=f"the CA's directory (default {DEFAULT_CA_DIR})")
+    ca_issue.add_argument("--force", action="store_true", help="replace an existing bundle")
 
     umount = commands.add_parser("umount", help="unmount a kvfs mount")
     umount.add_argument("mountpoint")
@@ -559,9 +579,23 @@ def run_umount(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_ca(args: argparse.Namespace) -> int:
+    from kvfs.security import ca
+
+    if args.ca_command == "init":
+        issued = ca.init_ca(Path(os.path.abspath(args.dir)), overwrite=args.force)
+        print(f"kvfs: CA created: {issued.cert} (give it to every machine), {issued.key} (keep it here, mode 0600)")
+        return 0
+    issued = ca.issue(Path(os.path.abspath(args.ca_dir)), args.name, args.role, Path(os.path.abspath(args.out)),
+                      args.address, overwrite=args.force)
+    print(f"kvfs: issued {args.role} {args.name!r}: {issued.cert.parent}/ (ca.crt, identity.crt, identity.key); "
+          f"install it as the machine's --tls-dir (default /etc/kvfs/tls)")
+    return 0
+
+
 COMMANDS = {"mount": run_mount, "node": run_node, "master": run_master, "status": run_status, "top": run_top,
             "du": run_du, "inspect": run_inspect, "remove-node": run_remove_node, "check": run_check,
-            "fsck": run_fsck, "completion": run_completion, "umount": run_umount}
+            "fsck": run_fsck, "completion": run_completion, "umount": run_umount, "ca": run_ca}
 
 
 def fail(message: str) -> int:
