@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from kvfs.errors import ConfigError
+from kvfs.security.keyfiles import check_private_file
 
 ROLES = ("master", "node", "admin", "client")
 CA_CERT = "ca.crt"
@@ -103,8 +104,6 @@ def init_ca(directory: Path, name: str = "kvfs cluster CA", overwrite: bool = Fa
 
 
 def load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    from kvfs.security.credentials import check_private_file
-
     cert_path, key_path = directory / CA_CERT, directory / CA_KEY
     for path in (cert_path, key_path):
         if not path.exists():

@@ -9,15 +9,14 @@ what the peer says about itself.
 
 from __future__ import annotations
 
-import os
 import ssl
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvfs.errors import ConfigError
 from kvfs.security.ca import CA_CERT, IDENTITY_CERT, IDENTITY_KEY, ROLES
+from kvfs.security.keyfiles import check_private_file
 
 DEFAULT_TLS_DIR = "/etc/kvfs/tls"
 
@@ -32,17 +31,6 @@ class Identity:
 
     def __str__(self) -> str:
         return f"{self.role} {self.name!r}"
-
-
-def check_private_file(path: Path) -> None:
-    """A key readable by anyone but its owner is refused, with the command that fixes it."""
-    try:
-        st = os.stat(path)
-    except OSError as error:
-        raise ConfigError(f"{path}: {error.strerror}") from None
-    if st.st_mode & 0o077:
-        raise ConfigError(f"{path}: mode {stat.S_IMODE(st.st_mode):04o} is wider than 0600; a private key "
-                          f"must be readable by its owner only (chmod 600 {path})")
 
 
 @dataclass(frozen=True)
