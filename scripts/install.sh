@@ -29,8 +29,9 @@ export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 packages=(fuse3 libfuse3-dev pkg-config gcc libc6-dev python3 python3-dev python3-venv attr util-linux)
 # The tests verify the units with systemd-analyze, boot a soft-RoCE VM for the RDMA transport,
-# and check the alert rules with promtool (Debian's prometheus package).
-[[ -n $extras ]] && packages+=(systemd qemu-system-x86 debootstrap e2fsprogs prometheus)
+# check the alert rules with promtool (Debian's prometheus package), and partition nodes in network
+# namespaces (iproute2, iptables).
+[[ -n $extras ]] && packages+=(systemd qemu-system-x86 debootstrap e2fsprogs prometheus iproute2 iptables)
 [[ -n $rdma ]] && packages+=(rdma-core ibverbs-providers python3-pyverbs)
 apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null
 

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -41,7 +41,8 @@ def metrics_url(log_text: str) -> str:
 class KvfsMount:
     """A kvfs daemon running in the foreground in a child process."""
 
-    def __init__(self, root: Path, dram: str, *extra: str, master: str | None = None) -> None:
+    def __init__(self, root: Path, dram: str, *extra: str, master: str | None = None,
+                 prefix: list[str] | None = None) -> None:
         self.root = root
         self.path = root / "mnt"
         self.path.mkdir()
@@ -52,6 +53,7 @@ class KvfsMount:
         else:
             self.args = [sys.executable, "-m", "kvfs", "node", "--master", master, "--mount", str(self.path),
                          "--name", root.name, "--foreground", "--dram", dram, "--log-level", "debug", *extra]
+        self.args = [*(prefix or []), *self.args]  # e.g. nsenter into a network namespace (tests/netns.py)
         self.allowed_errors: list[str] = []
         self._log_offset = 0
         self.process: subprocess.Popen[bytes] | None = None
@@ -209,11 +211,12 @@ class MasterDaemon:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    def start(self, port: int = 0) -> None:
+    def start(self, port: int = 0, host: str = "127.0.0.1") -> None:
         offset = len(self.log_text())
+        self.host = host
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvfs", "master", "--listen", f"127.0.0.1:{port}", "--data", str(self.data),
+                [sys.executable, "-m", "kvfs", "master", "--listen", f"{host}:{port}", "--data", str(self.data),
                  "--log-level", "debug"], stdout=log, stderr=subprocess.STDOUT,
                 env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
         deadline = time.monotonic() + 30
@@ -246,18 +249,26 @@ class MasterDaemon:
 
 
 class Cluster:
-    """A master and nodes, each node a real mount, all on loopback."""
+    """A master and nodes, each node a real mount, all on loopback (or, given a tests/netns.py
+    Network, the master on its bridge and each node in a namespace of its own)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, network: Any = None) -> None:
         self.root = root
+        self.network = network
         self.master = MasterDaemon(root)
-        self.master.start()
+        self.master.start(host=network.address if network is not None else "127.0.0.1")
         self.nodes: list[KvfsMount] = []
+        self.hosts: dict[str, Any] = {}  # node name -> its netns Host
 
     def add_node(self, dram: str = "256M", *extra: str, name: str | None = None) -> KvfsMount:
         node_root = self.root / (name or f"node{len(self.nodes) + 1}")
         node_root.mkdir()
-        node = KvfsMount(node_root, dram, *extra, master=self.master.address)
+        prefix = None
+        if self.network is not None:
+            host = self.hosts[node_root.name] = self.network.add_host()
+            prefix = host.prefix
+            extra = ("--listen", f"{host.address}:0", *extra)
+        node = KvfsMount(node_root, dram, *extra, master=self.master.address, prefix=prefix)
         node.start()
         self.nodes.append(node)
         return node
@@ -274,6 +285,29 @@ class Cluster:
                 subprocess.run(["fusermount3", "-u", "-z", str(node.path)], capture_output=True)
         self.master.stop()
         return errors
+
+
+@pytest.fixture
+def netns_cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """A master on a bridge and nodes each in a network namespace of their own
+    (cluster.hosts[name].cut() partitions one silently; .heal() ends it)."""
+    import netns
+
+    why = netns.available()
+    if why is not None:
+        pytest.fail(f"network namespaces: {why}")
+    network = netns.Network()
+    try:
+        started = Cluster(tmp_path, network)
+        try:
+            yield started
+        finally:
+            for host in network.hosts:
+                host.heal()
+            errors = started.close()
+            assert not errors, "kvfs logged unexpected errors:\n" + "\n".join(errors)
+    finally:
+        network.close()
 
 
 @pytest.fixture
