@@ -17,6 +17,7 @@ import xxhash
 
 from kvfs.clock import Clock
 from kvfs.wire import messages as m
+from kvfs.cluster.liveness import Liveness
 from kvfs.cluster.membership import Membership
 from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace, check_name, check_target
 from kvfs.cluster.objects import FileVersion, ObjectDirectory
@@ -51,6 +52,9 @@ class MasterSettings:
     root_gid: int = 0
     cluster: bool = False  # nodes register over the network (else one embedded local node)
     dead_after_s: float = 2.5  # a node silent this long is dead (heartbeats every 0.5 s)
+    # Expiry passes further apart than this mean the master itself stalled: every node
+    # gets a fresh grace instead of being judged (kvfs.cluster.liveness).
+    stall_gap_s: float = 1.0
 
 
 class MetadataService:
@@ -73,7 +77,8 @@ class MetadataService:
         self._unpublished: dict[int, float | None] = {}
         self._caller = LOCAL_NODE  # the node whose request is being handled
         self.opens = OpenHandles()
-        self.members = Membership(clock, self.ns, self.objects, self.registry, self.opens, self)
+        self.liveness = Liveness(self.registry, settings.stall_gap_s)
+        self.members = Membership(clock, self.ns, self.objects, self.registry, self.opens, self.liveness, self)
         self._removed_names: list[tuple[int, bytes, int]] = []  # for the other nodes' kernels to forget
         # Unlinked inode -> (its version, still readable; the node whose kernel holds it).
         self._lingering: dict[int, tuple[int, int]] = {}

@@ -6,6 +6,12 @@ is one concern: how nodes come, report what they hold, stay alive, and go. Its
 dependencies are explicit: the namespace, the object directory, the registry, the open
 handles, the clock, and the few file operations of the service it needs (`FileService`).
 The caller of each request is a parameter, never state.
+
+A node that goes down (declared dead, or registering again) loses its open handles
+and kernel references; its files stay in the namespace, hidden, until it registers
+again. Then it keeps every file of its own that nobody superseded meanwhile: only
+names a newer file took are dropped. (A node that really restarted without its
+memory reports less, and the rest goes when its registration finishes.)
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Protocol
 
 from kvfs.clock import Clock
 from kvfs.wire import messages as m
+from kvfs.cluster.liveness import Liveness
 from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace
 from kvfs.cluster.objects import FileVersion, ObjectDirectory
 from kvfs.cluster.opens import OpenHandles
@@ -51,8 +58,9 @@ class FileService(Protocol):
 
 class Membership:
     def __init__(self, clock: Clock, ns: Namespace, objects: ObjectDirectory, registry: Registry,
-                 opens: OpenHandles, files: FileService) -> None:
+                 opens: OpenHandles, liveness: Liveness, files: FileService) -> None:
         self.clock = clock
+        self.liveness = liveness
         self.ns = ns
         self.objects = objects
         self.registry = registry
@@ -64,7 +72,7 @@ class Membership:
         released now; its files stay hidden until it has reported what it still holds."""
         node = self.registry.nodes.get(self.registry.by_name.get(req.name, 0))
         if node is not None and (node.live or node.registering):
-            self._node_down(node, forget_dram=False)
+            self._node_down(node)
         node = self.registry.register(req.name, req.address, self.clock.monotonic())
         return m.Registered(node.node_id)
 
@@ -158,16 +166,17 @@ class Membership:
 
     def expire_nodes(self) -> list[int]:
         """Declares nodes that stopped heartbeating dead; returns their ids (called periodically)."""
-        dead = self.registry.expired(self.clock.monotonic())
+        dead = self.liveness.expired(self.clock.monotonic())
         for node in dead:
-            self._node_down(node, forget_dram=True)
+            self._node_down(node)
             self.files.route_outcomes(0)
         return [node.node_id for node in dead]
 
-    def _node_down(self, node: NodeRecord, forget_dram: bool) -> None:
+    def _node_down(self, node: NodeRecord) -> None:
         """The node is gone (dead, or restarting): its open handles and kernel references
-        go; with `forget_dram` so do the files whose only copy was in its memory, while
-        its files on SSD stay, hidden, until it registers again."""
+        go. Its files stay, hidden, until it registers again, those only in its memory
+        too: a node declared dead may well be alive (partitioned, or the master was the
+        one that stalled), and what it still holds it reports, and keeps."""
         node.live = node.registering = False
         node.outbox_dropped, node.outbox_forget = [], []
         dropped: list[int] = []
@@ -187,9 +196,6 @@ class Membership:
                 inode.refs &= ~bit
                 self.files.unhold(inode.ino, node.node_id, dropped)
                 self.ns.collect(inode)
-        if forget_dram:
-            self._forget_versions([version for version in self.objects.versions.values()
-                                   if version.node == node.node_id and (not version.on_disk or not version.sealed)])
 
     def watch_names(self, req: m.WatchNames, caller: int) -> m.Names:
         directory = self.ns.directory(req.ino)

@@ -2,7 +2,8 @@
 
 Every request is answered by the pure `MetadataService` and what it changed is
 written to lmdb before the answer goes out. A timer declares nodes that stopped
-heartbeating dead; another syncs the state to disk.
+heartbeating dead (a gap in that timer's own passes is the master's stall, which
+convicts nobody: kvfs.cluster.liveness); another syncs the state to disk.
 """
 
 from __future__ import annotations
@@ -99,7 +100,13 @@ class MasterProcess:
         while True:
             await trio.sleep(EXPIRE_INTERVAL_S)
             try:
-                for node_id in self.service.expire_nodes():
+                stalls = self.service.liveness.stalls
+                dead = self.service.expire_nodes()
+                if self.service.liveness.stalls != stalls:
+                    log.warning("the master stalled for %.1f s (paused, or a slow save): every node gets a fresh "
+                                "%.1f s grace before it can be declared dead", self.service.liveness.last_stall_s,
+                                self.config.dead_after_s)
+                for node_id in dead:
                     node = self.service.registry.nodes[node_id]
                     log.warning("node %d (%s) stopped heartbeating: declared dead", node_id, node.name)
                 self.state.save(self.service)
