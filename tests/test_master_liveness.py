@@ -5,6 +5,7 @@ a node declared dead keeps, when it registers again, every file nobody supersede
 from __future__ import annotations
 
 from kvfs.clock import ManualClock
+from kvfs.cluster.master import MasterSettings, stall_gap
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.wire import messages as m
 
@@ -77,3 +78,9 @@ def test_a_node_declared_dead_keeps_on_return_what_nobody_superseded() -> None:
     assert cluster.lookup(b, b"taken.bin").version == newer.version
     sealed = cluster.lookup(b, b"w.tmp")  # sealed on a while it was declared dead
     assert sealed.version == writing.version and sealed.sealed and sealed.size == 5
+
+
+def test_the_stall_gap_stays_between_the_pass_interval_and_the_deadline() -> None:
+    assert stall_gap(MasterSettings()) == 1.0
+    assert stall_gap(MasterSettings(dead_after_s=1.8)) == 0.9  # a stall just under it leaves half the deadline
+    assert stall_gap(MasterSettings(dead_after_s=0.4)) == 0.75  # never under three passes: late ones are no stall

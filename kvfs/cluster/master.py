@@ -52,9 +52,18 @@ class MasterSettings:
     root_gid: int = 0
     cluster: bool = False  # nodes register over the network (else one embedded local node)
     dead_after_s: float = 2.5  # a node silent this long is dead (heartbeats every 0.5 s)
+    expire_interval_s: float = 0.25  # how often the daemon asks `expire_nodes`
     # Expiry passes further apart than this mean the master itself stalled: every node
-    # gets a fresh grace instead of being judged (kvfs.cluster.liveness).
+    # gets a fresh grace instead of being judged (kvfs.cluster.liveness). Kept under half
+    # of dead_after_s and over three intervals (see `stall_gap`).
     stall_gap_s: float = 1.0
+
+
+def stall_gap(settings: MasterSettings) -> float:
+    """The gap between expiry passes that counts as a stall of the master: short enough
+    that a stall just under it leaves a node most of its deadline (at most half of
+    dead_after_s), long enough that passes a little late never count (three intervals)."""
+    return max(3 * settings.expire_interval_s, min(settings.stall_gap_s, settings.dead_after_s / 2))
 
 
 class MetadataService:
@@ -77,7 +86,7 @@ class MetadataService:
         self._unpublished: dict[int, float | None] = {}
         self._caller = LOCAL_NODE  # the node whose request is being handled
         self.opens = OpenHandles()
-        self.liveness = Liveness(self.registry, settings.stall_gap_s)
+        self.liveness = Liveness(self.registry, stall_gap(settings))
         self.members = Membership(clock, self.ns, self.objects, self.registry, self.opens, self.liveness, self)
         self._removed_names: list[tuple[int, bytes, int]] = []  # for the other nodes' kernels to forget
         # Unlinked inode -> (its version, still readable; the node whose kernel holds it).

@@ -33,7 +33,6 @@ from kvfs.progress import Every
 
 log = logging.getLogger("kvfs.master")
 
-EXPIRE_INTERVAL_S = 0.25
 SYNC_INTERVAL_S = 1.0  # also how often a failed save is tried again
 SLOW_SAVE_S = 0.05  # a save (on the request loop) slower than this is logged
 
@@ -129,7 +128,7 @@ class MasterProcess:
 
     async def _expire_forever(self) -> None:
         while True:
-            await trio.sleep(EXPIRE_INTERVAL_S)
+            await trio.sleep(self.service.settings.expire_interval_s)
             try:
                 stalls = self.service.liveness.stalls
                 dead = self.service.expire_nodes()
