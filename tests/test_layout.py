@@ -21,8 +21,6 @@ FORBIDDEN_IN_PURE = {"trio", "socket", "pyfuse3"}
 # one another. A cycle not listed fails the test; a listed one that is gone fails it too, so that
 # this list only shrinks.
 KNOWN_MODULE_CYCLES: set[frozenset[str]] = {
-    # MetadataService and its membership mixin: the mixin is to become a composed collaborator.
-    frozenset({"kvfs.cluster.master", "kvfs.cluster.membership"}),
     # Node and its membership mixin: the same, on the node side.
     frozenset({"kvfs.node.service", "kvfs.node.membership"}),
 }

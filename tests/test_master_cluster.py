@@ -96,12 +96,13 @@ def test_a_silent_node_is_declared_dead_within_three_seconds(cluster: Cluster) -
     reader = cluster.master.handle(m.OpenRead(dram_only.ino), b)
     assert cluster.silence(2.0, a, b) == []
     assert cluster.silence(3.0, b) == [a]
-    # Its DRAM-only file is gone for good; the one on its SSD is hidden until it returns.
+    # Its files, in DRAM and on SSD alike, are hidden until it returns.
     assert cluster.lookup(b, b"dram.bin") is None and cluster.lookup(b, b"ssd.bin") is None
     assert cluster.master.handle(m.ReadDir(ROOT_INO, 0, 10), b).entries == []
     fails(lambda: cluster.master.handle(m.OpenRead(on_ssd.ino), b), errno.ENOENT)
     fails(lambda: cluster.beat(a), errno.ESTALE)  # a late heartbeat: register again
     cluster.master.handle(m.Release(reader.version, False), b)
+    # It returns after a restart that lost its memory: only what it reports is kept.
     node, dropped = cluster.join("a", [m.Held(on_ssd.version, 100, True, True)])
     assert node == a and dropped == []
     assert cluster.lookup(b, b"ssd.bin").version == on_ssd.version

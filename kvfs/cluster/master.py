@@ -17,9 +17,11 @@ import xxhash
 
 from kvfs.clock import Clock
 from kvfs.wire import messages as m
+from kvfs.cluster.liveness import Liveness
 from kvfs.cluster.membership import Membership
 from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace, check_name, check_target
 from kvfs.cluster.objects import FileVersion, ObjectDirectory
+from kvfs.cluster.opens import OpenHandles
 from kvfs.cluster.registry import LOCAL_NODE, Registry
 from kvfs.cluster.usage import DirectoryUsage
 from kvfs.errors import MetadataError
@@ -50,12 +52,24 @@ class MasterSettings:
     root_gid: int = 0
     cluster: bool = False  # nodes register over the network (else one embedded local node)
     dead_after_s: float = 2.5  # a node silent this long is dead (heartbeats every 0.5 s)
+    expire_interval_s: float = 0.25  # how often the daemon asks `expire_nodes`
+    # Expiry passes further apart than this mean the master itself stalled: every node
+    # gets a fresh grace instead of being judged (kvfs.cluster.liveness). Kept under half
+    # of dead_after_s and over three intervals (see `stall_gap`).
+    stall_gap_s: float = 1.0
 
 
-class MetadataService(Membership):
-    """Handles metadata requests; see `kvfs.wire.messages` for the protocol. The
-    handlers of cluster membership (registration, heartbeats, node death, watched
-    directories) are in `kvfs.cluster.membership`."""
+def stall_gap(settings: MasterSettings) -> float:
+    """The gap between expiry passes that counts as a stall of the master: short enough
+    that a stall just under it leaves a node most of its deadline (at most half of
+    dead_after_s), long enough that passes a little late never count (three intervals)."""
+    return max(3 * settings.expire_interval_s, min(settings.stall_gap_s, settings.dead_after_s / 2))
+
+
+class MetadataService:
+    """Handles metadata requests; see `kvfs.wire.messages` for the protocol. Cluster
+    membership (registration, heartbeats, node death, watched directories) is a
+    collaborator it owns, `self.members` (kvfs.cluster.membership)."""
 
     def __init__(self, clock: Clock, policy: EvictionPolicy, settings: MasterSettings = MasterSettings()) -> None:
         self.clock = clock
@@ -71,7 +85,9 @@ class MetadataService(Membership):
         # when the file was closed (sealed), None while it is still being written.
         self._unpublished: dict[int, float | None] = {}
         self._caller = LOCAL_NODE  # the node whose request is being handled
-        self._opens: dict[int, dict[tuple[int, bool], int]] = {}  # node -> (version, writer) -> handles
+        self.opens = OpenHandles()
+        self.liveness = Liveness(self.registry, stall_gap(settings))
+        self.members = Membership(clock, self.ns, self.objects, self.registry, self.opens, self.liveness, self)
         self._removed_names: list[tuple[int, bytes, int]] = []  # for the other nodes' kernels to forget
         # Unlinked inode -> (its version, still readable; the node whose kernel holds it).
         self._lingering: dict[int, tuple[int, int]] = {}
@@ -101,17 +117,17 @@ class MetadataService(Membership):
             m.Offloaded: self._offloaded,
             m.GetRecord: self._get_record,
             m.Lost: self._lost,
-            m.Restore: self._restore,
+            m.Restore: self.restore,
             m.CollectOrphans: self._collect_orphans,
             m.Stats: self._stats,
-            m.Register: self._register,
-            m.Report: self._report,
-            m.FinishRegistration: self._finish_registration,
-            m.Heartbeat: self._heartbeat,
-            m.ClusterStatus: self._cluster_status,
-            m.WatchNames: self._watch_names,
-            m.Unwatch: self._unwatch,
-            m.RemoveNode: self._remove_node,
+            m.Register: self.members.register,
+            m.Report: lambda req: self.members.report(req, self._caller),
+            m.FinishRegistration: lambda req: self.members.finish_registration(req, self._caller),
+            m.Heartbeat: lambda req: self.members.heartbeat(req, self._caller),
+            m.ClusterStatus: self.members.cluster_status,
+            m.WatchNames: lambda req: self.members.watch_names(req, self._caller),
+            m.Unwatch: lambda req: self.members.unwatch(req, self._caller),
+            m.RemoveNode: self.members.remove_node,
             m.DirUsage: self._dir_usage,
         }
         self.usage = DirectoryUsage()
@@ -131,8 +147,16 @@ class MetadataService(Membership):
             if others and isinstance(getattr(response, "dropped", None), list):
                 response.dropped = [v for v in response.dropped if v not in others]  # theirs, not the caller's
         finally:
-            self._route_outcomes()
+            self.route_outcomes(caller)
         return response
+
+    def expire_nodes(self) -> list[int]:
+        """Declares nodes that stopped heartbeating dead; returns their ids (called periodically)."""
+        return self.members.expire_nodes()
+
+    def take_notifications(self, node_id: int) -> list[m.NameChange]:
+        """The name changes queued for a node's copies of watched directories."""
+        return self.members.take_notifications(node_id)
 
     def load(self, inodes: list[Inode], versions: list[FileVersion], next_ino: int, next_entry_id: int,
              next_version: int, nodes: list[tuple[int, str, str]]) -> None:
@@ -157,12 +181,12 @@ class MetadataService(Membership):
                 self._identify(inode)
                 self.policy.insert(inode.ino, version.size, now)
 
-    def _route_outcomes(self) -> None:
+    def route_outcomes(self, caller: int) -> None:
         log = self.objects.dropped_log
         if log:
             for version in log:
                 node = self.registry.nodes.get(version.node)
-                if node is not None and version.node != self._caller and (node.live or node.registering):
+                if node is not None and version.node != caller and (node.live or node.registering):
                     node.outbox_dropped.append(version.version)
             log.clear()
         if self.ns.changes:
@@ -175,7 +199,7 @@ class MetadataService(Membership):
             self.ns.changes.clear()
         if self._removed_names:
             for node in self.registry.nodes.values():
-                if node.live and node.node_id != self._caller:
+                if node.live and node.node_id != caller:
                     node.outbox_forget.extend(self._removed_names)
             self._removed_names.clear()
 
@@ -242,16 +266,10 @@ class MetadataService(Membership):
         inode = self.ns.lookup(parent, name)
         if inode is not None and self._visible(inode) is None:
             dropped: list[int] = []
-            self._remove_file(inode, self.clock.wall_ns(), dropped)
+            self.remove_file(inode, self.clock.wall_ns(), dropped)
 
     def _count_open(self, version: int, writer: bool, delta: int) -> None:
-        opens = self._opens.setdefault(self._caller, {})
-        key = (version, writer)
-        count = opens.get(key, 0) + delta
-        if count > 0:
-            opens[key] = count
-        else:
-            opens.pop(key, None)
+        self.opens.count(self._caller, version, writer, delta)
 
     def _file(self, ino: int) -> Inode:
         inode = self.ns.get(ino)
@@ -297,12 +315,12 @@ class MetadataService(Membership):
         if inode.linked and not self._is_temp(inode.name):
             self.policy.identify(inode.ino, name_identity(inode.parent, inode.name))
 
-    def _admit(self, inode: Inode, size: int) -> None:
+    def admit(self, inode: Inode, size: int) -> None:
         """A sealed, current file becomes evictable."""
         self._identify(inode)
         self.policy.insert(inode.ino, size, self.clock.monotonic())
 
-    def _remove_file(self, inode: Inode, now: int, dropped: list[int], linger: bool = False) -> None:
+    def remove_file(self, inode: Inode, now: int, dropped: list[int], linger: bool = False) -> None:
         """Takes a file out of the namespace; its bytes go once nobody has them open.
 
         With `linger` (a rename over the file; not unlink or eviction, whose space must be
@@ -323,7 +341,7 @@ class MetadataService(Membership):
             self._lingering[inode.ino] = (version.version, self._caller)
         self.objects.retire(version, dropped)
 
-    def _unhold(self, ino: int, node: int, dropped: list[int]) -> None:
+    def unhold(self, ino: int, node: int, dropped: list[int]) -> None:
         """The node's kernel forgot an unlinked inode: the bytes that lingered for it go."""
         held = self._lingering.get(ino)
         if held is None or held[1] != node:
@@ -428,7 +446,7 @@ class MetadataService(Membership):
         if inode.is_dir:
             raise MetadataError(errno.EISDIR, f"{req.name!r} in directory {req.parent} is a directory")
         dropped: list[int] = []
-        self._remove_file(inode, self.clock.wall_ns(), dropped)
+        self.remove_file(inode, self.clock.wall_ns(), dropped)
         return m.Done(dropped)
 
     def _rmdir(self, req: m.RmDir) -> m.Done:
@@ -468,7 +486,7 @@ class MetadataService(Membership):
                 self._removed_names.append((target.parent, target.name, target.ino))
                 self.ns.unlink(target, now)
             else:
-                self._remove_file(target, now, dropped, linger=True)
+                self.remove_file(target, now, dropped, linger=True)
         self._removed_names.append((source.parent, source.name, source.ino))
         self._unpublished.pop(source.ino, None)  # renamed: published
         self.ns.detach(source, now)
@@ -502,7 +520,7 @@ class MetadataService(Membership):
             inode = self.ns.inodes.get(ino)
             if inode is not None and ino != ROOT_INO:
                 inode.refs &= ~(1 << self._caller)
-                self._unhold(ino, self._caller, dropped)
+                self.unhold(ino, self._caller, dropped)
                 self.ns.collect(inode)
         return m.Done(dropped)
 
@@ -564,7 +582,7 @@ class MetadataService(Membership):
     def _release(self, req: m.Release) -> m.Done:
         version = self.objects.versions.get(req.version)
         dropped: list[int] = []
-        if version is not None and self._opens.get(self._caller, {}).get((req.version, req.writer)):
+        if version is not None and self.opens.holds(self._caller, req.version, req.writer):
             self._count_open(req.version, req.writer, -1)
             self.objects.release(version, req.writer, dropped)
         return m.Done(dropped)
@@ -587,7 +605,7 @@ class MetadataService(Membership):
         if newly and version.current:
             self.changed(inode)
         if newly and version.current and inode.linked:
-            self._admit(inode, req.size)
+            self.admit(inode, req.size)
             if inode.ino in self._unpublished:
                 self._unpublished[inode.ino] = self.clock.monotonic()  # the grace runs from close
         return self.attr(inode)
@@ -705,7 +723,7 @@ class MetadataService(Membership):
         entries = []
         for inode in inodes:
             entries.append((inode.parent, inode.name, inode.ino))
-            self._remove_file(inode, now, dropped)
+            self.remove_file(inode, now, dropped)
         return m.Removed(dropped, entries, freed)
 
     def _offloaded(self, req: m.Offloaded) -> m.Done:
@@ -739,7 +757,7 @@ class MetadataService(Membership):
             return m.Removed(dropped, [], 0)
         return self._remove_files([inode], version.size)
 
-    def _restore(self, req: m.Restore) -> m.Restored:
+    def restore(self, req: m.Restore) -> m.Restored:
         record = req.record
         now = self.clock.wall_ns()
         directory = self.ns.inodes[ROOT_INO]
@@ -758,7 +776,7 @@ class MetadataService(Membership):
         if existing is not None:
             if not existing.is_file or existing.version > req.version:
                 return m.Restored(False, [req.version])
-            self._remove_file(existing, now, dropped)  # an older version of the same name
+            self.remove_file(existing, now, dropped)  # an older version of the same name
         inode = self.ns.new_inode(record.mode, record.uid, record.gid, record.mtime_ns, directory=False)
         inode.xattrs = dict(record.xattrs)
         version = self.objects.restore(req.version, inode.ino, req.node, record.size, req.checksums)
@@ -766,7 +784,7 @@ class MetadataService(Membership):
         self._link(directory, name, inode, now)
         inode.mtime_ns = inode.ctime_ns = record.mtime_ns
         self.ns.dirty.add(inode.ino)
-        self._admit(inode, record.size)
+        self.admit(inode, record.size)
         return m.Restored(True, dropped)
 
     def _dir_usage(self, req: m.DirUsage) -> m.DirUsageInfo:

@@ -1,58 +1,97 @@
 """Cluster membership in the metadata service (pure): registration, heartbeats, node death,
 watched directories, the cluster's status.
 
-A mixin of `kvfs.cluster.master.MetadataService`, kept apart because it is one concern:
-how nodes come, report what they hold, stay alive, and go. It uses the service's
-namespace, object directory, registry and policy.
+An object the service (`kvfs.cluster.master.MetadataService`) owns, kept apart because it
+is one concern: how nodes come, report what they hold, stay alive, and go. Its
+dependencies are explicit: the namespace, the object directory, the registry, the open
+handles, the clock, and the few file operations of the service it needs (`FileService`).
+The caller of each request is a parameter, never state.
+
+A node that goes down (declared dead, or registering again) loses its open handles
+and kernel references; its files stay in the namespace, hidden, until it registers
+again. Then it keeps every file of its own that nobody superseded meanwhile: only
+names a newer file took are dropped. (A node that really restarted without its
+memory reports less, and the rest goes when its registration finishes.)
 """
 
 from __future__ import annotations
 
 import errno
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from kvfs.clock import Clock
 from kvfs.wire import messages as m
-from kvfs.cluster.namespace import ROOT_INO
-from kvfs.cluster.objects import FileVersion
-from kvfs.cluster.registry import NodeRecord
+from kvfs.cluster.liveness import Liveness
+from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace
+from kvfs.cluster.objects import FileVersion, ObjectDirectory
+from kvfs.cluster.opens import OpenHandles
+from kvfs.cluster.registry import NodeRecord, Registry
 from kvfs.errors import MetadataError
-
-if TYPE_CHECKING:
-    from kvfs.cluster.master import MetadataService
-
-    _Base = MetadataService
-else:
-    _Base = object
 
 PAGE_BYTES = 640 << 10  # names and entries per WatchNames answer (a frame header holds 1 MiB)
 
 
-class Membership(_Base):
-    def _register(self, req: m.Register) -> m.Registered:
+class FileService(Protocol):
+    """The file operations of the metadata service that membership uses."""
+
+    def restore(self, req: m.Restore) -> m.Restored:
+        """Puts a version the master lost back in the namespace from its SSD record."""
+
+    def admit(self, inode: Inode, size: int) -> None:
+        """A sealed, current file becomes evictable."""
+
+    def remove_file(self, inode: Inode, now: int, dropped: list[int]) -> None:
+        """Takes a file out of the namespace."""
+
+    def changed(self, inode: Inode) -> None:
+        """A file's entry changed: watchers of its directory are told."""
+
+    def unhold(self, ino: int, node: int, dropped: list[int]) -> None:
+        """The node's kernel forgot an unlinked inode."""
+
+    def copy_entry(self, parent: int, name: bytes, node: int) -> m.Entry | None:
+        """The entry a node's copy of a directory may answer a lookup of `name` with."""
+
+    def route_outcomes(self, caller: int) -> None:
+        """Queues drops and name changes for the nodes they concern."""
+
+
+class Membership:
+    def __init__(self, clock: Clock, ns: Namespace, objects: ObjectDirectory, registry: Registry,
+                 opens: OpenHandles, liveness: Liveness, files: FileService) -> None:
+        self.clock = clock
+        self.liveness = liveness
+        self.ns = ns
+        self.objects = objects
+        self.registry = registry
+        self.opens = opens
+        self.files = files
+
+    def register(self, req: m.Register) -> m.Registered:
         """A node joins or rejoins. Whatever a previous incarnation held open or cached is
         released now; its files stay hidden until it has reported what it still holds."""
         node = self.registry.nodes.get(self.registry.by_name.get(req.name, 0))
         if node is not None and (node.live or node.registering):
-            self._node_down(node, forget_dram=False)
+            self._node_down(node)
         node = self.registry.register(req.name, req.address, self.clock.monotonic())
         return m.Registered(node.node_id)
 
-    def _registering(self) -> NodeRecord:
-        node = self.registry.nodes.get(self._caller)
+    def _registering(self, caller: int) -> NodeRecord:
+        node = self.registry.nodes.get(caller)
         if node is None or not node.registering:
-            raise MetadataError(errno.EPROTO, f"node {self._caller} is not registering")
+            raise MetadataError(errno.EPROTO, f"node {caller} is not registering")
         return node
 
-    def _report(self, req: m.Report) -> m.Reported:
+    def report(self, req: m.Report, caller: int) -> m.Reported:
         """Reconciles the versions a registering node holds with the directory."""
-        node = self._registering()
+        node = self._registering(caller)
         node.last_seen = self.clock.monotonic()
         dropped: list[int] = []
         for held in req.held:
             version = self.objects.versions.get(held.version)
             if version is None:
                 if held.record is not None and held.sealed and held.on_disk:  # a file the master lost
-                    restored = self._restore(m.Restore(held.version, node.node_id, held.record, held.checksums))
+                    restored = self.files.restore(m.Restore(held.version, node.node_id, held.record, held.checksums))
                     dropped.extend(restored.dropped)
                     if restored.kept:
                         node.reported.add(held.version)
@@ -70,7 +109,7 @@ class Membership(_Base):
                     inode.mtime_ns = inode.ctime_ns = held.mtime_ns
                     self.ns.dirty.add(inode.ino)
                     if version.current and inode.linked:
-                        self._admit(inode, held.size)
+                        self.files.admit(inode, held.size)
             if held.on_disk != version.on_disk:
                 version.on_disk = held.on_disk
                 self.objects.dirty.add(version.version)
@@ -78,16 +117,16 @@ class Membership(_Base):
             version = self.objects.versions.get(version_id)
             if version is None or count <= 0:
                 continue
-            self._count_open(version_id, writer, count)
+            self.opens.count(node.node_id, version_id, writer, count)
             if writer:
                 version.writers += count
             else:
                 version.readers += count
         return m.Reported(sorted(set(dropped)))
 
-    def _finish_registration(self, req: m.FinishRegistration) -> m.Done:
+    def finish_registration(self, req: m.FinishRegistration, caller: int) -> m.Done:
         """Versions of this node it did not report are gone: their files leave the namespace."""
-        node = self._registering()
+        node = self._registering(caller)
         gone = [version for version in self.objects.versions.values()
                 if version.node == node.node_id and version.version not in node.reported]
         self._forget_versions(gone)
@@ -106,16 +145,16 @@ class Membership(_Base):
         for version in versions:
             inode = self.ns.inodes.get(version.ino)
             if version.current and inode is not None and inode.linked and inode.version == version.version:
-                self._remove_file(inode, now, dropped)
+                self.files.remove_file(inode, now, dropped)
             if version.version in self.objects.versions:  # retired but held open before
                 version.current = False
                 version.readers = version.writers = 0
                 self.objects.forget(version)
 
-    def _heartbeat(self, req: m.Heartbeat) -> m.Beat:
-        node = self.registry.nodes.get(self._caller)
+    def heartbeat(self, req: m.Heartbeat, caller: int) -> m.Beat:
+        node = self.registry.nodes.get(caller)
         if node is None or not node.live:
-            raise MetadataError(errno.ESTALE, f"node {self._caller} is not registered (declared dead?)")
+            raise MetadataError(errno.ESTALE, f"node {caller} is not registered (declared dead?)")
         node.last_seen = self.clock.monotonic()
         node.usage.dram_capacity, node.usage.dram_used = req.dram_capacity, req.dram_used
         node.usage.ssd_capacity, node.usage.ssd_used = req.ssd_capacity, req.ssd_used
@@ -127,21 +166,21 @@ class Membership(_Base):
 
     def expire_nodes(self) -> list[int]:
         """Declares nodes that stopped heartbeating dead; returns their ids (called periodically)."""
-        dead = self.registry.expired(self.clock.monotonic())
+        dead = self.liveness.expired(self.clock.monotonic())
         for node in dead:
-            self._caller = 0
-            self._node_down(node, forget_dram=True)
-            self._route_outcomes()
+            self._node_down(node)
+            self.files.route_outcomes(0)
         return [node.node_id for node in dead]
 
-    def _node_down(self, node: NodeRecord, forget_dram: bool) -> None:
+    def _node_down(self, node: NodeRecord) -> None:
         """The node is gone (dead, or restarting): its open handles and kernel references
-        go; with `forget_dram` so do the files whose only copy was in its memory, while
-        its files on SSD stay, hidden, until it registers again."""
+        go. Its files stay, hidden, until it registers again, those only in its memory
+        too: a node declared dead may well be alive (partitioned, or the master was the
+        one that stalled), and what it still holds it reports, and keeps."""
         node.live = node.registering = False
         node.outbox_dropped, node.outbox_forget = [], []
         dropped: list[int] = []
-        for (version_id, writer), count in self._opens.pop(node.node_id, {}).items():
+        for (version_id, writer), count in self.opens.take(node.node_id).items():
             version = self.objects.versions.get(version_id)
             if version is not None:
                 for _ in range(count):
@@ -152,21 +191,18 @@ class Membership(_Base):
             inode.watchers &= ~bit
             version = self.objects.versions.get(inode.version) if inode.version else None
             if version is not None and version.node == node.node_id:
-                self.changed(inode)  # hidden now: copies of its directory must ask the master
+                self.files.changed(inode)  # hidden now: copies of its directory must ask the master
             if inode.refs & bit and inode.ino != ROOT_INO:
                 inode.refs &= ~bit
-                self._unhold(inode.ino, node.node_id, dropped)
+                self.files.unhold(inode.ino, node.node_id, dropped)
                 self.ns.collect(inode)
-        if forget_dram:
-            self._forget_versions([version for version in self.objects.versions.values()
-                                   if version.node == node.node_id and (not version.on_disk or not version.sealed)])
 
-    def _watch_names(self, req: m.WatchNames) -> m.Names:
+    def watch_names(self, req: m.WatchNames, caller: int) -> m.Names:
         directory = self.ns.directory(req.ino)
         if req.start_id == 0:
             if len(directory.children) > req.limit:  # type: ignore[arg-type]
                 return m.Names([], False)
-            directory.watchers |= 1 << self._caller
+            directory.watchers |= 1 << caller
         # Every name, hidden files too (their entry says: ask the master); later pages may
         # also hold names added since the first, which the pushes report anyway.
         limit = max(1, min(req.page, 4096))
@@ -175,7 +211,7 @@ class Membership(_Base):
         entries: list[m.Entry | None] = []
         budget = PAGE_BYTES
         for name, _, _ in page:
-            entry = self.copy_entry(directory.ino, name, self._caller)
+            entry = self.files.copy_entry(directory.ino, name, caller)
             budget -= m.entry_bytes(name, entry)
             if budget < 0 and names:
                 break
@@ -185,11 +221,11 @@ class Membership(_Base):
         next_id = page[len(names) - 1][2] if full and names else 0
         return m.Names(names, True, next_id, entries)
 
-    def _unwatch(self, req: m.Unwatch) -> m.Done:
+    def unwatch(self, req: m.Unwatch, caller: int) -> m.Done:
         for ino in req.inos:
             inode = self.ns.inodes.get(ino)
             if inode is not None:
-                inode.watchers &= ~(1 << self._caller)
+                inode.watchers &= ~(1 << caller)
         return m.Done()
 
     def take_notifications(self, node_id: int) -> list[m.NameChange]:
@@ -199,7 +235,7 @@ class Membership(_Base):
         changes, node.outbox_names = node.outbox_names, []
         return changes
 
-    def _remove_node(self, req: m.RemoveNode) -> m.Removed:
+    def remove_node(self, req: m.RemoveNode) -> m.Removed:
         """Forgets a node that is down for good: its hidden files leave the namespace (their
         names are free again) and its name is unregistered. A live node cannot be removed."""
         node_id = self.registry.by_name.get(req.name)
@@ -218,7 +254,7 @@ class Membership(_Base):
         self.registry.dirty = True
         return m.Removed([], entries, freed)
 
-    def _cluster_status(self, req: m.ClusterStatus) -> m.ClusterInfo:
+    def cluster_status(self, req: m.ClusterStatus) -> m.ClusterInfo:
         now = self.clock.monotonic()
         counts: dict[int, list[int]] = {}
         for version in self.objects.versions.values():

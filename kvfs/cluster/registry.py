@@ -2,8 +2,9 @@
 
 A node registers under a stable name and keeps the same id across restarts (its
 SSD index refers to it). It is alive while it heartbeats; one that misses
-heartbeats for `dead_after_s` is declared dead by `expire`. After a master
-restart every known node starts out not alive until it registers again.
+heartbeats for `dead_after_s` is declared dead (`expired`, asked by
+kvfs.cluster.liveness, which first rules out the master's own stalls). After a
+master restart every known node starts out not alive until it registers again.
 """
 
 from __future__ import annotations

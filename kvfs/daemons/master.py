@@ -2,7 +2,8 @@
 
 Every request is answered by the pure `MetadataService` and what it changed is
 written to lmdb before the answer goes out. A timer declares nodes that stopped
-heartbeating dead; another syncs the state to disk.
+heartbeating dead (a gap in that timer's own passes is the master's stall, which
+convicts nobody: kvfs.cluster.liveness); another syncs the state to disk.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from kvfs.metrics.exporter import serve_metrics
 from kvfs.histogram import OperationStats
 from kvfs.metrics.master import MasterMetrics
 from kvfs.policy import DEFAULT_POLICY, make_policy
+from kvfs.progress import Every
 
 log = logging.getLogger("kvfs.master")
 
-EXPIRE_INTERVAL_S = 0.25
-SYNC_INTERVAL_S = 1.0
+SYNC_INTERVAL_S = 1.0  # also how often a failed save is tried again
+SLOW_SAVE_S = 0.05  # a save (on the request loop) slower than this is logged
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,9 @@ class MasterProcess:
         log.info("loaded %d files, %d nodes from %s in %.2f s", files, len(self.service.registry.nodes),
                  config.data_dir, time.monotonic() - started)
         self.requests = OperationStats()  # by request type, handling and saving to lmdb
+        self.save_failures = 0  # failed saves in a row; the changes stay dirty meanwhile
+        self.slow_saves = 0
+        self._slow_save_log = Every(10.0)
         self.server = MetadataServer(self.handle, config.secret, self.service)
 
     def handle(self, request: m.Request, caller: int) -> Any:
@@ -69,7 +74,32 @@ class MasterProcess:
         try:
             return self.service.handle(request, caller)
         finally:  # before the answer leaves: an acknowledged change is never forgotten
+            if not self.save_failures:  # else the timer tries again, not every request
+                self.save(type(request).__name__)
+
+    def save(self, cause: str) -> bool:
+        """Writes what changed since the last save (a few entries per request: fast).
+        A failure keeps every change dirty, so memory is never silently ahead of the disk:
+        it is logged, tried again every SYNC_INTERVAL_S, and its end logged too."""
+        started = time.monotonic()
+        try:
             self.state.save(self.service)
+        except Exception as error:  # lmdb.Error, OSError: a full map or disk, an I/O error
+            self.save_failures += 1
+            if self.save_failures == 1:
+                log.error("saving the master state in %s failed (%s): %r; the changes stay in memory and are "
+                          "saved again every %.0f s", self.config.data_dir, cause, error, SYNC_INTERVAL_S)
+            return False
+        elapsed = time.monotonic() - started
+        if self.save_failures:
+            log.warning("saved the master state again after %d failed attempts", self.save_failures)
+            self.save_failures = 0
+        if elapsed > SLOW_SAVE_S:
+            self.slow_saves += 1
+            if self._slow_save_log.due():
+                log.warning("saving the master state (%s) took %.0f ms; %d slow saves so far", cause,
+                            elapsed * 1000, self.slow_saves)
+        return True
 
     async def run(self, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         host, port = split_address(self.config.listen)
@@ -92,17 +122,24 @@ class MasterProcess:
                 systemd.notify("STOPPING=1")
                 nursery.cancel_scope.cancel()
         finally:
-            self.state.save(self.service)
+            if not self.save("stop"):
+                log.error("stopping with changes not saved in %s", self.config.data_dir)
             self.state.close()
 
     async def _expire_forever(self) -> None:
         while True:
-            await trio.sleep(EXPIRE_INTERVAL_S)
+            await trio.sleep(self.service.settings.expire_interval_s)
             try:
-                for node_id in self.service.expire_nodes():
+                stalls = self.service.liveness.stalls
+                dead = self.service.expire_nodes()
+                if self.service.liveness.stalls != stalls:
+                    log.warning("the master stalled for %.1f s (paused, or a slow save): every node gets a fresh "
+                                "%.1f s grace before it can be declared dead", self.service.liveness.last_stall_s,
+                                self.config.dead_after_s)
+                for node_id in dead:
                     node = self.service.registry.nodes[node_id]
                     log.warning("node %d (%s) stopped heartbeating: declared dead", node_id, node.name)
-                self.state.save(self.service)
+                self.save("expiry")
                 self.server.wake_pushers()
             except Exception:  # a bug here must not stop the master serving
                 log.exception("declaring silent nodes dead failed")
@@ -110,4 +147,9 @@ class MasterProcess:
     async def _sync_forever(self) -> None:
         while True:
             await trio.sleep(SYNC_INTERVAL_S)
-            await trio.to_thread.run_sync(self.state.sync)
+            if not self.save("timer"):  # after a failure: the retry
+                continue
+            try:
+                await trio.to_thread.run_sync(self.state.sync)  # off the loop: an fsync may take seconds
+            except Exception as error:  # logged; the next tick syncs again
+                log.error("syncing the master state in %s failed: %r", self.config.data_dir, error)
