@@ -32,6 +32,14 @@ class Handlers:
         raise ValueError("a programming error")
 
     @fuse_handler
+    async def write(self, fh: int, offset: int, data: bytes) -> int:
+        raise OSError(errno.EIO, "the disk failed")
+
+    @fuse_handler
+    async def lookup(self, parent: int, name: bytes) -> int:
+        raise ValueError("a programming error")
+
+    @fuse_handler
     async def fine(self, ino: int) -> int:
         return ino * 2
 
@@ -59,3 +67,18 @@ def test_results_pass_through_and_are_counted_as_ok() -> None:
 def test_errno_of_unknown_errors_is_eio() -> None:
     assert errno_of(RuntimeError("x")) == errno.EIO
     assert errno_of(OSError("no errno")) == errno.EIO
+
+
+def test_a_failing_write_never_logs_the_files_bytes(caplog: pytest.LogCaptureFixture) -> None:
+    handlers = Handlers()
+    with pytest.raises(pyfuse3.FUSEError):
+        trio.run(handlers.write, 3, 4096, b"SECRET-KV-BYTES")
+    assert "write(3, 4096, <15 bytes>) failed: [Errno 5] the disk failed" in caplog.text
+    assert "SECRET" not in caplog.text
+
+
+def test_a_name_in_a_log_line_is_escaped(caplog: pytest.LogCaptureFixture) -> None:
+    handlers = Handlers()
+    with pytest.raises(pyfuse3.FUSEError):
+        trio.run(handlers.lookup, 1, b"evil\nkvfs.master: forged line")
+    assert "lookup(1, b'evil\\nkvfs.master: forged line') failed" in caplog.text

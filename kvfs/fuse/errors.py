@@ -26,6 +26,10 @@ ROUTINE_ERRNOS = frozenset({errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY, errno.E
 
 Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
 
+# Arguments that are a file's bytes or an attribute's value, by handler and position: a log
+# line shows their length only (names and numbers are shown; contents never are).
+CONTENT_ARGUMENTS = {"write": 2, "setxattr": 2}
+
 
 def fuse_handler(method: Handler) -> Handler:
     """Wraps a request handler so that every failure becomes a FUSEError with a log line,
@@ -46,11 +50,11 @@ def fuse_handler(method: Handler) -> Handler:
         except (KvfsError, OSError) as error:
             code = errno_of(error)
             level = logging.DEBUG if code in ROUTINE_ERRNOS else logging.WARNING
-            log.log(level, "%s%s failed: %s", name, _describe(args), error)
+            log.log(level, "%s%s failed: %s", name, _describe(name, args), error)
             raise pyfuse3.FUSEError(code) from None
         except Exception:
             code = errno.EIO
-            log.exception("%s%s failed with an unexpected error; replying EIO", name, _describe(args))
+            log.exception("%s%s failed with an unexpected error; replying EIO", name, _describe(name, args))
             raise pyfuse3.FUSEError(errno.EIO) from None
         finally:
             self.operation_stats.record(name, code, time.perf_counter() - started)
@@ -58,7 +62,16 @@ def fuse_handler(method: Handler) -> Handler:
     return wrapper  # type: ignore[return-value]
 
 
-def _describe(args: tuple[Any, ...]) -> str:
-    shown = [a for a in args if isinstance(a, (int, bytes)) and not isinstance(a, bool)]
-    return "(" + ", ".join(repr(a) if isinstance(a, bytes) and len(a) <= 300 else str(a) if isinstance(a, int)
-                           else f"<{len(a)} bytes>" for a in shown[:4]) + ")"
+def _describe(name: str, args: tuple[Any, ...]) -> str:
+    content = CONTENT_ARGUMENTS.get(name)
+    shown = []
+    for position, arg in enumerate(args):
+        if isinstance(arg, bool) or not isinstance(arg, (int, bytes, memoryview)):
+            continue
+        if isinstance(arg, int):
+            shown.append(str(arg))
+        elif position == content or len(arg) > 300:
+            shown.append(f"<{len(arg)} bytes>")
+        else:
+            shown.append(repr(bytes(arg)))  # a name: escaped, so it cannot forge a log line
+    return "(" + ", ".join(shown[:4]) + ")"
