@@ -23,8 +23,6 @@ FORBIDDEN_IN_PURE = {"trio", "socket", "pyfuse3"}
 KNOWN_MODULE_CYCLES: set[frozenset[str]] = {
     # MetadataService and its membership mixin: the mixin is to become a composed collaborator.
     frozenset({"kvfs.cluster.master", "kvfs.cluster.membership"}),
-    # Node and its membership mixin: the same, on the node side.
-    frozenset({"kvfs.node.service", "kvfs.node.membership"}),
 }
 KNOWN_PACKAGE_CYCLES: set[frozenset[str]] = set()
 

@@ -37,7 +37,7 @@ from kvfs.net.transport import Transport
 from kvfs.config import format_size
 from kvfs.disk.records import DiskRecord
 from kvfs.errors import KvfsError, StorageError
-from kvfs.node.membership import NodeMembership, to_disk_file, to_file_record
+from kvfs.node.membership import Membership, to_disk_file, to_file_record
 from kvfs.store.evictions import EvictionSummary
 from kvfs.store.faults import STORAGE_ERRORS
 from kvfs.store.tiered import ReadSource, TieredStore
@@ -91,8 +91,8 @@ REMOTE_STREAMS = 2  # parallel chunk runs per remote file
 TIERS = ("dram", "ssd", "peer")  # where a reader is served from (ReadSource.tier)
 
 
-class Node(NodeMembership):
-    """The POSIX file service of one node (its part in a cluster: `kvfs.node.membership`)."""
+class Node:
+    """The POSIX file service of one node (its part in a cluster: `self.membership`)."""
 
     def __init__(self, master: MasterClient, store: TieredStore, clock: Clock, node_id: int = 1,
                  forget_entries: Callable[[list[tuple[int, bytes, int]]], None] = lambda entries: None,
@@ -112,14 +112,12 @@ class Node(NodeMembership):
         # Copies of directories' names, for misses without the master (cluster mode).
         self.dircache = DirectoryCache(DIRECTORY_CACHE_NAMES) if transport is not None else None
         self.prefetches = Prefetches(store, clock.monotonic) if transport is not None else None
-        self._fetching: dict[int, list[m.NameChange]] = {}
         self._writing: dict[int, WriteState] = {}
         self._cached_version: dict[int, int] = {}  # ino -> version the kernel page cache holds
         # Files stored here, for reads while the master is unreachable: ino -> (version, last attributes).
         self._local: dict[int, tuple[int, m.Attr]] = {}
         self._local_inos: dict[int, int] = {}  # version -> ino, the reverse of _local
         self._opens: dict[tuple[int, bool], int] = {}  # (version, writer) -> open handles (reported on registration)
-        self._unreported_seals: dict[int, int] = {}  # version -> mtime of seals the master did not confirm
         self._dir_attrs: dict[int, m.Attr] = {}  # last known directory attributes (for a master outage)
         self.evicted_files = 0
         self.evictions = EvictionSummary()  # logged at INFO, at most every few seconds
@@ -132,6 +130,13 @@ class Node(NodeMembership):
         self.reader_opens = dict.fromkeys(TIERS, 0)
         self.served_bytes = dict.fromkeys(TIERS, 0)
         self.written_bytes = 0
+        # Registration, heartbeats and the directory copies' fetches and pushes.
+        self.membership = Membership(master, store, self.dircache, self)
+
+    def use_master(self, master: MasterClient) -> None:
+        """Cluster mode: the link to the master process replaces the embedded one (every
+        later call, the membership's too, goes over it)."""
+        self.master = self.membership.master = master
 
     @property
     def chunk_size(self) -> int:
@@ -161,7 +166,7 @@ class Node(NodeMembership):
                 return self._found(copied, copy.copy(copied.attr))  # (_current may change the copy it gets)
         entry = await self.master.call(m.Lookup(parent, name))
         if self.dircache is not None and self.dircache.asked(parent):
-            await self._copy_directory(parent)
+            await self.membership.copy_directory(parent)
         attr = entry.attr
         if attr is None:
             self.lookups_absent += 1
@@ -253,7 +258,7 @@ class Node(NodeMembership):
         return (await self.master.call(m.ReadLink(ino))).target
 
     async def unlink(self, parent: int, name: bytes) -> None:
-        self._drop((await self.master.call(m.Unlink(parent, name))).dropped)
+        self.drop((await self.master.call(m.Unlink(parent, name))).dropped)
         self._renamed(parent, name)
 
     async def rmdir(self, parent: int, name: bytes) -> None:
@@ -262,7 +267,7 @@ class Node(NodeMembership):
     async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes, noreplace: bool) -> None:
         done = await self.master.call(m.Rename(parent_old, name_old, parent_new, name_new, noreplace))
         self._renamed(parent_old, name_old, parent_new, name_new)
-        self._drop(done.dropped)
+        self.drop(done.dropped)
         for version in done.relocated:  # before replying: a crash must not resurrect the old name
             await self.store.refresh_record(version)
 
@@ -284,7 +289,7 @@ class Node(NodeMembership):
         for ino in inos:
             self._cached_version.pop(ino, None)
             self._kernel_versions.pop(ino, None)
-        self._drop((await self.master.call(m.Forget(inos))).dropped)  # bytes of unlinked files that lingered
+        self.drop((await self.master.call(m.Forget(inos))).dropped)  # bytes of unlinked files that lingered
 
     # Files ---------------------------------------------------------------------------------
 
@@ -303,7 +308,7 @@ class Node(NodeMembership):
             try:
                 source = await self._open_source(opened)
             except BaseException:  # (a corrupt first chunk's file is dropped here, its reader gone)
-                self._drop((await self.master.call(m.Release(opened.version, writer=False))).dropped)
+                self.drop((await self.master.call(m.Release(opened.version, writer=False))).dropped)
                 raise
             self._count_open(opened.version, False, 1)
             self.reader_opens[source.tier] += 1
@@ -379,6 +384,14 @@ class Node(NodeMembership):
         self._local[ino] = (version, attr)
         self._local_inos[version] = ino
 
+    def open_counts(self) -> list[tuple[int, bool, int]]:
+        """(version, writer, handles) of every handle open here, for a registration."""
+        return [(version, writer, count) for (version, writer), count in self._opens.items()]
+
+    def writing(self) -> list[m.Held]:
+        """The versions being written here, for a registration."""
+        return [m.Held(version, state.size, False, False, state.mtime_ns) for version, state in self._writing.items()]
+
     def _count_open(self, version: int, writer: bool, delta: int) -> None:
         key = (version, writer)
         count = self._opens.get(key, 0) + delta
@@ -391,7 +404,7 @@ class Node(NodeMembership):
         return await self._start_writing(await self.master.call(m.OpenWrite(ino, self.node_id, truncate)), truncate)
 
     async def _start_writing(self, opened: m.Opened, truncate: bool) -> OpenFile:
-        self._drop(opened.dropped)
+        self.drop(opened.dropped)
         version = opened.version
         self._count_open(version, True, 1)
         state = self._writing.get(version)
@@ -414,7 +427,7 @@ class Node(NodeMembership):
                     state.size = opened.copy_size
                 finally:
                     self._count_open(opened.copy_from, False, -1)
-                    self._drop((await self.master.call(m.Release(opened.copy_from, writer=False))).dropped)
+                    self.drop((await self.master.call(m.Release(opened.copy_from, writer=False))).dropped)
         return OpenFile(opened.attr.ino, version, True, 0)
 
     def size_of(self, handle: OpenFile) -> int:
@@ -486,14 +499,14 @@ class Node(NodeMembership):
         del self._writing[handle.version]  # the last writer is done: the bytes are final
         checksums = self.store.seal(handle.version, state.size)
         # Until the master confirms, a registration reports the seal (with its mtime) itself.
-        self._unreported_seals[handle.version] = state.mtime_ns
+        self.membership.unreported_seals[handle.version] = state.mtime_ns
         try:
             attr = await self.master.call(m.Seal(handle.version, state.size, state.mtime_ns, checksums,
                                                  state.ctime_ns))
         except MasterUnavailable:
             log.warning("inode %d: the master is unreachable; its seal is reported on reconnection", handle.ino)
             return
-        self._unreported_seals.pop(handle.version, None)
+        self.membership.unreported_seals.pop(handle.version, None)
         self._remember_local(handle.ino, handle.version, attr)
 
     async def release(self, handle: OpenFile) -> None:
@@ -506,7 +519,7 @@ class Node(NodeMembership):
         finally:  # the reference goes even if sealing failed, or the version would leak
             if handle.leased:
                 try:
-                    self._drop((await self.master.call(m.Release(handle.version, handle.writable))).dropped)
+                    self.drop((await self.master.call(m.Release(handle.version, handle.writable))).dropped)
                 except MasterUnavailable:
                     pass  # a new registration reports only the handles still open
 
@@ -598,14 +611,15 @@ class Node(NodeMembership):
         return len(removed.entries)
 
     def _apply_removed(self, removed: m.Removed) -> None:
-        self._drop(removed.dropped)
+        self.drop(removed.dropped)
         if removed.entries:
             self.forget_entries(removed.entries)
 
-    def _drop(self, versions: Iterable[int]) -> None:
+    def drop(self, versions: Iterable[int]) -> None:
+        """Frees versions the master no longer knows (or never will again)."""
         for version in versions:
             self.store.drop(version)
-            self._unreported_seals.pop(version, None)
+            self.membership.unreported_seals.pop(version, None)
             ino = self._local_inos.pop(version, None)
             if ino is not None:
                 del self._local[ino]
