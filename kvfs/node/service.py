@@ -63,8 +63,6 @@ class OpenFile:
     size: int  # the size of a sealed version (versions being written track theirs in WriteState)
     source: ReadSource | None = None  # where a reader's bytes come from
     leased: bool = True  # the master counts this handle (not when opened while it was unreachable)
-    finished: bool = False  # a writer whose part is done (sealed at close in cluster mode)
-    reopening: trio.Event | None = None  # set when a finished writer's new version is ready
 
 
 @dataclass(slots=True)
@@ -88,6 +86,9 @@ class NodeStats:
 DIR_ATTR_CACHE = 65536
 DIRECTORY_CACHE_NAMES = 1_000_000  # names of watched directories kept per node (~300 B each with entries)
 REMOTE_STREAMS = 2  # parallel chunk runs per remote file
+PEER_BUDGET_S = 3.0  # an open of another node's file tries that long, then fails with EIO
+RETRY_PAUSE_S = 0.05  # the first pause before asking the master and the owner again (doubling)
+SEAL_WAIT_S = 2.0  # the longest an open waits for another node's writer to seal a file it closed
 TIERS = ("dram", "ssd", "peer")  # where a reader is served from (ReadSource.tier)
 
 
@@ -118,6 +119,8 @@ class Node:
         self._local: dict[int, tuple[int, m.Attr]] = {}
         self._local_inos: dict[int, int] = {}  # version -> ino, the reverse of _local
         self._opens: dict[tuple[int, bool], int] = {}  # (version, writer) -> open handles (reported on registration)
+        # Readers of versions still being written here: their size is the seal's once it comes.
+        self._early_readers: dict[int, list[OpenFile]] = {}
         self._dir_attrs: dict[int, m.Attr] = {}  # last known directory attributes (for a master outage)
         self.evicted_files = 0
         self.evictions = EvictionSummary()  # logged at INFO, at most every few seconds
@@ -222,7 +225,6 @@ class Node:
     async def _truncate(self, ino: int, size: int, handle: OpenFile | None) -> None:
         self._check_file_size(size)
         if handle is not None and handle.writable:
-            await self._writable(handle)
             self._resize(handle.version, size)
             return
         # A path truncate is a short write session: copy-on-write, resize, seal.
@@ -249,35 +251,39 @@ class Node:
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> m.Attr:
         attr = await self.master.call(m.MkDir(parent, name, mode, uid, gid))
         self._remember_dir(attr)
+        self._own_change(parent, name, present=True)
         return attr
 
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> m.Attr:
-        return await self.master.call(m.Symlink(parent, name, target, uid, gid))
+        attr = await self.master.call(m.Symlink(parent, name, target, uid, gid))
+        self._own_change(parent, name, present=True)
+        return attr
 
     async def readlink(self, ino: int) -> bytes:
         return (await self.master.call(m.ReadLink(ino))).target
 
     async def unlink(self, parent: int, name: bytes) -> None:
         self.drop((await self.master.call(m.Unlink(parent, name))).dropped)
-        self._renamed(parent, name)
+        self._own_change(parent, name, present=False)
 
     async def rmdir(self, parent: int, name: bytes) -> None:
         await self.master.call(m.RmDir(parent, name))
+        self._own_change(parent, name, present=False)
 
     async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes, noreplace: bool) -> None:
         done = await self.master.call(m.Rename(parent_old, name_old, parent_new, name_new, noreplace))
-        self._renamed(parent_old, name_old, parent_new, name_new)
+        self._own_change(parent_old, name_old, present=False)
+        self._own_change(parent_new, name_new, present=True)
         self.drop(done.dropped)
         for version in done.relocated:  # before replying: a crash must not resurrect the old name
             await self.store.refresh_record(version)
 
-    def _renamed(self, parent_old: int, name_old: bytes, parent_new: int = 0, name_new: bytes = b"") -> None:
-        """This node's own change, in its directory copies at once (the master's push of it
-        follows, with the new entry): a copy never answers with the entry a name had before."""
-        if self.dircache is not None:
-            self.dircache.removed(parent_old, name_old)
-            if parent_new:
-                self.dircache.added(parent_new, name_new, None)
+    def _own_change(self, parent: int, name: bytes, present: bool) -> None:
+        """This node's own change, in its directory copies before the reply (the master's
+        push of it follows, with the entry): the copy never answers a lookup with what a
+        name was before this node changed it (a new directory absent, a removed file there).
+        A name added is known only to exist until the push: lookups of it ask the master."""
+        self.membership.name_changed((parent, name, present, None))
 
     async def readdir(self, ino: int, start_id: int, limit: int) -> list[m.DirEntry]:
         entries = (await self.master.call(m.ReadDir(ino, start_id, limit))).entries
@@ -295,6 +301,7 @@ class Node:
 
     async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int, exclusive: bool) -> tuple[OpenFile, m.Attr]:
         opened = await self.master.call(m.Create(parent, name, mode, uid, gid, self.node_id, exclusive))
+        self._own_change(parent, name, present=True)
         handle = await self._start_writing(opened, truncate=False)
         return handle, self._current(opened.attr)
 
@@ -302,17 +309,14 @@ class Node:
         """Opens a file; returns the handle and whether the kernel may keep its cached pages."""
         if flags & os.O_ACCMODE == os.O_RDONLY:
             try:
-                opened = await self.master.call(m.OpenRead(ino), wait_s=0)
+                opened, source = await self._open_reader(ino)
             except MasterUnavailable:
                 return await self._open_without_master(ino)
-            try:
-                source = await self._open_source(opened)
-            except BaseException:  # (a corrupt first chunk's file is dropped here, its reader gone)
-                self.drop((await self.master.call(m.Release(opened.version, writer=False))).dropped)
-                raise
             self._count_open(opened.version, False, 1)
             self.reader_opens[source.tier] += 1
             handle = OpenFile(ino, opened.version, False, opened.attr.size, source)
+            if opened.version in self._writing:
+                self._early_readers.setdefault(opened.version, []).append(handle)
             shown = (opened.version, opened.attr.size)
             if self.invalidate_attrs is not None and self._kernel_versions.get(ino, shown) != shown:
                 await self.invalidate_attrs(ino)  # the kernel re-reads the size before reading
@@ -328,7 +332,54 @@ class Node:
         self._cached_version.pop(ino, None)
         return await self._open_version(ino, truncate=bool(flags & os.O_TRUNC)), False
 
-    async def _open_source(self, opened: m.Opened) -> ReadSource:
+    async def _open_reader(self, ino: int) -> tuple[m.Opened, ReadSource]:
+        """A reader's version and where its bytes come from. When the node that stores them
+        does not answer (slow, a connection that failed), the master is asked again and the
+        node tried again within PEER_BUDGET_S, then the open fails with EIO: only the
+        master says that a file is absent (ENOENT), never a failed connection."""
+        deadline = trio.current_time() + PEER_BUDGET_S
+        pause = RETRY_PAUSE_S
+        while True:
+            opened = await self._open_read(ino)
+            remote = bool(opened.node) and opened.node != self.node_id
+            try:
+                return opened, await self._open_source(opened, deadline)
+            except StorageError as error:
+                self.drop((await self.master.call(m.Release(opened.version, writer=False))).dropped)
+                if not remote:
+                    raise
+                if trio.current_time() + pause >= deadline:
+                    raise StorageError(errno.EIO, f"inode {ino}: node {opened.node} ({opened.address}) did not "
+                                                  f"serve version {opened.version} within {PEER_BUDGET_S:g} s: "
+                                                  f"{error}") from None
+                log.debug("inode %d: node %d did not serve version %d (%s); asking again", ino, opened.node,
+                          opened.version, error)
+            except BaseException:  # (a corrupt first chunk's file is dropped here, its reader gone)
+                self.drop((await self.master.call(m.Release(opened.version, writer=False))).dropped)
+                raise
+            await trio.sleep(pause)
+            pause = min(2 * pause, 0.5)
+
+    async def _open_read(self, ino: int) -> m.Opened:
+        """The master's OpenRead. A version still being written on another node is waited
+        for, up to SEAL_WAIT_S: the kernel sends a writer's RELEASE, which seals the file,
+        only after close() returned, so the seal of a file just closed there may still be
+        on its way (close-to-open). A file written for longer reads as empty."""
+        opened = await self.master.call(m.OpenRead(ino), wait_s=0)
+        if opened.attr.sealed or not opened.node or opened.node == self.node_id:
+            return opened
+        self.drop((await self.master.call(m.Release(opened.version, writer=False))).dropped)
+        deadline = trio.current_time() + SEAL_WAIT_S
+        pause = 0.002
+        while trio.current_time() < deadline:
+            await trio.sleep(pause)
+            pause = min(2 * pause, 0.05)
+            attr = await self.master.call(m.GetAttr(ino))
+            if attr.sealed or attr.version != opened.version:
+                break
+        return await self.master.call(m.OpenRead(ino))
+
+    async def _open_source(self, opened: m.Opened, deadline: float) -> ReadSource:
         """Where a reader's bytes come from: this node's tiers, or the node that stores them
         (already on their way if the lookup started a prefetch of this version)."""
         if not opened.node or opened.node == self.node_id:
@@ -337,18 +388,29 @@ class Node:
         prefetched = self.prefetches.claim(opened.version) if self.prefetches is not None else None
         if prefetched is not None and opened.attr.sealed:
             try:
-                return await self.store.remote_answered(prefetched)
+                return await self._answered(prefetched, deadline)
             except StorageError as error:  # the owner refused it then; ask again now
                 log.debug("version %d: prefetch failed (%s); fetching again", opened.version, error)
         elif prefetched is not None:
             self.store.close_read(prefetched)
         size = opened.attr.size if opened.attr.sealed else 0  # close-to-open: nothing until sealed
-        return await self._open_remote(opened.version, size, opened.node, opened.address, opened.checksums)
+        return await self._open_remote(opened.version, size, opened.node, opened.address, opened.checksums,
+                                       deadline)
 
-    async def _open_remote(self, version: int, size: int, node: int, address: str, checksums: list[int]) -> ReadSource:
+    async def _open_remote(self, version: int, size: int, node: int, address: str, checksums: list[int],
+                           deadline: float | None = None) -> ReadSource:
         if self.transport is None:
-            raise StorageError(errno.ENOENT, f"version {version} is on node {node} and this node has no transport")
-        return await self.store.remote_answered(self._start_remote(version, size, address, checksums))
+            raise StorageError(errno.EIO, f"version {version} is on node {node} and this node has no transport")
+        if deadline is None:
+            deadline = trio.current_time() + PEER_BUDGET_S
+        return await self._answered(self._start_remote(version, size, address, checksums), deadline)
+
+    async def _answered(self, source: ReadSource, deadline: float) -> ReadSource:
+        """Waits, until `deadline`, for the node streaming `source` to answer."""
+        with trio.move_on_at(deadline):
+            return await self.store.remote_answered(source)
+        self.store.close_read(source)  # (the stream gives its buffers back when it ends)
+        raise StorageError(errno.EIO, f"version {source.version}: its node did not answer in time")
 
     def _start_remote(self, version: int, size: int, address: str, checksums: list[int],
                       turns: trio.Semaphore | None = None) -> ReadSource:
@@ -446,31 +508,9 @@ class Node:
         self.served_bytes[handle.source.tier] += len(data)
         return data
 
-    async def _writable(self, handle: OpenFile) -> None:
-        """Makes sure a writer's handle has a version being written. In cluster mode the close
-        of a descriptor seals the file even while a duplicate of it (dup, a shell's redirection)
-        stays open: a write through that one starts a new version, as opening it again would."""
-        while handle.finished:
-            if handle.reopening is not None:  # another request of this handle is at it
-                await handle.reopening.wait()
-                continue
-            handle.reopening = trio.Event()
-            try:
-                fresh = await self._open_version(handle.ino, truncate=False)
-            except KvfsError as error:
-                raise StorageError(errno.EBADF, f"inode {handle.ino} was sealed when a descriptor of it was "
-                                                f"closed, and cannot be written again: {error}") from None
-            finally:
-                handle.reopening.set()
-                handle.reopening = None
-            sealed = OpenFile(handle.ino, handle.version, True, 0, leased=handle.leased, finished=True)
-            handle.version, handle.leased, handle.finished = fresh.version, fresh.leased, False
-            await self.release(sealed)  # the handle's lease moves to the new version
-
     async def write(self, handle: OpenFile, offset: int, data: bytes) -> int:
         if not handle.writable:
             raise StorageError(errno.EBADF, f"inode {handle.ino} is not open for writing")
-        await self._writable(handle)
         end = offset + len(data)
         self._check_file_size(end)
         await self.store.write(handle.version, offset, data)
@@ -480,24 +520,19 @@ class Node:
         state.mtime_ns = state.ctime_ns = self.clock.wall_ns()
         return len(data)
 
-    async def flush(self, handle: OpenFile) -> None:
-        """close() of a descriptor (cluster mode). The only writer's close seals the file
-        before close returns, so that other nodes see all of it as soon as the writer is
-        done (close-to-open); RELEASE, which the kernel sends after close returns, only
-        drops the reference then."""
-        if handle.writable and not handle.finished:
-            state = self._writing.get(handle.version)
-            if state is not None and state.writers == 1:
-                await self._finish_writing(handle)
-
     async def _finish_writing(self, handle: OpenFile) -> None:
-        handle.finished = True
+        """A writer's release. The last one seals the version, as on a local file system a
+        file is final once its last open file description is gone: a descriptor closed while
+        a duplicate of it (dup, a shell's `> file`) is still open ends nothing, since the
+        kernel sends RELEASE only when every duplicate is closed."""
         state = self._writing[handle.version]
         state.writers -= 1
         if state.writers:
             return
         del self._writing[handle.version]  # the last writer is done: the bytes are final
         checksums = self.store.seal(handle.version, state.size)
+        for reader in self._early_readers.pop(handle.version, []):
+            reader.size = state.size
         # Until the master confirms, a registration reports the seal (with its mtime) itself.
         self.membership.unreported_seals[handle.version] = state.mtime_ns
         try:
@@ -514,7 +549,8 @@ class Node:
         try:
             if handle.source is not None:
                 self.store.close_read(handle.source)
-            if handle.writable and not handle.finished:
+                self._forget_early_reader(handle)
+            if handle.writable:
                 await self._finish_writing(handle)
         finally:  # the reference goes even if sealing failed, or the version would leak
             if handle.leased:
@@ -522,6 +558,13 @@ class Node:
                     self.drop((await self.master.call(m.Release(handle.version, handle.writable))).dropped)
                 except MasterUnavailable:
                     pass  # a new registration reports only the handles still open
+
+    def _forget_early_reader(self, handle: OpenFile) -> None:
+        readers = self._early_readers.get(handle.version)
+        if readers is not None and handle in readers:
+            readers.remove(handle)
+            if not readers:
+                del self._early_readers[handle.version]
 
     async def fsync(self, handle: OpenFile) -> None:
         """A sealed file is durable once it is on SSD: fsync waits for its offload, and
