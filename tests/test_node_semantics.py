@@ -151,6 +151,7 @@ def test_a_stopped_owner_is_an_io_error_elsewhere_then_serves_again(patient_clus
     (owner.path / "f.bin").write_bytes(data)
     assert (reader.path / "f.bin").read_bytes() == data  # a pooled connection to the owner now exists
     (owner.path / "g.bin").write_bytes(data[::-1])  # not looked up on the reader yet (a lookup prefetches)
+    wait_until(lambda: sealed(owner.path / "g.bin"), what="the seal (at the release that follows close)")
     assert owner.process is not None
     os.kill(owner.process.pid, signal.SIGSTOP)
     try:
