@@ -232,19 +232,19 @@ class KvfsOperations(pyfuse3.Operations):
 
     @fuse_handler
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        return await self.node.getxattr(inode, name)
+        return await self.node.xattrs.getxattr(inode, name)
 
     @fuse_handler
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
-        await self.node.setxattr(inode, name, value)
+        await self.node.xattrs.setxattr(inode, name, value)
 
     @fuse_handler
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
-        return await self.node.listxattr(inode)
+        return await self.node.xattrs.listxattr(inode)
 
     @fuse_handler
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        await self.node.removexattr(inode, name)
+        await self.node.xattrs.removexattr(inode, name)
 
     @fuse_handler
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
-import json
 import logging
 import os
 import stat
@@ -25,34 +24,26 @@ import msgspec
 import trio
 
 from kvfs import progress
-from kvfs.checksum import format_checksum
 from kvfs.clock import Clock
 from kvfs.wire import messages as m
 from kvfs.node.dircache import DirectoryCache
 from kvfs.cluster.embedded import MasterClient
 from kvfs.node.prefetch import Prefetches
-from kvfs.cluster.namespace import ROOT_INO, check_name
+from kvfs.cluster.namespace import check_name
 from kvfs.net.rpc import MasterUnavailable
 from kvfs.net.transport import Transport
 from kvfs.config import format_size
 from kvfs.disk.records import DiskRecord
 from kvfs.errors import KvfsError, StorageError
 from kvfs.node.membership import Membership, to_disk_file, to_file_record
+from kvfs.node.xattrs import NodeXattrs
+from kvfs.node.xattrs import ROOT_USAGE, ROOT_USAGE_COUNTERS  # noqa: F401 (kvfs du reads them from here)
 from kvfs.store.evictions import EvictionSummary
 from kvfs.store.faults import STORAGE_ERRORS
 from kvfs.store.tiered import ReadSource, TieredStore
 
 log = logging.getLogger("kvfs.node")
 
-VIRTUAL_XATTRS = (b"user.kvfs.tier", b"user.kvfs.size", b"user.kvfs.version", b"user.kvfs.sealed",
-                  b"user.kvfs.chunks", b"user.kvfs.checksum", b"user.kvfs.hits", b"user.kvfs.last_access_ns",
-                  b"user.kvfs.node", b"user.kvfs.node_name", b"user.kvfs.on_ssd", b"user.kvfs.leases",
-                  b"user.kvfs.ssd_extents", b"user.kvfs.info")
-VIRTUAL_PREFIX = b"user.kvfs."
-ROOT_STATS = b"user.kvfs.stats"  # JSON counters of the node's store, on the root directory
-ROOT_USAGE = b"user.kvfs.usage"  # JSON use per top-level directory (`kvfs du`), on the root directory
-ROOT_USAGE_COUNTERS = b"user.kvfs.usage_counters"  # the same without summing the files (cheap)
-ROOT_CONTROL = b"user.kvfs.control"  # "sync" (wait for offload), "flush" (offload all), "drop-dram"
 
 
 @dataclass(slots=True, eq=False)
@@ -135,11 +126,12 @@ class Node:
         self.written_bytes = 0
         # Registration, heartbeats and the directory copies' fetches and pushes.
         self.membership = Membership(master, store, self.dircache, self)
+        self.xattrs = NodeXattrs(master, store, self)  # user.* and the virtual user.kvfs.* attributes
 
     def use_master(self, master: MasterClient) -> None:
         """Cluster mode: the link to the master process replaces the embedded one (every
         later call, the membership's too, goes over it)."""
-        self.master = self.membership.master = master
+        self.master = self.membership.master = self.xattrs.master = master
 
     @property
     def chunk_size(self) -> int:
@@ -673,66 +665,7 @@ class Node:
         tier = self.store.ssd if self.store.ssd is not None else self.store.dram
         return NodeStats(tier.capacity, tier.used, master.inodes, master.files)
 
-    # Extended attributes ---------------------------------------------------------------
-
-    async def getxattr(self, ino: int, name: bytes) -> bytes:
-        if ino == ROOT_INO and name == ROOT_STATS:
-            namespace = await self.master.call(m.Stats())
-            holdings = self.store.holdings()
-            on_ssd = sum(1 for holding in holdings if holding[3])
-            stats = {**self.store_stats(), "files": namespace.files, "inodes": namespace.inodes,
-                     "sealed_bytes": namespace.sealed_bytes, "stored_files": len(holdings),
-                     "stored_bytes": sum(holding[1] for holding in holdings), "ssd_files": on_ssd,
-                     "dram_only_files": len(holdings) - on_ssd}
-            return json.dumps(stats, sort_keys=True).encode()
-        if ino == ROOT_INO and name in (ROOT_USAGE, ROOT_USAGE_COUNTERS):
-            usage = await self.master.call(m.DirUsage(files=name == ROOT_USAGE))
-            return msgspec.json.encode(usage)
-        if name.startswith(VIRTUAL_PREFIX):
-            return await self._virtual_xattr(ino, name)
-        return (await self.master.call(m.GetXattr(ino, name))).value
-
-    async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
-        if ino == ROOT_INO and name == ROOT_CONTROL:
-            return await self._control(value.decode(errors="replace").strip())
-        if name.startswith(VIRTUAL_PREFIX):
-            raise StorageError(errno.EPERM, f"xattr {name!r} is read-only (maintained by kvfs)")
-        await self.master.call(m.SetXattr(ino, name, value))
-        await self._refresh_file_record(ino)
-
-    async def removexattr(self, ino: int, name: bytes) -> None:
-        if name.startswith(VIRTUAL_PREFIX):
-            raise StorageError(errno.EPERM, f"xattr {name!r} is read-only (maintained by kvfs)")
-        await self.master.call(m.RemoveXattr(ino, name))
-        await self._refresh_file_record(ino)
-
-    async def _refresh_file_record(self, ino: int) -> None:
-        attr = await self.master.call(m.GetAttr(ino))
-        if attr.version:
-            await self.store.refresh_record(attr.version)
-
-    async def _control(self, command: str) -> None:
-        if command == "sync":  # what the offloader has queued is on SSD when this returns
-            self.store.retry_now()
-            await self.store.wait_offloaded()
-            self._check_offloaded("sync")
-        elif command == "flush":  # everything sealed is on SSD when this returns (also in watermark mode)
-            self.store.retry_now()
-            self.store.queue_all_dram_only()
-            await self.store.wait_offloaded()
-            self._check_offloaded("flush")
-        elif command == "drop-dram":
-            demoted = self.store.demote_all()
-            log.info("control: dropped the DRAM copies of %d files already on SSD", demoted)
-        else:
-            raise StorageError(errno.EINVAL, f"unknown control command {command!r} (sync, flush, drop-dram)")
-
-    def _check_offloaded(self, command: str) -> None:
-        """sync and flush fail with EIO while files wait for the SSD tier to work again."""
-        failed, nbytes = self.store.offload_failed()
-        if failed:
-            raise StorageError(errno.EIO, f"control {command}: {failed} files ({format_size(nbytes)}) could not be "
-                                          f"copied to SSD: {self.store.faults.last_error()}")
+    # Statistics ----------------------------------------------------------------------------
 
     def activity(self) -> m.Activity:
         backlog_files, backlog_bytes = self.store.offload_backlog()
@@ -764,52 +697,3 @@ class Node:
         if self.store.ssd is not None:
             stats.update(ssd_capacity=self.store.ssd.capacity, ssd_used=self.store.ssd.used)
         return stats
-
-
-    async def listxattr(self, ino: int) -> list[bytes]:
-        names = (await self.master.call(m.ListXattr(ino))).names
-        if ino == ROOT_INO:
-            return names + [ROOT_STATS, ROOT_USAGE]
-        attr = await self.getattr(ino)
-        return names + list(VIRTUAL_XATTRS) if attr.version else names
-
-    async def _virtual_xattr(self, ino: int, name: bytes) -> bytes:
-        attr = await self.getattr(ino)
-        if not attr.version or name not in VIRTUAL_XATTRS:
-            raise StorageError(errno.ENODATA, f"no xattr {name!r} on inode {ino}")
-        info: m.VersionInfo = await self.master.call(m.GetVersion(attr.version))
-        facts = self._file_facts(attr, info)
-        if name == b"user.kvfs.info":
-            return json.dumps(facts, sort_keys=True).encode()
-        values = {
-            b"user.kvfs.tier": facts["tier"],
-            b"user.kvfs.size": facts["size"],
-            b"user.kvfs.version": facts["version"],
-            b"user.kvfs.sealed": "yes" if info.sealed else "no",
-            b"user.kvfs.chunks": len(facts["chunks"]),
-            b"user.kvfs.checksum": ",".join(chunk["checksum"] for chunk in facts["chunks"] if chunk["checksum"]),
-            b"user.kvfs.hits": info.hits,
-            b"user.kvfs.last_access_ns": info.last_access_ns,
-            b"user.kvfs.node": info.node,
-            b"user.kvfs.node_name": info.node_name,
-            b"user.kvfs.on_ssd": "yes" if info.on_disk else "no",
-            b"user.kvfs.leases": f"readers={info.readers} writers={info.writers}",
-            b"user.kvfs.ssd_extents": facts["ssd_extents"],
-        }
-        return str(values[name]).encode()
-
-    def _file_facts(self, attr: m.Attr, info: m.VersionInfo) -> dict:
-        """Everything `kvfs inspect` shows of a file: where its chunks are, their checksums, use."""
-        stored_here = info.node == self.node_id
-        tier = self.store.tier_of(info.version) if stored_here else "peer"
-        chunk_total = len(info.checksums) if info.sealed else -(-attr.size // self.chunk_size)
-        chunks = [{"index": index, "offset": index * self.chunk_size,
-                   "length": min(self.chunk_size, attr.size - index * self.chunk_size),
-                   "checksum": format_checksum(info.checksums[index]) if index < len(info.checksums) else ""}
-                  for index in range(chunk_total)]
-        return {"size": attr.size, "version": info.version, "sealed": info.sealed, "tier": tier,
-                "node": info.node, "node_name": info.node_name, "node_address": info.node_address,
-                "node_up": info.node_live, "stored_here": stored_here, "on_ssd": info.on_disk,
-                "hits": info.hits, "last_access_ns": info.last_access_ns,
-                "readers": info.readers, "writers": info.writers, "chunk_size": self.chunk_size, "chunks": chunks,
-                "ssd_extents": self.store.describe_extents(info.version) if stored_here else ""}
