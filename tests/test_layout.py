@@ -17,14 +17,6 @@ ROOT = Path(__file__).resolve().parent.parent / "kvfs"
 PURE_PACKAGES = {"cluster", "policy", "wire"}
 FORBIDDEN_IN_PURE = {"trio", "socket", "pyfuse3"}
 
-# Cycles that exist today and are to be removed: each is a set of modules (or packages) that import
-# one another. A cycle not listed fails the test; a listed one that is gone fails it too, so that
-# this list only shrinks.
-KNOWN_MODULE_CYCLES: set[frozenset[str]] = {
-    # Node and its membership mixin: the same, on the node side.
-    frozenset({"kvfs.node.service", "kvfs.node.membership"}),
-}
-KNOWN_PACKAGE_CYCLES: set[frozenset[str]] = set()
 
 
 def module_name(path: Path) -> str:
@@ -134,14 +126,12 @@ def describe(found: set[frozenset[str]]) -> list[str]:
 
 def test_no_module_imports_another_that_imports_it_back() -> None:
     found = cycles(module_graph())
-    assert describe(found - KNOWN_MODULE_CYCLES) == [], "new import cycles between modules"
-    assert describe(KNOWN_MODULE_CYCLES - found) == [], "cycles gone: remove them from KNOWN_MODULE_CYCLES"
+    assert describe(found) == [], "import cycles between modules"
 
 
 def test_no_package_imports_another_that_imports_it_back() -> None:
     found = cycles(package_graph(module_graph()))
-    assert describe(found - KNOWN_PACKAGE_CYCLES) == [], "new import cycles between packages"
-    assert describe(KNOWN_PACKAGE_CYCLES - found) == [], "cycles gone: remove them from KNOWN_PACKAGE_CYCLES"
+    assert describe(found) == [], "import cycles between packages"
 
 
 def test_pure_packages_import_no_event_loop_socket_or_fuse() -> None:

@@ -107,7 +107,7 @@ def test_write_and_ftruncate_on_a_descriptor_update_mtime_and_ctime(d: Path) -> 
 
 def test_a_duplicate_descriptor_writes_on_after_another_is_closed(d: Path) -> None:
     """A shell's `echo test > f` opens f, dup2s it to stdout and closes the original (pjdfstest
-    open/00.t): on a cluster node that close seals the file, and writes go on in a new version."""
+    open/00.t): that close ends nothing, the file is sealed when its last duplicate is closed."""
     path = d / "f"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     duplicate = os.dup(fd)

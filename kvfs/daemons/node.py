@@ -206,10 +206,10 @@ class Daemon:
         advertised = config.advertise or (host if host not in ("0.0.0.0", "::", "") else socket.gethostname())
         address = f"{advertised}:{bound}"
         name = self._node_name()
-        self.node.adopt_disk()
-        self.link = MasterLink(config.master, config.secret, lambda remote: self.node.join(remote, name, address),
-                               config.master_wait_s, on_notify=self.node.names_changed)
-        self.node.master = self.link
+        self.node.membership.adopt_disk()
+        self.link = MasterLink(config.master, config.secret, lambda remote: self.node.membership.join(remote, name, address),
+                               config.master_wait_s, on_notify=self.node.membership.names_changed)
+        self.node.use_master(self.link)
         log.info("peer server on %s; joining master %s as %r", address, config.master, name)
         await nursery.start(self.link.run)
         nursery.start_soon(self._heartbeats)
@@ -219,7 +219,7 @@ class Daemon:
         while True:
             await trio.sleep(HEARTBEAT_S)
             try:
-                if not await self.node.heartbeat():
+                if not await self.node.membership.heartbeat():
                     await self.link.reconnect()
             except Exception:
                 log.exception("heartbeat failed")

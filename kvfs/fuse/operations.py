@@ -40,7 +40,6 @@ class KvfsOperations(pyfuse3.Operations):
         self.node = node
         self.entry_timeout = config.entry_timeout_s
         self.negative_timeout = config.negative_timeout_s
-        self.seal_at_close = config.master is not None
         self.files: HandleTable[OpenFile] = HandleTable()
         self.lookups = LookupCounts()
         self._forgotten: set[int] = set()
@@ -215,16 +214,11 @@ class KvfsOperations(pyfuse3.Operations):
         return await self.node.write(self.files.get(fh), off, buf)
 
     async def flush(self, fh: int) -> None:
-        # Single node: bytes are in the DRAM tier as soon as write returns, so close() has
-        # nothing to wait for: ENOSYS makes the kernel stop sending FLUSH, one round trip
-        # less per close. Cluster: close() seals a writer's file for the other nodes.
-        if not self.seal_at_close:
-            raise pyfuse3.FUSEError(errno.ENOSYS)
-        await self._flush(fh)
-
-    @fuse_handler
-    async def _flush(self, fh: int) -> None:
-        await self.node.flush(self.files.get(fh))
+        # Bytes are in the DRAM tier as soon as write returns, and a file is sealed at the
+        # RELEASE of its last writer (close() of one descriptor may leave a duplicate open):
+        # close() has nothing to wait for. ENOSYS makes the kernel stop sending FLUSH, one
+        # round trip less per close.
+        raise pyfuse3.FUSEError(errno.ENOSYS)
 
     @fuse_handler
     async def fsync(self, fh: int, datasync: bool) -> None:
@@ -238,19 +232,19 @@ class KvfsOperations(pyfuse3.Operations):
 
     @fuse_handler
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        return await self.node.getxattr(inode, name)
+        return await self.node.xattrs.getxattr(inode, name)
 
     @fuse_handler
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
-        await self.node.setxattr(inode, name, value)
+        await self.node.xattrs.setxattr(inode, name, value)
 
     @fuse_handler
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
-        return await self.node.listxattr(inode)
+        return await self.node.xattrs.listxattr(inode)
 
     @fuse_handler
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        await self.node.removexattr(inode, name)
+        await self.node.xattrs.removexattr(inode, name)
 
     @fuse_handler
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:

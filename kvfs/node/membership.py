@@ -1,8 +1,10 @@
 """A node's part in a cluster: registering with the master, heartbeats, SSD files at start,
 and the copies of watched directories' names.
 
-A mixin of `kvfs.node.Node`, kept apart because it is one concern: how a node joins
-and stays in the cluster. It uses the node's master client, store and directory cache.
+A collaborator the node's file service owns (`Node.membership`): one concern, how a node
+joins and stays in the cluster. It is handed what it uses — the master client, the store,
+the directory cache — and reads the file service's own state (versions being written, open
+handles) through the small `MemberFiles` interface, so that it imports nothing of the service.
 """
 
 from __future__ import annotations
@@ -10,20 +12,15 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Callable, Iterable, Protocol
 
 from kvfs.wire import messages as m
 from kvfs.cluster.embedded import MasterClient
 from kvfs.net.rpc import MasterUnavailable
 from kvfs.disk.records import DiskFile
 from kvfs.errors import KvfsError
-
-if TYPE_CHECKING:
-    from kvfs.node.service import Node
-
-    _Base = Node
-else:
-    _Base = object
+from kvfs.node.dircache import DirectoryCache
+from kvfs.store.tiered import TieredStore
 
 log = logging.getLogger("kvfs.node")
 
@@ -42,8 +39,42 @@ def to_file_record(file: DiskFile) -> m.FileRecord:
     return m.FileRecord(file.path, file.size, file.mode, file.uid, file.gid, file.mtime_ns, dict(file.xattrs))
 
 
-class NodeMembership(_Base):
-    async def _copy_directory(self, ino: int) -> None:
+class MemberFiles(Protocol):
+    """What membership needs of the node's file service: what it holds beyond the store
+    (versions being written, open handles), and where the master's answers go."""
+
+    node_id: int
+    forget_entries: Callable[[list[tuple[int, bytes, int]]], None]
+
+    def writing(self) -> list[m.Held]:
+        """The versions this node is writing, as a registration reports them."""
+
+    def open_counts(self) -> list[tuple[int, bool, int]]:
+        """(version, writer, handles) of every handle open here."""
+
+    def drop(self, versions: Iterable[int]) -> None:
+        """Frees versions the master no longer knows."""
+
+    def activity(self) -> m.Activity:
+        """The node's counters, sent with each heartbeat."""
+
+
+class Membership:
+    """Registration, heartbeats and directory copies of one node."""
+
+    def __init__(self, master: MasterClient, store: TieredStore, dircache: DirectoryCache | None,
+                 files: MemberFiles) -> None:
+        self.master = master
+        self.store = store
+        self.dircache = dircache
+        self.files = files
+        self._fetching: dict[int, list[m.NameChange]] = {}  # directories being copied -> changes meanwhile
+        # Seals the master did not confirm (it was unreachable): version -> mtime, reported on registration.
+        self.unreported_seals: dict[int, int] = {}
+
+    # Directory copies -------------------------------------------------------------------
+
+    async def copy_directory(self, ino: int) -> None:
         """Fetches a directory's names and watches it (see kvfs.node.dircache). Changes
         pushed while the answer is on its way are applied after it."""
         assert self.dircache is not None
@@ -76,14 +107,20 @@ class NodeMembership(_Base):
 
     def names_changed(self, changes: m.NameChanges) -> None:
         """Name changes the master pushes for watched directories."""
+        for change in changes.changes:
+            self.name_changed(change)
+
+    def name_changed(self, change: m.NameChange) -> None:
+        """One change of a watched directory: pushed by the master, or made by this node
+        itself (applied before its reply, so that the node never answers from a copy that
+        does not know of its own change yet)."""
         if self.dircache is None:
             return
-        for change in changes.changes:
-            pending = self._fetching.get(change[0])
-            if pending is not None:
-                pending.append(change)
-            else:
-                self._apply_name_change(change)
+        pending = self._fetching.get(change[0])
+        if pending is not None:
+            pending.append(change)
+        else:
+            self._apply_name_change(change)
 
     def _apply_name_change(self, change: m.NameChange) -> None:
         assert self.dircache is not None
@@ -92,6 +129,8 @@ class NodeMembership(_Base):
             self.dircache.added(parent, name, entry)
         else:
             self.dircache.removed(parent, name)
+
+    # Joining ----------------------------------------------------------------------------
 
     def adopt_disk(self) -> int:
         """Cluster mode, at start: takes in the files on SSD (the registration reports them)."""
@@ -113,9 +152,9 @@ class NodeMembership(_Base):
         if self.dircache is not None:  # pushes may have been missed while disconnected
             self.dircache.clear()
             self._fetching.clear()
-        self.node_id = (await master.call(m.Register(name, address))).node
+        self.files.node_id = (await master.call(m.Register(name, address))).node
         held = self._held()
-        opens = [(version, writer, count) for (version, writer), count in self._opens.items()]
+        opens = self.files.open_counts()
         dropped: list[int] = []
         for start in range(0, max(len(held), 1), REPORT_BATCH):
             batch = held[start : start + REPORT_BATCH]
@@ -124,10 +163,10 @@ class NodeMembership(_Base):
             if time.monotonic() - started > 1:
                 log.info("registering with the master: reported %d of %d files", start + len(batch), len(held))
         dropped.extend((await master.call(m.FinishRegistration())).dropped)
-        self._unreported_seals.clear()
-        self._drop(dropped)
+        self.unreported_seals.clear()
+        self.files.drop(dropped)
         self._apply_beat(await master.call(self._heartbeat_request()))  # the master learns capacity and use now
-        log.info("registered as node %d: %d files kept, %d dropped, in %.2f s", self.node_id,
+        log.info("registered as node %d: %d files kept, %d dropped, in %.2f s", self.files.node_id,
                  len(held) - len(set(dropped)), len(set(dropped)), time.monotonic() - started)
 
     def _held(self) -> list[m.Held]:
@@ -135,11 +174,11 @@ class NodeMembership(_Base):
         records = self.store.disk_records()
         for version, size, checksums, on_disk in self.store.holdings():
             record = records.get(version)
-            held.append(m.Held(version, size, True, on_disk, self._unreported_seals.get(version, 0), checksums,
+            held.append(m.Held(version, size, True, on_disk, self.unreported_seals.get(version, 0), checksums,
                                to_file_record(record.file) if record is not None and on_disk else None))
-        for version, state in self._writing.items():
-            held.append(m.Held(version, state.size, False, False, state.mtime_ns))
-        return held
+        return held + self.files.writing()
+
+    # Staying in -------------------------------------------------------------------------
 
     async def heartbeat(self) -> bool:
         """One heartbeat: tells the master this node lives and applies what happened elsewhere.
@@ -159,9 +198,9 @@ class NodeMembership(_Base):
     def _heartbeat_request(self) -> m.Heartbeat:
         ssd = self.store.ssd
         return m.Heartbeat(self.store.dram.capacity, self.store.dram.used, ssd.capacity if ssd else 0,
-                           ssd.used if ssd else 0, self.activity())
+                           ssd.used if ssd else 0, self.files.activity())
 
     def _apply_beat(self, beat: m.Beat) -> None:
-        self._drop(beat.dropped)
+        self.files.drop(beat.dropped)
         if beat.forget:
-            self.forget_entries(beat.forget)
+            self.files.forget_entries(beat.forget)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
-import json
 import logging
 import os
 import stat
@@ -25,34 +24,26 @@ import msgspec
 import trio
 
 from kvfs import progress
-from kvfs.checksum import format_checksum
 from kvfs.clock import Clock
 from kvfs.wire import messages as m
 from kvfs.node.dircache import DirectoryCache
 from kvfs.cluster.embedded import MasterClient
 from kvfs.node.prefetch import Prefetches
-from kvfs.cluster.namespace import ROOT_INO, check_name
+from kvfs.cluster.namespace import check_name
 from kvfs.net.rpc import MasterUnavailable
 from kvfs.net.transport import Transport
 from kvfs.config import format_size
 from kvfs.disk.records import DiskRecord
 from kvfs.errors import KvfsError, StorageError
-from kvfs.node.membership import NodeMembership, to_disk_file, to_file_record
+from kvfs.node.membership import Membership, to_disk_file, to_file_record
+from kvfs.node.xattrs import NodeXattrs
+from kvfs.node.xattrs import ROOT_USAGE, ROOT_USAGE_COUNTERS  # noqa: F401 (kvfs du reads them from here)
 from kvfs.store.evictions import EvictionSummary
 from kvfs.store.faults import STORAGE_ERRORS
 from kvfs.store.tiered import ReadSource, TieredStore
 
 log = logging.getLogger("kvfs.node")
 
-VIRTUAL_XATTRS = (b"user.kvfs.tier", b"user.kvfs.size", b"user.kvfs.version", b"user.kvfs.sealed",
-                  b"user.kvfs.chunks", b"user.kvfs.checksum", b"user.kvfs.hits", b"user.kvfs.last_access_ns",
-                  b"user.kvfs.node", b"user.kvfs.node_name", b"user.kvfs.on_ssd", b"user.kvfs.leases",
-                  b"user.kvfs.ssd_extents", b"user.kvfs.info")
-VIRTUAL_PREFIX = b"user.kvfs."
-ROOT_STATS = b"user.kvfs.stats"  # JSON counters of the node's store, on the root directory
-ROOT_USAGE = b"user.kvfs.usage"  # JSON use per top-level directory (`kvfs du`), on the root directory
-ROOT_USAGE_COUNTERS = b"user.kvfs.usage_counters"  # the same without summing the files (cheap)
-ROOT_CONTROL = b"user.kvfs.control"  # "sync" (wait for offload), "flush" (offload all), "drop-dram"
 
 
 @dataclass(slots=True, eq=False)
@@ -63,8 +54,6 @@ class OpenFile:
     size: int  # the size of a sealed version (versions being written track theirs in WriteState)
     source: ReadSource | None = None  # where a reader's bytes come from
     leased: bool = True  # the master counts this handle (not when opened while it was unreachable)
-    finished: bool = False  # a writer whose part is done (sealed at close in cluster mode)
-    reopening: trio.Event | None = None  # set when a finished writer's new version is ready
 
 
 @dataclass(slots=True)
@@ -88,11 +77,14 @@ class NodeStats:
 DIR_ATTR_CACHE = 65536
 DIRECTORY_CACHE_NAMES = 1_000_000  # names of watched directories kept per node (~300 B each with entries)
 REMOTE_STREAMS = 2  # parallel chunk runs per remote file
+PEER_BUDGET_S = 3.0  # an open of another node's file tries that long, then fails with EIO
+RETRY_PAUSE_S = 0.05  # the first pause before asking the master and the owner again (doubling)
+SEAL_WAIT_S = 2.0  # the longest an open waits for another node's writer to seal a file it closed
 TIERS = ("dram", "ssd", "peer")  # where a reader is served from (ReadSource.tier)
 
 
-class Node(NodeMembership):
-    """The POSIX file service of one node (its part in a cluster: `kvfs.node.membership`)."""
+class Node:
+    """The POSIX file service of one node (its part in a cluster: `self.membership`)."""
 
     def __init__(self, master: MasterClient, store: TieredStore, clock: Clock, node_id: int = 1,
                  forget_entries: Callable[[list[tuple[int, bytes, int]]], None] = lambda entries: None,
@@ -112,14 +104,14 @@ class Node(NodeMembership):
         # Copies of directories' names, for misses without the master (cluster mode).
         self.dircache = DirectoryCache(DIRECTORY_CACHE_NAMES) if transport is not None else None
         self.prefetches = Prefetches(store, clock.monotonic) if transport is not None else None
-        self._fetching: dict[int, list[m.NameChange]] = {}
         self._writing: dict[int, WriteState] = {}
         self._cached_version: dict[int, int] = {}  # ino -> version the kernel page cache holds
         # Files stored here, for reads while the master is unreachable: ino -> (version, last attributes).
         self._local: dict[int, tuple[int, m.Attr]] = {}
         self._local_inos: dict[int, int] = {}  # version -> ino, the reverse of _local
         self._opens: dict[tuple[int, bool], int] = {}  # (version, writer) -> open handles (reported on registration)
-        self._unreported_seals: dict[int, int] = {}  # version -> mtime of seals the master did not confirm
+        # Readers of versions still being written here: their size is the seal's once it comes.
+        self._early_readers: dict[int, list[OpenFile]] = {}
         self._dir_attrs: dict[int, m.Attr] = {}  # last known directory attributes (for a master outage)
         self.evicted_files = 0
         self.evictions = EvictionSummary()  # logged at INFO, at most every few seconds
@@ -132,6 +124,14 @@ class Node(NodeMembership):
         self.reader_opens = dict.fromkeys(TIERS, 0)
         self.served_bytes = dict.fromkeys(TIERS, 0)
         self.written_bytes = 0
+        # Registration, heartbeats and the directory copies' fetches and pushes.
+        self.membership = Membership(master, store, self.dircache, self)
+        self.xattrs = NodeXattrs(master, store, self)  # user.* and the virtual user.kvfs.* attributes
+
+    def use_master(self, master: MasterClient) -> None:
+        """Cluster mode: the link to the master process replaces the embedded one (every
+        later call, the membership's too, goes over it)."""
+        self.master = self.membership.master = self.xattrs.master = master
 
     @property
     def chunk_size(self) -> int:
@@ -161,7 +161,7 @@ class Node(NodeMembership):
                 return self._found(copied, copy.copy(copied.attr))  # (_current may change the copy it gets)
         entry = await self.master.call(m.Lookup(parent, name))
         if self.dircache is not None and self.dircache.asked(parent):
-            await self._copy_directory(parent)
+            await self.membership.copy_directory(parent)
         attr = entry.attr
         if attr is None:
             self.lookups_absent += 1
@@ -217,7 +217,6 @@ class Node(NodeMembership):
     async def _truncate(self, ino: int, size: int, handle: OpenFile | None) -> None:
         self._check_file_size(size)
         if handle is not None and handle.writable:
-            await self._writable(handle)
             self._resize(handle.version, size)
             return
         # A path truncate is a short write session: copy-on-write, resize, seal.
@@ -244,35 +243,39 @@ class Node(NodeMembership):
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> m.Attr:
         attr = await self.master.call(m.MkDir(parent, name, mode, uid, gid))
         self._remember_dir(attr)
+        self._own_change(parent, name, present=True)
         return attr
 
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> m.Attr:
-        return await self.master.call(m.Symlink(parent, name, target, uid, gid))
+        attr = await self.master.call(m.Symlink(parent, name, target, uid, gid))
+        self._own_change(parent, name, present=True)
+        return attr
 
     async def readlink(self, ino: int) -> bytes:
         return (await self.master.call(m.ReadLink(ino))).target
 
     async def unlink(self, parent: int, name: bytes) -> None:
-        self._drop((await self.master.call(m.Unlink(parent, name))).dropped)
-        self._renamed(parent, name)
+        self.drop((await self.master.call(m.Unlink(parent, name))).dropped)
+        self._own_change(parent, name, present=False)
 
     async def rmdir(self, parent: int, name: bytes) -> None:
         await self.master.call(m.RmDir(parent, name))
+        self._own_change(parent, name, present=False)
 
     async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes, noreplace: bool) -> None:
         done = await self.master.call(m.Rename(parent_old, name_old, parent_new, name_new, noreplace))
-        self._renamed(parent_old, name_old, parent_new, name_new)
-        self._drop(done.dropped)
+        self._own_change(parent_old, name_old, present=False)
+        self._own_change(parent_new, name_new, present=True)
+        self.drop(done.dropped)
         for version in done.relocated:  # before replying: a crash must not resurrect the old name
             await self.store.refresh_record(version)
 
-    def _renamed(self, parent_old: int, name_old: bytes, parent_new: int = 0, name_new: bytes = b"") -> None:
-        """This node's own change, in its directory copies at once (the master's push of it
-        follows, with the new entry): a copy never answers with the entry a name had before."""
-        if self.dircache is not None:
-            self.dircache.removed(parent_old, name_old)
-            if parent_new:
-                self.dircache.added(parent_new, name_new, None)
+    def _own_change(self, parent: int, name: bytes, present: bool) -> None:
+        """This node's own change, in its directory copies before the reply (the master's
+        push of it follows, with the entry): the copy never answers a lookup with what a
+        name was before this node changed it (a new directory absent, a removed file there).
+        A name added is known only to exist until the push: lookups of it ask the master."""
+        self.membership.name_changed((parent, name, present, None))
 
     async def readdir(self, ino: int, start_id: int, limit: int) -> list[m.DirEntry]:
         entries = (await self.master.call(m.ReadDir(ino, start_id, limit))).entries
@@ -284,12 +287,13 @@ class Node(NodeMembership):
         for ino in inos:
             self._cached_version.pop(ino, None)
             self._kernel_versions.pop(ino, None)
-        self._drop((await self.master.call(m.Forget(inos))).dropped)  # bytes of unlinked files that lingered
+        self.drop((await self.master.call(m.Forget(inos))).dropped)  # bytes of unlinked files that lingered
 
     # Files ---------------------------------------------------------------------------------
 
     async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int, exclusive: bool) -> tuple[OpenFile, m.Attr]:
         opened = await self.master.call(m.Create(parent, name, mode, uid, gid, self.node_id, exclusive))
+        self._own_change(parent, name, present=True)
         handle = await self._start_writing(opened, truncate=False)
         return handle, self._current(opened.attr)
 
@@ -297,17 +301,14 @@ class Node(NodeMembership):
         """Opens a file; returns the handle and whether the kernel may keep its cached pages."""
         if flags & os.O_ACCMODE == os.O_RDONLY:
             try:
-                opened = await self.master.call(m.OpenRead(ino), wait_s=0)
+                opened, source = await self._open_reader(ino)
             except MasterUnavailable:
                 return await self._open_without_master(ino)
-            try:
-                source = await self._open_source(opened)
-            except BaseException:  # (a corrupt first chunk's file is dropped here, its reader gone)
-                self._drop((await self.master.call(m.Release(opened.version, writer=False))).dropped)
-                raise
             self._count_open(opened.version, False, 1)
             self.reader_opens[source.tier] += 1
             handle = OpenFile(ino, opened.version, False, opened.attr.size, source)
+            if opened.version in self._writing:
+                self._early_readers.setdefault(opened.version, []).append(handle)
             shown = (opened.version, opened.attr.size)
             if self.invalidate_attrs is not None and self._kernel_versions.get(ino, shown) != shown:
                 await self.invalidate_attrs(ino)  # the kernel re-reads the size before reading
@@ -323,7 +324,54 @@ class Node(NodeMembership):
         self._cached_version.pop(ino, None)
         return await self._open_version(ino, truncate=bool(flags & os.O_TRUNC)), False
 
-    async def _open_source(self, opened: m.Opened) -> ReadSource:
+    async def _open_reader(self, ino: int) -> tuple[m.Opened, ReadSource]:
+        """A reader's version and where its bytes come from. When the node that stores them
+        does not answer (slow, a connection that failed), the master is asked again and the
+        node tried again within PEER_BUDGET_S, then the open fails with EIO: only the
+        master says that a file is absent (ENOENT), never a failed connection."""
+        deadline = trio.current_time() + PEER_BUDGET_S
+        pause = RETRY_PAUSE_S
+        while True:
+            opened = await self._open_read(ino)
+            remote = bool(opened.node) and opened.node != self.node_id
+            try:
+                return opened, await self._open_source(opened, deadline)
+            except StorageError as error:
+                self.drop((await self.master.call(m.Release(opened.version, writer=False))).dropped)
+                if not remote:
+                    raise
+                if trio.current_time() + pause >= deadline:
+                    raise StorageError(errno.EIO, f"inode {ino}: node {opened.node} ({opened.address}) did not "
+                                                  f"serve version {opened.version} within {PEER_BUDGET_S:g} s: "
+                                                  f"{error}") from None
+                log.debug("inode %d: node %d did not serve version %d (%s); asking again", ino, opened.node,
+                          opened.version, error)
+            except BaseException:  # (a corrupt first chunk's file is dropped here, its reader gone)
+                self.drop((await self.master.call(m.Release(opened.version, writer=False))).dropped)
+                raise
+            await trio.sleep(pause)
+            pause = min(2 * pause, 0.5)
+
+    async def _open_read(self, ino: int) -> m.Opened:
+        """The master's OpenRead. A version still being written on another node is waited
+        for, up to SEAL_WAIT_S: the kernel sends a writer's RELEASE, which seals the file,
+        only after close() returned, so the seal of a file just closed there may still be
+        on its way (close-to-open). A file written for longer reads as empty."""
+        opened = await self.master.call(m.OpenRead(ino), wait_s=0)
+        if opened.attr.sealed or not opened.node or opened.node == self.node_id:
+            return opened
+        self.drop((await self.master.call(m.Release(opened.version, writer=False))).dropped)
+        deadline = trio.current_time() + SEAL_WAIT_S
+        pause = 0.002
+        while trio.current_time() < deadline:
+            await trio.sleep(pause)
+            pause = min(2 * pause, 0.05)
+            attr = await self.master.call(m.GetAttr(ino))
+            if attr.sealed or attr.version != opened.version:
+                break
+        return await self.master.call(m.OpenRead(ino))
+
+    async def _open_source(self, opened: m.Opened, deadline: float) -> ReadSource:
         """Where a reader's bytes come from: this node's tiers, or the node that stores them
         (already on their way if the lookup started a prefetch of this version)."""
         if not opened.node or opened.node == self.node_id:
@@ -332,18 +380,29 @@ class Node(NodeMembership):
         prefetched = self.prefetches.claim(opened.version) if self.prefetches is not None else None
         if prefetched is not None and opened.attr.sealed:
             try:
-                return await self.store.remote_answered(prefetched)
+                return await self._answered(prefetched, deadline)
             except StorageError as error:  # the owner refused it then; ask again now
                 log.debug("version %d: prefetch failed (%s); fetching again", opened.version, error)
         elif prefetched is not None:
             self.store.close_read(prefetched)
         size = opened.attr.size if opened.attr.sealed else 0  # close-to-open: nothing until sealed
-        return await self._open_remote(opened.version, size, opened.node, opened.address, opened.checksums)
+        return await self._open_remote(opened.version, size, opened.node, opened.address, opened.checksums,
+                                       deadline)
 
-    async def _open_remote(self, version: int, size: int, node: int, address: str, checksums: list[int]) -> ReadSource:
+    async def _open_remote(self, version: int, size: int, node: int, address: str, checksums: list[int],
+                           deadline: float | None = None) -> ReadSource:
         if self.transport is None:
-            raise StorageError(errno.ENOENT, f"version {version} is on node {node} and this node has no transport")
-        return await self.store.remote_answered(self._start_remote(version, size, address, checksums))
+            raise StorageError(errno.EIO, f"version {version} is on node {node} and this node has no transport")
+        if deadline is None:
+            deadline = trio.current_time() + PEER_BUDGET_S
+        return await self._answered(self._start_remote(version, size, address, checksums), deadline)
+
+    async def _answered(self, source: ReadSource, deadline: float) -> ReadSource:
+        """Waits, until `deadline`, for the node streaming `source` to answer."""
+        with trio.move_on_at(deadline):
+            return await self.store.remote_answered(source)
+        self.store.close_read(source)  # (the stream gives its buffers back when it ends)
+        raise StorageError(errno.EIO, f"version {source.version}: its node did not answer in time")
 
     def _start_remote(self, version: int, size: int, address: str, checksums: list[int],
                       turns: trio.Semaphore | None = None) -> ReadSource:
@@ -379,6 +438,14 @@ class Node(NodeMembership):
         self._local[ino] = (version, attr)
         self._local_inos[version] = ino
 
+    def open_counts(self) -> list[tuple[int, bool, int]]:
+        """(version, writer, handles) of every handle open here, for a registration."""
+        return [(version, writer, count) for (version, writer), count in self._opens.items()]
+
+    def writing(self) -> list[m.Held]:
+        """The versions being written here, for a registration."""
+        return [m.Held(version, state.size, False, False, state.mtime_ns) for version, state in self._writing.items()]
+
     def _count_open(self, version: int, writer: bool, delta: int) -> None:
         key = (version, writer)
         count = self._opens.get(key, 0) + delta
@@ -391,7 +458,7 @@ class Node(NodeMembership):
         return await self._start_writing(await self.master.call(m.OpenWrite(ino, self.node_id, truncate)), truncate)
 
     async def _start_writing(self, opened: m.Opened, truncate: bool) -> OpenFile:
-        self._drop(opened.dropped)
+        self.drop(opened.dropped)
         version = opened.version
         self._count_open(version, True, 1)
         state = self._writing.get(version)
@@ -414,7 +481,7 @@ class Node(NodeMembership):
                     state.size = opened.copy_size
                 finally:
                     self._count_open(opened.copy_from, False, -1)
-                    self._drop((await self.master.call(m.Release(opened.copy_from, writer=False))).dropped)
+                    self.drop((await self.master.call(m.Release(opened.copy_from, writer=False))).dropped)
         return OpenFile(opened.attr.ino, version, True, 0)
 
     def size_of(self, handle: OpenFile) -> int:
@@ -433,31 +500,9 @@ class Node(NodeMembership):
         self.served_bytes[handle.source.tier] += len(data)
         return data
 
-    async def _writable(self, handle: OpenFile) -> None:
-        """Makes sure a writer's handle has a version being written. In cluster mode the close
-        of a descriptor seals the file even while a duplicate of it (dup, a shell's redirection)
-        stays open: a write through that one starts a new version, as opening it again would."""
-        while handle.finished:
-            if handle.reopening is not None:  # another request of this handle is at it
-                await handle.reopening.wait()
-                continue
-            handle.reopening = trio.Event()
-            try:
-                fresh = await self._open_version(handle.ino, truncate=False)
-            except KvfsError as error:
-                raise StorageError(errno.EBADF, f"inode {handle.ino} was sealed when a descriptor of it was "
-                                                f"closed, and cannot be written again: {error}") from None
-            finally:
-                handle.reopening.set()
-                handle.reopening = None
-            sealed = OpenFile(handle.ino, handle.version, True, 0, leased=handle.leased, finished=True)
-            handle.version, handle.leased, handle.finished = fresh.version, fresh.leased, False
-            await self.release(sealed)  # the handle's lease moves to the new version
-
     async def write(self, handle: OpenFile, offset: int, data: bytes) -> int:
         if not handle.writable:
             raise StorageError(errno.EBADF, f"inode {handle.ino} is not open for writing")
-        await self._writable(handle)
         end = offset + len(data)
         self._check_file_size(end)
         await self.store.write(handle.version, offset, data)
@@ -467,33 +512,28 @@ class Node(NodeMembership):
         state.mtime_ns = state.ctime_ns = self.clock.wall_ns()
         return len(data)
 
-    async def flush(self, handle: OpenFile) -> None:
-        """close() of a descriptor (cluster mode). The only writer's close seals the file
-        before close returns, so that other nodes see all of it as soon as the writer is
-        done (close-to-open); RELEASE, which the kernel sends after close returns, only
-        drops the reference then."""
-        if handle.writable and not handle.finished:
-            state = self._writing.get(handle.version)
-            if state is not None and state.writers == 1:
-                await self._finish_writing(handle)
-
     async def _finish_writing(self, handle: OpenFile) -> None:
-        handle.finished = True
+        """A writer's release. The last one seals the version, as on a local file system a
+        file is final once its last open file description is gone: a descriptor closed while
+        a duplicate of it (dup, a shell's `> file`) is still open ends nothing, since the
+        kernel sends RELEASE only when every duplicate is closed."""
         state = self._writing[handle.version]
         state.writers -= 1
         if state.writers:
             return
         del self._writing[handle.version]  # the last writer is done: the bytes are final
         checksums = self.store.seal(handle.version, state.size)
+        for reader in self._early_readers.pop(handle.version, []):
+            reader.size = state.size
         # Until the master confirms, a registration reports the seal (with its mtime) itself.
-        self._unreported_seals[handle.version] = state.mtime_ns
+        self.membership.unreported_seals[handle.version] = state.mtime_ns
         try:
             attr = await self.master.call(m.Seal(handle.version, state.size, state.mtime_ns, checksums,
                                                  state.ctime_ns))
         except MasterUnavailable:
             log.warning("inode %d: the master is unreachable; its seal is reported on reconnection", handle.ino)
             return
-        self._unreported_seals.pop(handle.version, None)
+        self.membership.unreported_seals.pop(handle.version, None)
         self._remember_local(handle.ino, handle.version, attr)
 
     async def release(self, handle: OpenFile) -> None:
@@ -501,14 +541,22 @@ class Node(NodeMembership):
         try:
             if handle.source is not None:
                 self.store.close_read(handle.source)
-            if handle.writable and not handle.finished:
+                self._forget_early_reader(handle)
+            if handle.writable:
                 await self._finish_writing(handle)
         finally:  # the reference goes even if sealing failed, or the version would leak
             if handle.leased:
                 try:
-                    self._drop((await self.master.call(m.Release(handle.version, handle.writable))).dropped)
+                    self.drop((await self.master.call(m.Release(handle.version, handle.writable))).dropped)
                 except MasterUnavailable:
                     pass  # a new registration reports only the handles still open
+
+    def _forget_early_reader(self, handle: OpenFile) -> None:
+        readers = self._early_readers.get(handle.version)
+        if readers is not None and handle in readers:
+            readers.remove(handle)
+            if not readers:
+                del self._early_readers[handle.version]
 
     async def fsync(self, handle: OpenFile) -> None:
         """A sealed file is durable once it is on SSD: fsync waits for its offload, and
@@ -598,14 +646,15 @@ class Node(NodeMembership):
         return len(removed.entries)
 
     def _apply_removed(self, removed: m.Removed) -> None:
-        self._drop(removed.dropped)
+        self.drop(removed.dropped)
         if removed.entries:
             self.forget_entries(removed.entries)
 
-    def _drop(self, versions: Iterable[int]) -> None:
+    def drop(self, versions: Iterable[int]) -> None:
+        """Frees versions the master no longer knows (or never will again)."""
         for version in versions:
             self.store.drop(version)
-            self._unreported_seals.pop(version, None)
+            self.membership.unreported_seals.pop(version, None)
             ino = self._local_inos.pop(version, None)
             if ino is not None:
                 del self._local[ino]
@@ -616,66 +665,7 @@ class Node(NodeMembership):
         tier = self.store.ssd if self.store.ssd is not None else self.store.dram
         return NodeStats(tier.capacity, tier.used, master.inodes, master.files)
 
-    # Extended attributes ---------------------------------------------------------------
-
-    async def getxattr(self, ino: int, name: bytes) -> bytes:
-        if ino == ROOT_INO and name == ROOT_STATS:
-            namespace = await self.master.call(m.Stats())
-            holdings = self.store.holdings()
-            on_ssd = sum(1 for holding in holdings if holding[3])
-            stats = {**self.store_stats(), "files": namespace.files, "inodes": namespace.inodes,
-                     "sealed_bytes": namespace.sealed_bytes, "stored_files": len(holdings),
-                     "stored_bytes": sum(holding[1] for holding in holdings), "ssd_files": on_ssd,
-                     "dram_only_files": len(holdings) - on_ssd}
-            return json.dumps(stats, sort_keys=True).encode()
-        if ino == ROOT_INO and name in (ROOT_USAGE, ROOT_USAGE_COUNTERS):
-            usage = await self.master.call(m.DirUsage(files=name == ROOT_USAGE))
-            return msgspec.json.encode(usage)
-        if name.startswith(VIRTUAL_PREFIX):
-            return await self._virtual_xattr(ino, name)
-        return (await self.master.call(m.GetXattr(ino, name))).value
-
-    async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
-        if ino == ROOT_INO and name == ROOT_CONTROL:
-            return await self._control(value.decode(errors="replace").strip())
-        if name.startswith(VIRTUAL_PREFIX):
-            raise StorageError(errno.EPERM, f"xattr {name!r} is read-only (maintained by kvfs)")
-        await self.master.call(m.SetXattr(ino, name, value))
-        await self._refresh_file_record(ino)
-
-    async def removexattr(self, ino: int, name: bytes) -> None:
-        if name.startswith(VIRTUAL_PREFIX):
-            raise StorageError(errno.EPERM, f"xattr {name!r} is read-only (maintained by kvfs)")
-        await self.master.call(m.RemoveXattr(ino, name))
-        await self._refresh_file_record(ino)
-
-    async def _refresh_file_record(self, ino: int) -> None:
-        attr = await self.master.call(m.GetAttr(ino))
-        if attr.version:
-            await self.store.refresh_record(attr.version)
-
-    async def _control(self, command: str) -> None:
-        if command == "sync":  # what the offloader has queued is on SSD when this returns
-            self.store.retry_now()
-            await self.store.wait_offloaded()
-            self._check_offloaded("sync")
-        elif command == "flush":  # everything sealed is on SSD when this returns (also in watermark mode)
-            self.store.retry_now()
-            self.store.queue_all_dram_only()
-            await self.store.wait_offloaded()
-            self._check_offloaded("flush")
-        elif command == "drop-dram":
-            demoted = self.store.demote_all()
-            log.info("control: dropped the DRAM copies of %d files already on SSD", demoted)
-        else:
-            raise StorageError(errno.EINVAL, f"unknown control command {command!r} (sync, flush, drop-dram)")
-
-    def _check_offloaded(self, command: str) -> None:
-        """sync and flush fail with EIO while files wait for the SSD tier to work again."""
-        failed, nbytes = self.store.offload_failed()
-        if failed:
-            raise StorageError(errno.EIO, f"control {command}: {failed} files ({format_size(nbytes)}) could not be "
-                                          f"copied to SSD: {self.store.faults.last_error()}")
+    # Statistics ----------------------------------------------------------------------------
 
     def activity(self) -> m.Activity:
         backlog_files, backlog_bytes = self.store.offload_backlog()
@@ -707,52 +697,3 @@ class Node(NodeMembership):
         if self.store.ssd is not None:
             stats.update(ssd_capacity=self.store.ssd.capacity, ssd_used=self.store.ssd.used)
         return stats
-
-
-    async def listxattr(self, ino: int) -> list[bytes]:
-        names = (await self.master.call(m.ListXattr(ino))).names
-        if ino == ROOT_INO:
-            return names + [ROOT_STATS, ROOT_USAGE]
-        attr = await self.getattr(ino)
-        return names + list(VIRTUAL_XATTRS) if attr.version else names
-
-    async def _virtual_xattr(self, ino: int, name: bytes) -> bytes:
-        attr = await self.getattr(ino)
-        if not attr.version or name not in VIRTUAL_XATTRS:
-            raise StorageError(errno.ENODATA, f"no xattr {name!r} on inode {ino}")
-        info: m.VersionInfo = await self.master.call(m.GetVersion(attr.version))
-        facts = self._file_facts(attr, info)
-        if name == b"user.kvfs.info":
-            return json.dumps(facts, sort_keys=True).encode()
-        values = {
-            b"user.kvfs.tier": facts["tier"],
-            b"user.kvfs.size": facts["size"],
-            b"user.kvfs.version": facts["version"],
-            b"user.kvfs.sealed": "yes" if info.sealed else "no",
-            b"user.kvfs.chunks": len(facts["chunks"]),
-            b"user.kvfs.checksum": ",".join(chunk["checksum"] for chunk in facts["chunks"] if chunk["checksum"]),
-            b"user.kvfs.hits": info.hits,
-            b"user.kvfs.last_access_ns": info.last_access_ns,
-            b"user.kvfs.node": info.node,
-            b"user.kvfs.node_name": info.node_name,
-            b"user.kvfs.on_ssd": "yes" if info.on_disk else "no",
-            b"user.kvfs.leases": f"readers={info.readers} writers={info.writers}",
-            b"user.kvfs.ssd_extents": facts["ssd_extents"],
-        }
-        return str(values[name]).encode()
-
-    def _file_facts(self, attr: m.Attr, info: m.VersionInfo) -> dict:
-        """Everything `kvfs inspect` shows of a file: where its chunks are, their checksums, use."""
-        stored_here = info.node == self.node_id
-        tier = self.store.tier_of(info.version) if stored_here else "peer"
-        chunk_total = len(info.checksums) if info.sealed else -(-attr.size // self.chunk_size)
-        chunks = [{"index": index, "offset": index * self.chunk_size,
-                   "length": min(self.chunk_size, attr.size - index * self.chunk_size),
-                   "checksum": format_checksum(info.checksums[index]) if index < len(info.checksums) else ""}
-                  for index in range(chunk_total)]
-        return {"size": attr.size, "version": info.version, "sealed": info.sealed, "tier": tier,
-                "node": info.node, "node_name": info.node_name, "node_address": info.node_address,
-                "node_up": info.node_live, "stored_here": stored_here, "on_ssd": info.on_disk,
-                "hits": info.hits, "last_access_ns": info.last_access_ns,
-                "readers": info.readers, "writers": info.writers, "chunk_size": self.chunk_size, "chunks": chunks,
-                "ssd_extents": self.store.describe_extents(info.version) if stored_here else ""}

@@ -1,0 +1,170 @@
+"""One node's POSIX view in a cluster, with real mounts: a file seals at the release of its
+last writer, a node sees its own namespace changes at once, and a slow or stopped owner is
+an I/O error for readers elsewhere, never a missing file."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from conftest import Cluster, KvfsMount
+
+from kvfs.node.service import PEER_BUDGET_S
+
+MiB = 1 << 20
+
+
+def wait_until(condition, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def reads(path: Path, expected: bytes) -> bool:
+    try:
+        return path.read_bytes() == expected
+    except OSError:
+        return False
+
+
+def sealed(path: Path) -> bool:
+    return os.getxattr(path, "user.kvfs.sealed") == b"yes"
+
+
+def shell(command: str) -> None:
+    result = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (0, ""), f"{command}: {result.returncode} {result.stderr}"
+
+
+@pytest.fixture
+def two_nodes(cluster: Cluster) -> Iterator[tuple[KvfsMount, KvfsMount]]:
+    yield cluster.add_node("256M"), cluster.add_node("256M")
+
+
+def test_shell_redirections_and_dd_write_whole_files_read_on_another_node(two_nodes, tmp_path: Path) -> None:
+    """A shell's `> f` opens f, dup2s it to stdout and closes the original: that close ends
+    nothing, the file seals when the last duplicate is closed, with every byte."""
+    a, b = two_nodes
+    shell(f"echo hello > '{a.path / 'echo.txt'}'")
+    source = tmp_path / "source.bin"
+    source.write_bytes(os.urandom(3 * MiB + 123))
+    shell(f"dd if='{source}' of='{a.path / 'dd.bin'}' bs=64k status=none")
+    shell(f"head -c 4M /dev/urandom > '{a.path / 'head.bin'}'")
+    written = (a.path / "head.bin").read_bytes()
+    assert len(written) == 4 * MiB
+    assert (b.path / "echo.txt").read_bytes() == b"hello\n"
+    assert (b.path / "dd.bin").read_bytes() == source.read_bytes()
+    assert (b.path / "head.bin").read_bytes() == written
+    for name in ("echo.txt", "dd.bin", "head.bin"):  # one version each: no reopening after a close
+        assert os.getxattr(b.path / name, "user.kvfs.version") == os.getxattr(a.path / name, "user.kvfs.version")
+
+
+def test_a_duplicate_keeps_the_file_open_until_its_own_close(two_nodes) -> None:
+    a, b = two_nodes
+    path = a.path / "dup.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    version = os.getxattr(path, "user.kvfs.version")
+    duplicate = os.dup(fd)
+    try:
+        assert os.write(fd, b"first ") == 6
+        os.close(fd)
+        assert os.write(duplicate, b"second") == 6  # the same file, still being written
+        assert not sealed(path)
+        os.ftruncate(duplicate, 10)
+        assert os.write(duplicate, b"!") == 1  # at offset 12: a hole of two bytes
+    finally:
+        os.close(duplicate)
+    wait_until(lambda: sealed(path), what="the seal at the last release")
+    assert os.getxattr(path, "user.kvfs.version") == version
+    assert (b.path / "dup.bin").read_bytes() == b"first seco\0\0!"
+
+
+def test_threads_making_directories_and_storing_into_them_on_one_node(two_nodes) -> None:
+    """vLLM's store from 16 threads: os.makedirs of fresh directories under a directory the
+    node has a copy of, then a file in each; a node's own mkdir is in its copy before the
+    reply, so no thread sees a directory another thread just made as absent."""
+    a, _ = two_nodes
+    root = a.path / "kv"
+    root.mkdir()
+    failures: list[str] = []
+    for round_ in range(50):
+        base = root / f"r{round_}-{uuid.uuid4().hex[:6]}"
+        start = threading.Barrier(16)
+
+        def store(worker: int) -> None:
+            start.wait()
+            for key in range(4):
+                directory = base / f"{(worker + key) % 4:02x}" / f"{key:02x}"
+                try:
+                    os.makedirs(directory, exist_ok=True)
+                    (directory / f"{worker}-{key}.bin").write_bytes(b"x" * 4096)
+                except OSError as error:
+                    failures.append(f"round {round_} worker {worker} key {key}: {error}")
+
+        threads = [threading.Thread(target=store, args=(worker,)) for worker in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert failures == []
+    assert sum(1 for _ in root.rglob("*.bin")) == 50 * 16 * 4
+
+
+def test_long_names_are_refused_before_a_directory_copy_answers(two_nodes) -> None:
+    a, _ = two_nodes
+    directory = a.path / "names"
+    directory.mkdir()
+    for i in range(4):  # lookups the master answers, then the node copies the directory
+        assert not (directory / f"absent{i}").exists()
+    long = "x" * 256
+    for call in (lambda: os.unlink(directory / long), lambda: os.rmdir(directory / long),
+                 lambda: os.rename(directory / long, directory / "y"), lambda: os.stat(directory / long)):
+        with pytest.raises(OSError) as raised:
+            call()
+        assert raised.value.errno == errno.ENAMETOOLONG
+
+
+@pytest.fixture
+def patient_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    """A cluster whose master waits 60 s before declaring a silent node dead: a stopped owner
+    stays the file's live owner for the whole test."""
+    monkeypatch.setenv("KVFS_DEAD_AFTER", "60")
+    started = Cluster(tmp_path)
+    try:
+        yield started
+    finally:
+        errors = started.close()
+        assert not errors, "kvfs logged unexpected errors:\n" + "\n".join(errors)
+
+
+def test_a_stopped_owner_is_an_io_error_elsewhere_then_serves_again(patient_cluster: Cluster) -> None:
+    owner, reader = patient_cluster.add_node("256M"), patient_cluster.add_node("256M")
+    data = os.urandom(2 * MiB + 7)
+    (owner.path / "f.bin").write_bytes(data)
+    assert (reader.path / "f.bin").read_bytes() == data  # a pooled connection to the owner now exists
+    (owner.path / "g.bin").write_bytes(data[::-1])  # not looked up on the reader yet (a lookup prefetches)
+    wait_until(lambda: sealed(owner.path / "g.bin"), what="the seal (at the release that follows close)")
+    assert owner.process is not None
+    os.kill(owner.process.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(OSError) as raised:
+            (reader.path / "g.bin").read_bytes()
+        took = time.monotonic() - started
+    finally:
+        os.kill(owner.process.pid, signal.SIGCONT)
+    assert raised.value.errno == errno.EIO, raised.value
+    assert took < PEER_BUDGET_S + 2, f"the open failed only after {took:.1f} s"
+    print(f"\nopen of a stopped owner's file: EIO after {took:.2f} s")
+    wait_until(lambda: reads(reader.path / "g.bin", data[::-1]), timeout=30, what="the owner's bytes again")
+    assert (reader.path / "f.bin").read_bytes() == data
