@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from kvfs.checksum import chunk_checksum
 from kvfs.wire.protocol import PREFIX, FrameKind, encode_frame
-from kvfs.net.rpc import FrameStream, handshake, serve_tcp
+from kvfs.net.handshake import Gate, connect
+from kvfs.net.streams import serve_tcp
 from kvfs.net.transport import ChunkData, FetchChunks, PeerServer, TcpTransport
 from kvfs.errors import StorageError
 from kvfs.store.buffers import ReadBufferPool
@@ -110,9 +111,7 @@ def test_a_wrong_checksum_is_eio_and_an_unreachable_peer_enoent() -> None:
 
 async def _handshaken(address: str) -> trio.SocketStream:
     host, port = address.rsplit(":", 1)
-    stream = await trio.open_tcp_stream(host, int(port))
-    await handshake(FrameStream(stream), SECRET, "node")
-    return stream
+    return (await connect(host, int(port), SECRET, "node")).stream
 
 
 BAD_FRAMES = [
@@ -173,11 +172,14 @@ def test_a_remote_open_returns_on_the_answer_and_a_transfer_cut_later_fails_read
     """A peer that starts sending a chunk and dies halfway: the open has succeeded (the
     peer had the version), the read of that chunk fails with EIO, nothing hangs."""
 
+    gate = Gate(SECRET, "peer")
+
     async def dying_peer(stream: trio.SocketStream) -> None:
-        frames = FrameStream(stream)
-        await handshake(frames, SECRET, "peer")
-        prefix, _, _ = await frames.receive()
-        await stream.send_all(encode_frame(FrameKind.RESPONSE, prefix.request_id, ChunkData(0, CHUNK), CHUNK))
+        admitted = await gate.admit(stream)
+        assert admitted is not None
+        frames, _ = admitted
+        request = await frames.receive()
+        await stream.send_all(encode_frame(FrameKind.RESPONSE, request.prefix.request_id, ChunkData(0, CHUNK), CHUNK))
         await stream.send_all(b"\0" * (CHUNK // 2))
         await stream.aclose()
 

@@ -17,7 +17,8 @@ from kvfs.wire.auth import AuthError
 from kvfs.cluster.master import MetadataService
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.wire.protocol import PREFIX, FrameKind
-from kvfs.net.rpc import FrameStream, MetadataServer, RemoteMaster, handshake
+from kvfs.net.handshake import connect
+from kvfs.net.rpc import MetadataServer, RemoteMaster
 from kvfs.errors import MetadataError
 from kvfs.policy import LruPolicy
 
@@ -117,9 +118,7 @@ def test_invalid_request_after_handshake_closes_the_connection(caplog: pytest.Lo
 @given(frames=st.lists(st.tuples(st.sampled_from(list(FrameKind)), st.binary(max_size=64)), min_size=1, max_size=4))
 def test_random_frames_after_the_handshake_never_take_the_master_down(frames) -> None:
     async def test(port: int, nursery: trio.Nursery) -> None:
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
-        frame_stream = FrameStream(stream)
-        await handshake(frame_stream, SECRET, "node")
+        stream = (await connect("127.0.0.1", port, SECRET, "node")).stream
         try:  # well-formed prefixes around arbitrary headers; the master may hang up at any point
             for kind, header in frames:
                 await stream.send_all(PREFIX.pack(b"KV", 1, kind, len(header), 0, 1) + header)

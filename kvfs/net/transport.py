@@ -25,11 +25,10 @@ import msgspec
 import trio
 
 from kvfs.checksum import chunk_checksum
-from kvfs.wire.auth import AuthError
-from kvfs.wire.protocol import (PREFIX_SIZE, ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame,
-                                   parse_prefix)
+from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame
 from kvfs.wire.rdma_messages import RDMA_REQUESTS, Unlease
-from kvfs.net.rpc import FrameStream, handshake, peer_name, serve_tcp
+from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, REFUSALS, Gate, connect
+from kvfs.net.streams import BlockingFrames, FrameStream, peer_name, serve_tcp
 from kvfs.config import split_address
 from kvfs.errors import KvfsError, StorageError
 from kvfs.histogram import OperationStats
@@ -98,13 +97,18 @@ class PeerServer:
     """Serves chunk reads of this node's versions to authenticated peers, over TCP, and the
     control requests of the RDMA transport when this node has one."""
 
-    def __init__(self, store: ChunkSource, secret: bytes, rdma: RdmaService | None = None) -> None:
+    def __init__(self, store: ChunkSource, secret: bytes, rdma: RdmaService | None = None,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
         self.store = store
-        self.secret = secret
         self.rdma = rdma
+        self.gate = Gate(secret, "peer", "peer connection", handshake_timeout_s)
         self._requests = HeaderDecoder(Union[(FetchChunks, *RDMA_REQUESTS)])  # type: ignore[misc]
-        self.refused = 0
         self.served_bytes = 0
+
+    @property
+    def refused(self) -> int:
+        """Connections that failed the handshake."""
+        return self.gate.refused
 
     async def serve(self, host: str, port: int, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         await serve_tcp(self._connection, host, port, task_status)
@@ -112,22 +116,19 @@ class PeerServer:
     async def _connection(self, stream: trio.SocketStream) -> None:
         peer = peer_name(stream)
         _tune(stream.socket)
-        frames = FrameStream(stream)
         async with stream:
-            try:
-                await handshake(frames, self.secret, "peer")
-            except (AuthError, ProtocolError, trio.TooSlowError, EOFError, trio.BrokenResourceError) as error:
-                self.refused += 1
-                log.warning("refused peer connection from %s: %s", peer, error or type(error).__name__)
+            admitted = await self.gate.admit(stream)
+            if admitted is None:
                 return
+            frames, _ = admitted
             session = None
             try:
                 while True:
                     request_id, request = await frames.receive_request(self._requests)
                     if isinstance(request, FetchChunks):
-                        await self._fetch(stream, request_id, request)
+                        await self._fetch(frames, request_id, request)
                     else:
-                        session = await self._rdma_request(stream, request_id, session, request)
+                        session = await self._rdma_request(frames, request_id, session, request)
             except ProtocolError as error:
                 log.warning("closing peer connection from %s: %s", peer, error)
             except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
@@ -138,9 +139,9 @@ class PeerServer:
                 if session is not None and self.rdma is not None:
                     await self.rdma.close_session(session)
 
-    async def _rdma_request(self, stream: trio.SocketStream, request_id: int, session: Any, request: Any) -> Any:
+    async def _rdma_request(self, frames: FrameStream, request_id: int, session: Any, request: Any) -> Any:
         async def reply(kind: FrameKind, header: Any) -> None:
-            await stream.send_all(encode_frame(kind, request_id, header))
+            await frames.send(kind, request_id, header)
 
         if self.rdma is not None:
             return await self.rdma.handle(session, request, reply)
@@ -148,8 +149,9 @@ class PeerServer:
             await reply(FrameKind.ERROR, ErrorReply(errno.ENOTSUP, "this node has no RDMA transport"))
         return None
 
-    async def _fetch(self, stream: trio.SocketStream, request_id: int, request: FetchChunks) -> None:
-        fd = stream.socket.fileno()
+    async def _fetch(self, frames: FrameStream, request_id: int, request: FetchChunks) -> None:
+        assert isinstance(frames.stream, trio.SocketStream)
+        fd = frames.stream.socket.fileno()
 
         async def send(index: int, data: memoryview | bytes) -> None:
             header = encode_frame(FrameKind.RESPONSE, request_id, ChunkData(index, len(data)), len(data))
@@ -157,14 +159,14 @@ class PeerServer:
             # still on its way (with a large send buffer the kernel would hold it back with
             # the payload); the payload from a worker thread: the event loop would wake up
             # for every socket buffer's worth.
-            await stream.send_all(header)
+            await frames.send_encoded(header)
             await trio.to_thread.run_sync(send_all_blocking, fd, [data])
             self.served_bytes += len(data)
 
         try:  # the store checks the chunk range, for this path and the RDMA one
             await self.store.serve_chunks(request.version, request.first, request.count, send)
         except KvfsError as error:
-            await stream.send_all(encode_frame(FrameKind.ERROR, request_id, ErrorReply(error.errno, str(error))))
+            await frames.send(FrameKind.ERROR, request_id, ErrorReply(error.errno, str(error)))
 
 
 def send_all_blocking(fd: int, buffers: list[bytes | memoryview]) -> None:
@@ -187,29 +189,6 @@ def send_all_blocking(fd: int, buffers: list[bytes | memoryview]) -> None:
             else:
                 views[0] = views[0][sent:]
                 sent = 0
-
-
-class _PeerConnection:
-    """An authenticated connection, used in blocking mode from a worker thread: a blocking
-    recv_into with MSG_WAITALL takes a whole chunk in one system call, where a non-blocking
-    socket in the event loop would wake up for every few hundred KiB."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        sock.setblocking(True)
-        sock.settimeout(FETCH_TIMEOUT_S)
-        self.sock = sock
-        self.prefix = bytearray(PREFIX_SIZE)
-
-    def receive_exactly(self, target: memoryview) -> None:
-        got = 0
-        while got < len(target):
-            count = self.sock.recv_into(target[got:], len(target) - got, socket.MSG_WAITALL)
-            if count == 0:
-                raise EOFError("the peer closed the connection")
-            got += count
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 class MeasuredTransport:
@@ -239,31 +218,28 @@ class TcpTransport(MeasuredTransport):
         super().__init__()
         self.secret = secret
         self.streams_per_peer = streams_per_peer
-        self._idle: dict[str, list[_PeerConnection]] = {}
+        self._idle: dict[str, list[BlockingFrames]] = {}
         self._chunks = HeaderDecoder(ChunkData)
         self._errors = HeaderDecoder(ErrorReply)
         self._next_id = 1
         self.fetched_bytes = 0
         self.checksum_failures = 0
 
-    async def _connect(self, address: str) -> _PeerConnection:
+    async def _connect(self, address: str) -> BlockingFrames:
         idle = self._idle.get(address)
         if idle:
             return idle.pop()
         host, port = split_address(address)
         with trio.move_on_after(CONNECT_TIMEOUT_S):
-            stream = await trio.open_tcp_stream(host, port)
-            _tune(stream.socket)
-            frames = FrameStream(stream)
+            frames = await connect(host, port, self.secret, "node", tune=_tune)
             try:
-                await handshake(frames, self.secret, "node")
+                return BlockingFrames.detach(frames, FETCH_TIMEOUT_S)
             except BaseException:
-                await stream.aclose()
+                await frames.aclose()
                 raise
-            return _PeerConnection(socket.socket(fileno=stream.socket.detach()))
         raise OSError(errno.ETIMEDOUT, f"connecting to {address} took over {CONNECT_TIMEOUT_S} s")
 
-    def _give_back(self, address: str, connection: _PeerConnection) -> None:
+    def _give_back(self, address: str, connection: BlockingFrames) -> None:
         idle = self._idle.setdefault(address, [])
         if len(idle) < self.streams_per_peer:
             idle.append(connection)
@@ -274,7 +250,7 @@ class TcpTransport(MeasuredTransport):
                      checksums: list[int], on_chunk: Callable[[int], None], on_answer: Callable[[], None]) -> None:
         try:
             connection = await self._connect(address)
-        except (OSError, AuthError, ProtocolError, EOFError, trio.BrokenResourceError, ValueError) as error:
+        except (OSError, ValueError, *REFUSALS) as error:
             raise StorageError(errno.ENOENT, f"version {version}: peer {address} is unreachable ({error})") from None
         request_id = self._next_id
         self._next_id += 1
@@ -304,18 +280,15 @@ class TcpTransport(MeasuredTransport):
             else:
                 connection.close()
 
-    def _exchange(self, connection: _PeerConnection, request_id: int, address: str, version: int, first: int,
+    def _exchange(self, connection: BlockingFrames, request_id: int, address: str, version: int, first: int,
                   targets: list[memoryview], lengths: list[int], checksums: list[int],
                   arrived: Callable[[int], None], answered: Callable[[], None]) -> None:
         """One fetch, in a worker thread: the request, then a frame per chunk into its target."""
-        connection.sock.sendall(encode_frame(FrameKind.REQUEST, request_id, FetchChunks(version, first, len(targets))))
-        prefix_view = memoryview(connection.prefix)
+        connection.send(FrameKind.REQUEST, request_id, FetchChunks(version, first, len(targets)))
         for offset, (target, length) in enumerate(zip(targets, lengths)):
             index = first + offset
-            connection.receive_exactly(prefix_view)
-            prefix = parse_prefix(prefix_view)
-            header = bytearray(prefix.header_length)
-            connection.receive_exactly(memoryview(header))
+            head = connection.receive_head()
+            prefix, header = head.prefix, head.header
             if prefix.request_id != request_id:
                 raise ProtocolError(f"reply to request {prefix.request_id}, expected {request_id}")
             if prefix.kind == FrameKind.ERROR:
@@ -328,7 +301,7 @@ class TcpTransport(MeasuredTransport):
                 raise ProtocolError(f"chunk {reply.index} of {reply.length} bytes, expected chunk {index} of {length}")
             if not offset:
                 answered()
-            connection.receive_exactly(target[:length])
+            connection.receive_payload(target[:length])
             if index < len(checksums) and chunk_checksum(target[:length]) != checksums[index]:
                 self.checksum_failures += 1
                 raise StorageError(errno.EIO, f"version {version} chunk {index} from {address} fails its checksum")
