@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvfs.checksum import chunk_checksum
-from kvfs.wire.protocol import PREFIX, FrameKind, encode_frame
-from kvfs.net.handshake import Gate, connect
+from kvfs.wire.protocol import PREFIX, VERSION, FrameKind, encode_frame
+from kvfs.net.handshake import PEER_CLIENTS, Gate, connect
 from kvfs.net.streams import serve_tcp
 from kvfs.net.transport import ChunkData, FetchChunks, PeerServer, TcpTransport
 from kvfs.errors import StorageError
@@ -111,13 +111,13 @@ def test_a_wrong_checksum_is_eio_and_an_unreachable_peer_enoent() -> None:
 
 async def _handshaken(address: str) -> trio.SocketStream:
     host, port = address.rsplit(":", 1)
-    return (await connect(host, int(port), SECRET, "node")).stream
+    return (await connect(host, int(port), SECRET, "node", "peer")).stream
 
 
 BAD_FRAMES = [
     PREFIX.pack(b"KV", 9, FrameKind.REQUEST, 10, 0, 1),  # wrong version
-    PREFIX.pack(b"KV", 1, FrameKind.REQUEST, 1 << 30, 0, 1),  # oversized header
-    PREFIX.pack(b"KV", 1, FrameKind.REQUEST, 1000, 0, 1) + b"\x01" * 10,  # truncated, then closed
+    PREFIX.pack(b"KV", VERSION, FrameKind.REQUEST, 1 << 30, 0, 1),  # oversized header
+    PREFIX.pack(b"KV", VERSION, FrameKind.REQUEST, 1000, 0, 1) + b"\x01" * 10,  # truncated, then closed
     encode_frame(FrameKind.RESPONSE, 1, FetchChunks(VERSION, 0, 1)),  # a response where a request belongs
     encode_frame(FrameKind.REQUEST, 1, FetchChunks(VERSION, 0, 99)),  # beyond the file: an error reply
     encode_frame(FrameKind.REQUEST, 1, FetchChunks(VERSION, -1, 2)),  # before the file: an error reply
@@ -172,7 +172,7 @@ def test_a_remote_open_returns_on_the_answer_and_a_transfer_cut_later_fails_read
     """A peer that starts sending a chunk and dies halfway: the open has succeeded (the
     peer had the version), the read of that chunk fails with EIO, nothing hangs."""
 
-    gate = Gate(SECRET, "peer")
+    gate = Gate(SECRET, "peer", PEER_CLIENTS)
 
     async def dying_peer(stream: trio.SocketStream) -> None:
         admitted = await gate.admit(stream)

@@ -48,7 +48,7 @@ def test_a_node_without_rdma_answers_the_rdma_handshake_with_enotsup(cluster: Cl
 
     async def ask() -> list[tuple[FrameKind, int]]:
         host, port = split_address(address)
-        frames = await connect(host, port, CLUSTER_SECRET.encode(), "node")
+        frames = await connect(host, port, CLUSTER_SECRET.encode(), "node", "peer")
         answers = []
         for request_id, request in ((1, RdmaConnect(1, 2, "fe80::1")), (2, Locate(1, 0, 1))):
             await frames.send(FrameKind.REQUEST, request_id, request)

@@ -3,68 +3,81 @@ accepting side, which refuses with a counted, logged reason).
 
 The master's server and client, the peer server and both chunk transports open and accept
 connections only through here, so that this is the one place that touches a new raw stream
-before it is authenticated. The proofs themselves are pure (`kvfs.wire.auth`).
+before it is authenticated. The proofs and their order are pure (`kvfs.wire.auth`): the
+client proves first, and the server sends nothing that depends on the secret before it has
+checked the client's proof. Until then a connection is held to tiny frames (a hello or a
+proof, no payload) and to `HANDSHAKE_TIMEOUT_S`.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 from typing import Any, Callable
 
 import trio
 
-from kvfs.wire.auth import AuthError, HandshakeMessage, Hello, Proof, check, new_nonce, prove
-from kvfs.wire.protocol import FrameKind, HeaderDecoder, ProtocolError
+from kvfs.wire.auth import (HANDSHAKE_MAX_HEADER, HANDSHAKE_MAX_PAYLOAD, AuthError, ClientHandshake,
+                            HandshakeMessage, Hello, Proof, ServerHandshake)
+from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder, ProtocolError
+from kvfs.wire.text import printable
 from kvfs.net.streams import FrameStream, peer_name
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
+REFUSAL_SEND_S = 0.5  # the refused peer gets this long to take our one-line reason
+
+# Who may connect to whom: a master serves nodes and command-line clients, a peer server nodes.
+MASTER_CLIENTS = frozenset({"node", "client"})
+PEER_CLIENTS = frozenset({"node"})
 
 _messages = HeaderDecoder(HandshakeMessage)
+_errors = HeaderDecoder(ErrorReply)
 
 # What a failed handshake raises, on either side.
 REFUSALS = (AuthError, ProtocolError, trio.TooSlowError, EOFError, trio.BrokenResourceError)
 
 
+def _frames(stream: trio.abc.Stream) -> FrameStream:
+    """A new connection's frames: a hello or a proof, nothing larger, until authenticated."""
+    return FrameStream(stream, HANDSHAKE_MAX_HEADER, HANDSHAKE_MAX_PAYLOAD)
+
+
 async def _receive(frames: FrameStream, kind: type) -> Any:
     frame = await frames.receive()
+    if frame.prefix.kind == FrameKind.ERROR:  # the other side refused us, and said why
+        raise AuthError(f"refused: {printable(_errors.decode(frame.header).message)}")
+    if frame.prefix.kind != FrameKind.HELLO:
+        raise ProtocolError(f"expected a {kind.__name__.lower()}, got a {frame.prefix.kind.name} frame")
     message = _messages.decode(frame.header)
-    if frame.prefix.kind != FrameKind.HELLO or not isinstance(message, kind):
-        raise ProtocolError(f"expected a {kind.__name__.lower()}")
+    if not isinstance(message, kind):
+        raise ProtocolError(f"expected a {kind.__name__.lower()}, got a {type(message).__name__.lower()}")
     return message
 
 
-async def _authenticate(frames: FrameStream, secret: bytes, role: str) -> str:
-    """Mutual authentication; returns the peer's role. Raises AuthError or ProtocolError."""
-    nonce = new_nonce()
-    await frames.send(FrameKind.HELLO, 0, Hello(role, nonce))
-    hello = await _receive(frames, Hello)
-    await frames.send(FrameKind.HELLO, 0, Proof(prove(secret, role, nonce, hello.nonce)))
-    proof = await _receive(frames, Proof)
-    check(secret, hello, proof, nonce)
-    return hello.role
-
-
-async def authenticate(frames: FrameStream, secret: bytes, role: str,
-                       timeout_s: float = HANDSHAKE_TIMEOUT_S) -> str:
-    """The connecting side's handshake on an open stream; returns the server's role."""
+async def authenticate(frames: FrameStream, secret: bytes, role: str, server_role: str,
+                       timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
+    """The connecting side's handshake, as ROLE, with a server that must be SERVER_ROLE."""
+    side = ClientHandshake(secret, role, frozenset({server_role}))
     with trio.fail_after(timeout_s):
-        server_role = await _authenticate(frames, secret, role)
+        await frames.send(FrameKind.HELLO, 0, side.hello)
+        await frames.send(FrameKind.HELLO, 0, side.answer(await _receive(frames, Hello)))
+        side.verify(await _receive(frames, Proof))
     frames.authenticated()
-    return server_role
 
 
-async def connect(host: str, port: int, secret: bytes, role: str,
+async def connect(host: str, port: int, secret: bytes, role: str, server_role: str,
                   tune: Callable[[Any], None] | None = None) -> FrameStream:
-    """An authenticated connection to HOST:PORT as ROLE. `tune(socket)` runs before the
-    handshake. Raises OSError, or one of REFUSALS; nothing is left open then."""
+    """An authenticated connection to the SERVER_ROLE ("master" or "peer") at HOST:PORT, as
+    ROLE. `tune(socket)` runs before the handshake. Raises OSError, or one of REFUSALS;
+    nothing is left open then."""
     stream = await trio.open_tcp_stream(host, port)
     try:
         if tune is not None:
             tune(stream.socket)
-        frames = FrameStream(stream)
-        await authenticate(frames, secret, role)
+        frames = _frames(stream)
+        await authenticate(frames, secret, role, server_role)
     except BaseException:
         with trio.CancelScope(shield=True):
             await stream.aclose()
@@ -73,26 +86,45 @@ async def connect(host: str, port: int, secret: bytes, role: str,
 
 
 class Gate:
-    """The accepting side: authenticates each new connection; a connection that fails is
-    refused, counted (`refused`) and logged with its reason."""
+    """The accepting side, as ROLE, for clients of CLIENT_ROLES: authenticates each new
+    connection; one that fails is refused, counted (`refused`) and logged with its reason,
+    peer-supplied text escaped and cut short."""
 
-    def __init__(self, secret: bytes, role: str, what: str = "connection",
+    def __init__(self, secret: bytes, role: str, client_roles: frozenset[str], what: str = "connection",
                  timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
         self.secret = secret
         self.role = role
+        self.client_roles = client_roles
         self.what = what
         self.timeout_s = timeout_s
         self.refused = 0
 
     async def admit(self, stream: trio.SocketStream) -> tuple[FrameStream, str] | None:
-        """(the authenticated frames, the peer's role), or None: refused, the caller closes."""
-        frames = FrameStream(stream)
+        """(the authenticated frames, the client's role), or None: refused, the caller closes."""
+        frames = _frames(stream)
+        side = ServerHandshake(self.secret, self.role, self.client_roles)
         try:
             with trio.fail_after(self.timeout_s):
-                peer_role = await _authenticate(frames, self.secret, self.role)
+                hello = await _receive(frames, Hello)
+                await frames.send(FrameKind.HELLO, 0, side.greet(hello))
+                proof = side.verify(await _receive(frames, Proof))  # nothing secret-bound goes out before
+                await frames.send(FrameKind.HELLO, 0, proof)
         except REFUSALS as error:
-            self.refused += 1
-            log.warning("refused %s from %s: %s", self.what, peer_name(stream), error or type(error).__name__)
+            await self._refuse(frames, stream, error)
             return None
         frames.authenticated()
-        return frames, peer_role
+        return frames, hello.role
+
+    async def _refuse(self, frames: FrameStream, stream: trio.SocketStream, error: BaseException) -> None:
+        self.refused += 1
+        if isinstance(error, trio.TooSlowError):
+            reason = f"no handshake within {self.timeout_s:g} s"
+        else:
+            reason = str(error) or type(error).__name__
+        log.warning("refused %s from %s: %s", self.what, peer_name(stream), printable(reason))
+        if isinstance(error, (AuthError, ProtocolError)):  # tell an honest client with the wrong secret why
+            with trio.move_on_after(REFUSAL_SEND_S):
+                try:
+                    await frames.send(FrameKind.ERROR, 0, ErrorReply(errno.EACCES, "authentication failed"))
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    pass

@@ -409,7 +409,7 @@ class RdmaTransport(MeasuredTransport):
     async def _connect(self, address: str) -> _RdmaPeer:
         host, port = split_address(address)
         with trio.fail_after(CONNECT_TIMEOUT_S * 5):
-            frames = await connect(host, port, self.secret, "node")
+            frames = await connect(host, port, self.secret, "node", "peer")
         try:
             qp = self.device.create_queue_pair()
         except BaseException:

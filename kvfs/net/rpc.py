@@ -20,7 +20,8 @@ import trio
 
 from kvfs.wire import messages as m
 from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame
-from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, Gate, connect
+from kvfs.wire.text import printable
+from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, MASTER_CLIENTS, Gate, connect
 from kvfs.net.streams import FrameStream, peer_name, serve_tcp
 from kvfs.errors import KvfsError, MetadataError
 
@@ -69,7 +70,7 @@ class MetadataServer:
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
         self.handle = handle
         self.notifier = notifier
-        self.gate = Gate(secret, "master", "connection", handshake_timeout_s)
+        self.gate = Gate(secret, "master", MASTER_CLIENTS, "connection", handshake_timeout_s)
         self._requests = HeaderDecoder(_ANY_REQUEST)
         self._wake: dict[int, trio.Event] = {}  # node -> its pusher's wake-up
 
@@ -148,7 +149,7 @@ class MetadataServer:
                 async with send_lock:
                     await frames.send_encoded(frame)
         except ProtocolError as error:
-            log.warning("closing connection from %s: %s", peer, error)
+            log.warning("closing connection from %s: %s", peer, printable(error))
         except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
             log.info("%s at %s disconnected", role, peer)
 
@@ -189,7 +190,7 @@ class RemoteMaster:
     async def connect(cls, host: str, port: int, secret: bytes, nursery: trio.Nursery, role: str = "node",
                       on_notify: Callable[[m.NameChanges], None] | None = None) -> "RemoteMaster":
         """Connects, authenticates, and starts the receiver task in `nursery`."""
-        frames = await connect(host, port, secret, role)
+        frames = await connect(host, port, secret, role, "master")
         master = cls(frames, on_notify)
         nursery.start_soon(master._receive_forever)
         return master

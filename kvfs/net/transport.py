@@ -27,7 +27,8 @@ import trio
 from kvfs.checksum import chunk_checksum
 from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame
 from kvfs.wire.rdma_messages import RDMA_REQUESTS, Unlease
-from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, REFUSALS, Gate, connect
+from kvfs.wire.text import printable
+from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, PEER_CLIENTS, REFUSALS, Gate, connect
 from kvfs.net.streams import BlockingFrames, FrameStream, peer_name, serve_tcp
 from kvfs.config import split_address
 from kvfs.errors import KvfsError, StorageError
@@ -101,7 +102,7 @@ class PeerServer:
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
         self.store = store
         self.rdma = rdma
-        self.gate = Gate(secret, "peer", "peer connection", handshake_timeout_s)
+        self.gate = Gate(secret, "peer", PEER_CLIENTS, "peer connection", handshake_timeout_s)
         self._requests = HeaderDecoder(Union[(FetchChunks, *RDMA_REQUESTS)])  # type: ignore[misc]
         self.served_bytes = 0
 
@@ -130,7 +131,7 @@ class PeerServer:
                     else:
                         session = await self._rdma_request(frames, request_id, session, request)
             except ProtocolError as error:
-                log.warning("closing peer connection from %s: %s", peer, error)
+                log.warning("closing peer connection from %s: %s", peer, printable(error))
             except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
             except Exception:  # never let one connection take the server down
@@ -231,7 +232,7 @@ class TcpTransport(MeasuredTransport):
             return idle.pop()
         host, port = split_address(address)
         with trio.move_on_after(CONNECT_TIMEOUT_S):
-            frames = await connect(host, port, self.secret, "node", tune=_tune)
+            frames = await connect(host, port, self.secret, "node", "peer", tune=_tune)
             try:
                 return BlockingFrames.detach(frames, FETCH_TIMEOUT_S)
             except BaseException:

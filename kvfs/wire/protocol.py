@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 MAGIC = b"KV"
-VERSION = 1
+VERSION = 2  # 2: the client proves first, proofs bound to direction and transcript
 PREFIX = struct.Struct(">2sBBIIQ")
 PREFIX_SIZE = PREFIX.size
 MAX_HEADER = 1 << 20  # control messages are small; a listing of 256 entries is ~40 KiB
