@@ -42,7 +42,7 @@ from kvfs.wire.rdma_messages import (NOT_IN_DRAM, Locate, Located, RdmaAccepted,
                                          Unlease)
 from kvfs.net.handshake import connect
 from kvfs.net.streams import FrameStream
-from kvfs.net.transport import CONNECT_TIMEOUT_S, MeasuredTransport, TcpTransport
+from kvfs.net.transport import MeasuredTransport, TcpTransport
 from kvfs.net.verbs import (Endpoint, QueuePair, RdmaDevice, RdmaError, RdmaUnavailable, Window, buffer_address,
                                 probe)
 from kvfs.config import split_address
@@ -55,6 +55,7 @@ LEASE_TTL_S = 10.0  # a reader holds chunks this long at most; then its windows 
 PROBE_SIZE = 4096
 RETRY_RDMA_AFTER_S = 30.0  # a peer whose RDMA failed is fetched over TCP this long
 CONTROL_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 5.0  # the control connection, handshake included
 
 
 # The owner's side ------------------------------------------------------------------------
@@ -408,7 +409,7 @@ class RdmaTransport(MeasuredTransport):
 
     async def _connect(self, address: str) -> _RdmaPeer:
         host, port = split_address(address)
-        with trio.fail_after(CONNECT_TIMEOUT_S * 5):
+        with trio.fail_after(CONNECT_TIMEOUT_S):
             frames = await connect(host, port, self.secret, "node", "peer")
         try:
             qp = self.device.create_queue_pair()

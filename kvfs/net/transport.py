@@ -25,7 +25,7 @@ import msgspec
 import trio
 
 from kvfs.checksum import chunk_checksum
-from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame
+from kvfs.wire.protocol import ErrorReply, FrameKind, Head, HeaderDecoder, ProtocolError, encode_frame
 from kvfs.wire.rdma_messages import RDMA_REQUESTS, Unlease
 from kvfs.wire.text import printable
 from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, PEER_CLIENTS, REFUSALS, Gate, connect
@@ -37,8 +37,14 @@ from kvfs.histogram import OperationStats
 log = logging.getLogger(__name__)
 
 SOCKET_BUFFER = 4 << 20
-CONNECT_TIMEOUT_S = 1.0
-FETCH_TIMEOUT_S = 10.0  # a peer silent this long mid-transfer is treated as gone
+# The reader's budget against one peer (docs/cluster.md, "Bounds on a peer"): connecting and
+# authenticating, then each wait for the owner's next bytes, take at most PEER_SILENCE_S; the
+# owner pulses every PULSE_S while it prepares a chunk, so only a frozen, dead or cut-off
+# owner goes silent that long.
+PEER_SILENCE_S = 3.0
+CONNECT_TIMEOUT_S = PEER_SILENCE_S
+PULSE_S = 1.0
+SEND_STALL_S = 10.0  # the owner drops a reader that takes no data this long
 STREAMS_PER_PEER = 8
 
 
@@ -51,6 +57,10 @@ class FetchChunks(msgspec.Struct, tag=True):
 class ChunkData(msgspec.Struct, tag=True):
     index: int
     length: int
+
+
+class Pulse(msgspec.Struct, tag=True):
+    """Sent while the owner prepares the next chunk (its own frame kind, `FrameKind.PULSE`)."""
 
 
 class ChunkSource(Protocol):
@@ -153,21 +163,50 @@ class PeerServer:
     async def _fetch(self, frames: FrameStream, request_id: int, request: FetchChunks) -> None:
         assert isinstance(frames.stream, trio.SocketStream)
         fd = frames.stream.socket.fileno()
+        sending = trio.Lock()  # one frame at a time: a chunk's, an error's or a pulse's
+        done = trio.Event()
+        last_sent = trio.current_time()
 
         async def send(index: int, data: memoryview | bytes) -> None:
+            nonlocal last_sent
             header = encode_frame(FrameKind.RESPONSE, request_id, ChunkData(index, len(data)), len(data))
             # The header alone first, so that the reader's open returns while the payload is
             # still on its way (with a large send buffer the kernel would hold it back with
             # the payload); the payload from a worker thread: the event loop would wake up
             # for every socket buffer's worth.
-            await frames.send_encoded(header)
-            await trio.to_thread.run_sync(send_all_blocking, fd, [data])
+            async with sending:
+                await frames.send_encoded(header)
+                await trio.to_thread.run_sync(send_all_blocking, fd, [data])
+                last_sent = trio.current_time()
             self.served_bytes += len(data)
 
-        try:  # the store checks the chunk range, for this path and the RDMA one
-            await self.store.serve_chunks(request.version, request.first, request.count, send)
-        except KvfsError as error:
-            await frames.send(FrameKind.ERROR, request_id, ErrorReply(error.errno, str(error)))
+        async def pulse() -> None:
+            """Tells the reader the owner is alive while a chunk takes a while (from SSD, say)."""
+            nonlocal last_sent
+            while True:
+                with trio.move_on_at(last_sent + PULSE_S):
+                    await done.wait()
+                if done.is_set():
+                    return
+                async with sending:
+                    if done.is_set():
+                        return
+                    if trio.current_time() - last_sent >= PULSE_S:
+                        with trio.move_on_after(SEND_STALL_S) as stalled:
+                            await frames.send(FrameKind.PULSE, request_id, Pulse())
+                        if stalled.cancelled_caught:  # a frame may be cut: the connection is done
+                            raise TimeoutError(f"the peer took no data for {SEND_STALL_S:g} s")
+                        last_sent = trio.current_time()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pulse)
+            try:  # the store checks the chunk range, for this path and the RDMA one
+                await self.store.serve_chunks(request.version, request.first, request.count, send)
+            except KvfsError as error:
+                async with sending:
+                    await frames.send(FrameKind.ERROR, request_id, ErrorReply(error.errno, str(error)))
+            finally:
+                done.set()
 
 
 def send_all_blocking(fd: int, buffers: list[bytes | memoryview]) -> None:
@@ -180,8 +219,8 @@ def send_all_blocking(fd: int, buffers: list[bytes | memoryview]) -> None:
         try:
             sent = os.writev(fd, views)
         except BlockingIOError:
-            if not poller.poll(FETCH_TIMEOUT_S * 1000):
-                raise TimeoutError(f"the peer took no data for {FETCH_TIMEOUT_S} s") from None
+            if not poller.poll(SEND_STALL_S * 1000):
+                raise TimeoutError(f"the peer took no data for {SEND_STALL_S:g} s") from None
             continue
         while sent and views:
             if sent >= len(views[0]):
@@ -226,19 +265,23 @@ class TcpTransport(MeasuredTransport):
         self.fetched_bytes = 0
         self.checksum_failures = 0
 
-    async def _connect(self, address: str) -> BlockingFrames:
-        idle = self._idle.get(address)
-        if idle:
-            return idle.pop()
+    async def _connect(self, address: str, pooled: bool = True) -> tuple[BlockingFrames, bool]:
+        """A connection to the peer: (an idle one, True) if one looks alive, else (a new one, False)."""
+        idle = self._idle.get(address) if pooled else None
+        while idle:
+            connection = idle.pop()
+            if _looks_alive(connection):
+                return connection, True
+            connection.close()  # the peer closed it (restarted, say): not worth a request
         host, port = split_address(address)
         with trio.move_on_after(CONNECT_TIMEOUT_S):
             frames = await connect(host, port, self.secret, "node", "peer", tune=_tune)
             try:
-                return BlockingFrames.detach(frames, FETCH_TIMEOUT_S)
+                return BlockingFrames.detach(frames, PEER_SILENCE_S), False
             except BaseException:
                 await frames.aclose()
                 raise
-        raise OSError(errno.ETIMEDOUT, f"connecting to {address} took over {CONNECT_TIMEOUT_S} s")
+        raise TimeoutError(errno.ETIMEDOUT, f"connecting to {address} took over {CONNECT_TIMEOUT_S:g} s")
 
     def _give_back(self, address: str, connection: BlockingFrames) -> None:
         idle = self._idle.setdefault(address, [])
@@ -250,7 +293,19 @@ class TcpTransport(MeasuredTransport):
     async def _fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
                      checksums: list[int], on_chunk: Callable[[int], None], on_answer: Callable[[], None]) -> None:
         try:
-            connection = await self._connect(address)
+            await self._fetch_once(address, version, first, targets, lengths, checksums, on_chunk, on_answer)
+        except _Unanswered:  # a pooled connection the peer had dropped (a restart): once more on a new one
+            log.debug("version %d: the pooled connection to %s was stale; reconnecting", version, address)
+            await self._fetch_once(address, version, first, targets, lengths, checksums, on_chunk, on_answer,
+                                   pooled=False)
+
+    async def _fetch_once(self, address: str, version: int, first: int, targets: list[memoryview],
+                          lengths: list[int], checksums: list[int], on_chunk: Callable[[int], None],
+                          on_answer: Callable[[], None], pooled: bool = True) -> None:
+        try:
+            connection, reused = await self._connect(address, pooled)
+        except TimeoutError as error:  # slow is not absent: the peer may be alive and loaded
+            raise StorageError(errno.EIO, f"version {version}: peer {address} did not answer ({error})") from None
         except (OSError, ValueError, *REFUSALS) as error:
             raise StorageError(errno.ENOENT, f"version {version}: peer {address} is unreachable ({error})") from None
         request_id = self._next_id
@@ -271,6 +326,13 @@ class TcpTransport(MeasuredTransport):
         except _RemoteError:
             reusable = True  # the peer answered; the connection is in step
             raise
+        except _Unanswered as error:
+            if reused:
+                raise
+            raise StorageError(errno.ENOENT, f"version {version}: lost peer {address} ({error.__cause__})") from None
+        except TimeoutError:
+            raise StorageError(errno.EIO, f"version {version}: peer {address} was silent for "
+                                          f"{PEER_SILENCE_S:g} s") from None
         except (OSError, EOFError) as error:
             raise StorageError(errno.ENOENT, f"version {version}: lost peer {address} ({error})") from None
         except ProtocolError as error:
@@ -281,17 +343,31 @@ class TcpTransport(MeasuredTransport):
             else:
                 connection.close()
 
+    def _answer(self, connection: BlockingFrames, request_id: int) -> Head:
+        """The next frame for this request that is not a pulse (pulses only keep the deadline off)."""
+        while True:
+            head = connection.receive_head()
+            prefix = head.prefix
+            if prefix.kind == FrameKind.PULSE and prefix.request_id <= request_id and not prefix.payload_length:
+                continue  # (a late one of an earlier request on this connection is harmless too)
+            if prefix.request_id != request_id:
+                raise ProtocolError(f"{prefix.kind.name} frame for request {prefix.request_id}, expected {request_id}")
+            return head
+
     def _exchange(self, connection: BlockingFrames, request_id: int, address: str, version: int, first: int,
                   targets: list[memoryview], lengths: list[int], checksums: list[int],
                   arrived: Callable[[int], None], answered: Callable[[], None]) -> None:
         """One fetch, in a worker thread: the request, then a frame per chunk into its target."""
-        connection.send(FrameKind.REQUEST, request_id, FetchChunks(version, first, len(targets)))
+        try:
+            connection.send(FrameKind.REQUEST, request_id, FetchChunks(version, first, len(targets)))
+            head = self._answer(connection, request_id)
+        except (EOFError, ConnectionResetError, BrokenPipeError) as error:  # closed before a word of answer
+            raise _Unanswered() from error
         for offset, (target, length) in enumerate(zip(targets, lengths)):
             index = first + offset
-            head = connection.receive_head()
+            if offset:
+                head = self._answer(connection, request_id)
             prefix, header = head.prefix, head.header
-            if prefix.request_id != request_id:
-                raise ProtocolError(f"reply to request {prefix.request_id}, expected {request_id}")
             if prefix.kind == FrameKind.ERROR:
                 error = self._errors.decode(header)
                 raise _RemoteError(error.errno, f"peer {address}: {error.message}")
@@ -318,3 +394,14 @@ class TcpTransport(MeasuredTransport):
 
 class _RemoteError(StorageError):
     """The peer answered with an error: the connection itself is still good."""
+
+
+class _Unanswered(Exception):
+    """The connection closed before any answer to the request (its cause says how)."""
+
+
+def _looks_alive(connection: BlockingFrames) -> bool:
+    """An idle connection has nothing to read: readable means the peer closed (or reset) it."""
+    poller = select.poll()
+    poller.register(connection.sock, select.POLLIN | select.POLLPRI)
+    return not poller.poll(0)

@@ -35,6 +35,7 @@ class FrameKind(enum.IntEnum):
     RESPONSE = 3
     ERROR = 4
     NOTIFY = 5  # pushed by the master, unasked (request id 0)
+    PULSE = 6  # "still working on your request": an owner preparing a chunk, so the reader waits on
 
 
 class ProtocolError(Exception):
