@@ -20,7 +20,7 @@ from kvfs.cluster.master import MetadataService
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.config import split_address
 from kvfs.net.rpc import MetadataServer, RemoteMaster
-from kvfs.net.handshake import connect
+from kvfs.net.handshake import REFUSALS_LOGGED, LogBudget, connect
 from kvfs.net.transport import FetchChunks
 from kvfs.policy import LruPolicy
 from kvfs.wire import messages as m
@@ -220,3 +220,23 @@ def test_a_peers_claimed_role_is_escaped_and_cut_in_the_log(caplog: pytest.LogCa
     assert all("\n" not in line and "\x1b" not in line for line in refusals)
     assert "claims role 'node\\nINFO node connected'" in refusals[0]
     assert "claims role '\\x1b[2J\\x1b[2J" in refusals[1] and "... (" in refusals[1]
+
+
+def test_refusals_are_logged_within_a_budget_and_counted_all() -> None:
+    budget = LogBudget(burst=3, window_s=10.0)
+    assert [budget.take(t) for t in (0.0, 1.0, 2.0, 3.0, 4.0)] == [(True, 0)] * 3 + [(False, 0)] * 2
+    assert budget.take(10.5) == (True, 2)  # a new window: the line says what was held back
+    assert budget.take(11.0) == (True, 0)
+
+
+def test_a_flood_of_bad_connections_does_not_flood_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    async def test(port: int, nursery: trio.Nursery) -> None:
+        for _ in range(12):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(b"GARBAGE" * 3)
+            await _until_closed(stream, FrameParser())
+        await _legitimate_client_works(port, nursery)
+
+    server = serve_and(test)
+    assert server.refused == 12  # every one counted (the metric), ...
+    assert caplog.text.count("refused connection from") == REFUSALS_LOGGED  # ... a budget of them logged

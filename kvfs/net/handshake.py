@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
 REFUSAL_SEND_S = 0.5  # the refused peer gets this long to take our one-line reason
+REFUSALS_LOGGED = 10  # refusal lines per REFUSAL_WINDOW_S and gate; the rest are counted, then told
+REFUSAL_WINDOW_S = 10.0
 
 # Who may connect to whom: a master serves nodes and command-line clients, a peer server nodes.
 MASTER_CLIENTS = frozenset({"node", "client"})
@@ -85,6 +87,29 @@ async def connect(host: str, port: int, secret: bytes, role: str, server_role: s
     return frames
 
 
+class LogBudget:
+    """At most `burst` log lines per `window_s`; the lines held back are counted, and the next
+    line logged says how many (a flood of bad connections cannot flood the log)."""
+
+    def __init__(self, burst: int = REFUSALS_LOGGED, window_s: float = REFUSAL_WINDOW_S) -> None:
+        self.burst = burst
+        self.window_s = window_s
+        self._window_start = float("-inf")
+        self._used = 0
+        self._held = 0
+
+    def take(self, now: float) -> tuple[bool, int]:
+        """(whether to log this line, how many lines were held back before it)."""
+        if now - self._window_start >= self.window_s:
+            self._window_start, self._used = now, 0
+        if self._used >= self.burst:
+            self._held += 1
+            return False, 0
+        self._used += 1
+        held, self._held = self._held, 0
+        return True, held
+
+
 class Gate:
     """The accepting side, as ROLE, for clients of CLIENT_ROLES: authenticates each new
     connection; one that fails is refused, counted (`refused`) and logged with its reason,
@@ -98,6 +123,7 @@ class Gate:
         self.what = what
         self.timeout_s = timeout_s
         self.refused = 0
+        self.log_budget = LogBudget()
 
     async def admit(self, stream: trio.SocketStream) -> tuple[FrameStream, str] | None:
         """(the authenticated frames, the client's role), or None: refused, the caller closes."""
@@ -121,7 +147,10 @@ class Gate:
             reason = f"no handshake within {self.timeout_s:g} s"
         else:
             reason = str(error) or type(error).__name__
-        log.warning("refused %s from %s: %s", self.what, peer_name(stream), printable(reason))
+        logged, held = self.log_budget.take(trio.current_time())
+        if logged:
+            log.warning("refused %s from %s: %s%s", self.what, peer_name(stream), printable(reason),
+                        f" ({held} more refused before this one, not logged one by one)" if held else "")
         if isinstance(error, (AuthError, ProtocolError)):  # tell an honest client with the wrong secret why
             with trio.move_on_after(REFUSAL_SEND_S):
                 try:
