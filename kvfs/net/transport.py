@@ -80,8 +80,9 @@ class Transport(Protocol):
         """Fills `targets` with chunks first, first+1, ... of `version` stored at `address`,
         verifying each against its checksum and calling `on_chunk(index)` as each arrives.
         `on_answer()` runs once the peer has started sending (it has the version), before
-        the first payload is in. Raises StorageError: ENOENT if the peer is unreachable or
-        no longer has the version."""
+        the first payload is in. Raises StorageError: ENOENT if the peer refuses the
+        connection or no longer has the version, EIO if it is too slow to connect or goes
+        silent for PEER_SILENCE_S (or sends bad bytes)."""
 
 
 def _tune(sock: trio.socket.SocketType) -> None:
