@@ -346,3 +346,19 @@ def test_an_owner_that_is_slow_but_alive_pulses_and_the_fetch_completes() -> Non
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_reader_gone_mid_transfer_is_no_error_on_the_owner(caplog: pytest.LogCaptureFixture) -> None:
+    data = os.urandom(3 * CHUNK)
+    checksums = [chunk_checksum(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)]
+
+    async def test(address: str) -> None:
+        host, port = address.rsplit(":", 1)
+        frames = await connect(host, int(port), SECRET, "node", "peer")
+        await frames.send(FrameKind.REQUEST, 1, FetchChunks(VERSION, 0, 3))
+        await frames.stream.receive_some(1000)  # the answer has started
+        await frames.aclose()  # and the reader is gone
+        assert await fetch_all(TcpTransport(SECRET), address, len(data), checksums) == data
+
+    with_server(data, test)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

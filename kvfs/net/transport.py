@@ -30,6 +30,7 @@ from kvfs.wire.rdma_messages import RDMA_REQUESTS, Unlease
 from kvfs.wire.text import printable
 from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, PEER_CLIENTS, REFUSALS, Gate, connect
 from kvfs.net.streams import BlockingFrames, FrameStream, peer_name, serve_tcp
+from kvfs.concurrency import run_all
 from kvfs.config import split_address
 from kvfs.errors import KvfsError, StorageError
 from kvfs.histogram import OperationStats
@@ -199,8 +200,7 @@ class PeerServer:
                             raise TimeoutError(f"the peer took no data for {SEND_STALL_S:g} s")
                         last_sent = trio.current_time()
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(pulse)
+        async def serve() -> None:
             try:  # the store checks the chunk range, for this path and the RDMA one
                 await self.store.serve_chunks(request.version, request.first, request.count, send)
             except KvfsError as error:
@@ -208,6 +208,8 @@ class PeerServer:
                     await frames.send(FrameKind.ERROR, request_id, ErrorReply(error.errno, str(error)))
             finally:
                 done.set()
+
+        await run_all([serve, pulse])  # a failure is raised as itself: the connection's handler sorts it
 
 
 def send_all_blocking(fd: int, buffers: list[bytes | memoryview]) -> None:
