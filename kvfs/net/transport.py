@@ -163,53 +163,69 @@ class PeerServer:
         return None
 
     async def _fetch(self, frames: FrameStream, request_id: int, request: FetchChunks) -> None:
-        assert isinstance(frames.stream, trio.SocketStream)
-        fd = frames.stream.socket.fileno()
-        sending = trio.Lock()  # one frame at a time: a chunk's, an error's or a pulse's
-        done = trio.Event()
-        last_sent = trio.current_time()
-
-        async def send(index: int, data: memoryview | bytes) -> None:
-            nonlocal last_sent
-            header = encode_frame(FrameKind.RESPONSE, request_id, ChunkData(index, len(data)), len(data))
-            # The header alone first, so that the reader's open returns while the payload is
-            # still on its way (with a large send buffer the kernel would hold it back with
-            # the payload); the payload from a worker thread: the event loop would wake up
-            # for every socket buffer's worth.
-            async with sending:
-                await frames.send_encoded(header)
-                await trio.to_thread.run_sync(send_all_blocking, fd, [data])
-                last_sent = trio.current_time()
-            self.served_bytes += len(data)
-
-        async def pulse() -> None:
-            """Tells the reader the owner is alive while a chunk takes a while (from SSD, say)."""
-            nonlocal last_sent
-            while True:
-                with trio.move_on_at(last_sent + PULSE_S):
-                    await done.wait()
-                if done.is_set():
-                    return
-                async with sending:
-                    if done.is_set():
-                        return
-                    if trio.current_time() - last_sent >= PULSE_S:
-                        with trio.move_on_after(SEND_STALL_S) as stalled:
-                            await frames.send(FrameKind.PULSE, request_id, Pulse())
-                        if stalled.cancelled_caught:  # a frame may be cut: the connection is done
-                            raise TimeoutError(f"the peer took no data for {SEND_STALL_S:g} s")
-                        last_sent = trio.current_time()
+        answer = _Answer(frames, request_id, self._count_served)
 
         async def serve() -> None:
             try:  # the store checks the chunk range, for this path and the RDMA one
-                await self.store.serve_chunks(request.version, request.first, request.count, send)
+                await self.store.serve_chunks(request.version, request.first, request.count, answer.chunk)
             except KvfsError as error:
-                async with sending:
-                    await frames.send(FrameKind.ERROR, request_id, ErrorReply(error.errno, str(error)))
+                await answer.error(error)
             finally:
-                done.set()
+                answer.finish()
 
-        await run_all([serve, pulse])  # a failure is raised as itself: the connection's handler sorts it
+        await run_all([serve, answer.pulse_until_finished])  # a failure is raised as itself
+
+    def _count_served(self, count: int) -> None:
+        self.served_bytes += count
+
+
+class _Answer:
+    """The owner's answer to one fetch: a frame per chunk (or an error), and a pulse whenever
+    PULSE_S passes without a frame while the store prepares the next chunk."""
+
+    def __init__(self, frames: FrameStream, request_id: int, sent: Callable[[int], None]) -> None:
+        assert isinstance(frames.stream, trio.SocketStream)
+        self.frames = frames
+        self.request_id = request_id
+        self._fd = frames.stream.socket.fileno()
+        self._sending = trio.Lock()  # one frame at a time
+        self._finished = trio.Event()
+        self._last_sent = trio.current_time()
+        self._sent = sent  # payload bytes, as each chunk goes out
+
+    async def chunk(self, index: int, data: memoryview | bytes) -> None:
+        header = encode_frame(FrameKind.RESPONSE, self.request_id, ChunkData(index, len(data)), len(data))
+        # The header alone first, so that the reader's open returns while the payload is
+        # still on its way (with a large send buffer the kernel would hold it back with
+        # the payload); the payload from a worker thread: the event loop would wake up
+        # for every socket buffer's worth.
+        async with self._sending:
+            await self.frames.send_encoded(header)
+            await trio.to_thread.run_sync(send_all_blocking, self._fd, [data])
+            self._last_sent = trio.current_time()
+        self._sent(len(data))
+
+    async def error(self, error: KvfsError) -> None:
+        async with self._sending:
+            await self.frames.send(FrameKind.ERROR, self.request_id, ErrorReply(error.errno, str(error)))
+
+    def finish(self) -> None:
+        self._finished.set()
+
+    async def pulse_until_finished(self) -> None:
+        while True:
+            with trio.move_on_at(self._last_sent + PULSE_S):
+                await self._finished.wait()
+            async with self._sending:
+                if self._finished.is_set():
+                    return
+                if trio.current_time() - self._last_sent < PULSE_S:
+                    continue  # a chunk went out meanwhile
+                with trio.move_on_after(SEND_STALL_S) as stalled:
+                    await self.frames.send(FrameKind.PULSE, self.request_id, Pulse())
+                if stalled.cancelled_caught:  # a frame may be cut: the connection is done
+                    raise TimeoutError(f"the peer took no data for {SEND_STALL_S:g} s")
+                self._last_sent = trio.current_time()
 
 
 def send_all_blocking(fd: int, buffers: list[bytes | memoryview]) -> None:
