@@ -240,3 +240,47 @@ def test_a_flood_of_bad_connections_does_not_flood_the_log(caplog: pytest.LogCap
     server = serve_and(test)
     assert server.refused == 12  # every one counted (the metric), ...
     assert caplog.text.count("refused connection from") == REFUSALS_LOGGED  # ... a budget of them logged
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_unauthenticated_connections_cannot_grow_the_masters_memory(cluster: Cluster) -> None:
+    """150 connections that each announce a 1 MiB hello and send it: refused at the prefix, so
+    the master buffers none of it (it used to take up to 9 MiB per connection before any check)."""
+    assert cluster.master.process is not None
+    pid = cluster.master.process.pid
+    host, port = split_address(cluster.master.address)
+    before = _rss_bytes(pid)
+
+    async def flood() -> int:
+        streams: list[trio.SocketStream] = []
+
+        async def one() -> None:
+            stream = await trio.open_tcp_stream(host, port)
+            streams.append(stream)
+            try:
+                await stream.send_all(PREFIX.pack(b"KV", VERSION, FrameKind.HELLO, 1 << 20, 0, 0) + bytes(1 << 20))
+            except trio.BrokenResourceError:
+                pass  # refused and closed before all of it was taken
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for _ in range(150):
+                    nursery.start_soon(one)
+        peak = _rss_bytes(pid)  # with every connection still open on this side
+        for stream in streams:
+            await stream.aclose()
+        return peak
+
+    grown = trio.run(flood) - before
+    print(f"\n150 connections announcing 1 MiB hellos: the master grew by {grown / 2**20:.1f} MiB")
+    assert grown < 32 << 20, f"the master grew by {grown >> 20} MiB"
+    assert "header of 1048576 bytes exceeds 1024" in cluster.master.log_text()
+    # ... and it still serves.
+    status = subprocess.run([sys.executable, "-m", "kvfs", "status", "--master", cluster.master.address, "--json"],
+                            capture_output=True, text=True, timeout=30,
+                            env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
+    assert status.returncode == 0, status.stderr
