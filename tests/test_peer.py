@@ -12,9 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvfs.checksum import chunk_checksum
-from kvfs.wire.protocol import PREFIX, FrameKind, encode_frame
-from kvfs.net.rpc import FrameStream, handshake, serve_tcp
-from kvfs.net.transport import ChunkData, FetchChunks, PeerServer, TcpTransport
+from kvfs.wire.protocol import PREFIX, VERSION, FrameKind, encode_frame
+from kvfs.net.handshake import PEER_CLIENTS, Gate, connect
+from kvfs.net.streams import serve_tcp
+from kvfs.net.transport import PEER_SILENCE_S, ChunkData, FetchChunks, PeerServer, TcpTransport
 from kvfs.errors import StorageError
 from kvfs.store.buffers import ReadBufferPool
 from kvfs.store.dram import DramTier
@@ -110,15 +111,13 @@ def test_a_wrong_checksum_is_eio_and_an_unreachable_peer_enoent() -> None:
 
 async def _handshaken(address: str) -> trio.SocketStream:
     host, port = address.rsplit(":", 1)
-    stream = await trio.open_tcp_stream(host, int(port))
-    await handshake(FrameStream(stream), SECRET, "node")
-    return stream
+    return (await connect(host, int(port), SECRET, "node", "peer")).stream
 
 
 BAD_FRAMES = [
     PREFIX.pack(b"KV", 9, FrameKind.REQUEST, 10, 0, 1),  # wrong version
-    PREFIX.pack(b"KV", 1, FrameKind.REQUEST, 1 << 30, 0, 1),  # oversized header
-    PREFIX.pack(b"KV", 1, FrameKind.REQUEST, 1000, 0, 1) + b"\x01" * 10,  # truncated, then closed
+    PREFIX.pack(b"KV", VERSION, FrameKind.REQUEST, 1 << 30, 0, 1),  # oversized header
+    PREFIX.pack(b"KV", VERSION, FrameKind.REQUEST, 1000, 0, 1) + b"\x01" * 10,  # truncated, then closed
     encode_frame(FrameKind.RESPONSE, 1, FetchChunks(VERSION, 0, 1)),  # a response where a request belongs
     encode_frame(FrameKind.REQUEST, 1, FetchChunks(VERSION, 0, 99)),  # beyond the file: an error reply
     encode_frame(FrameKind.REQUEST, 1, FetchChunks(VERSION, -1, 2)),  # before the file: an error reply
@@ -173,12 +172,19 @@ def test_a_remote_open_returns_on_the_answer_and_a_transfer_cut_later_fails_read
     """A peer that starts sending a chunk and dies halfway: the open has succeeded (the
     peer had the version), the read of that chunk fails with EIO, nothing hangs."""
 
+    gate = Gate(SECRET, "peer", PEER_CLIENTS)
+    opened = trio.Event()
+
     async def dying_peer(stream: trio.SocketStream) -> None:
-        frames = FrameStream(stream)
-        await handshake(frames, SECRET, "peer")
-        prefix, _, _ = await frames.receive()
-        await stream.send_all(encode_frame(FrameKind.RESPONSE, prefix.request_id, ChunkData(0, CHUNK), CHUNK))
+        admitted = await gate.admit(stream)
+        assert admitted is not None
+        frames, _ = admitted
+        request = await frames.receive()
+        await stream.send_all(encode_frame(FrameKind.RESPONSE, request.prefix.request_id, ChunkData(0, CHUNK), CHUNK))
         await stream.send_all(b"\0" * (CHUNK // 2))
+        # It dies once the open has returned: a death between the answer and the open's return
+        # is a race in the store (remote_answered then fails the open), not what this test is about.
+        await opened.wait()
         await stream.aclose()
 
     async def main() -> None:
@@ -195,6 +201,7 @@ def test_a_remote_open_returns_on_the_answer_and_a_transfer_cut_later_fails_read
 
             with trio.fail_after(10):
                 source = await reader.open_remote(VERSION, 2 * CHUNK, fetch, streams=1)
+                opened.set()
                 with pytest.raises(StorageError) as raised:
                     await reader.read(source, 0, CHUNK)
                 assert raised.value.errno == errno.EIO and "lost peer" in str(raised.value)
@@ -202,3 +209,156 @@ def test_a_remote_open_returns_on_the_answer_and_a_transfer_cut_later_fails_read
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+# Bounds on a peer: stale pooled connections, silent owners, slow owners -------------------
+
+
+def test_a_pooled_connection_to_a_restarted_peer_is_replaced_transparently() -> None:
+    """The owner restarts on the same port: the first fetch after it must not fail on the
+    connection the reader kept from before."""
+    data = os.urandom(2 * CHUNK)
+    checksums = [chunk_checksum(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)]
+    store = make_store(data)
+
+    async def main() -> None:
+        transport = TcpTransport(SECRET)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(store.run)
+            with trio.fail_after(20):
+                first = trio.CancelScope()
+
+                async def serve_until_stopped(task_status=trio.TASK_STATUS_IGNORED) -> None:
+                    with first:
+                        await PeerServer(store, SECRET).serve("127.0.0.1", 0, task_status=task_status)
+
+                port = await nursery.start(serve_until_stopped)
+                address = f"127.0.0.1:{port}"
+                assert await fetch_all(transport, address, len(data), checksums) == data
+                (before,) = transport._idle[address]
+                first.cancel()  # the owner goes, closing its connections
+                await nursery.start(PeerServer(store, SECRET).serve, "127.0.0.1", port)  # and comes back
+                assert await fetch_all(transport, address, len(data), checksums) == data
+                (after,) = transport._idle[address]
+                assert after is not before and before.sock.fileno() == -1  # the stale one was closed
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_connection_dropped_as_the_request_arrives_is_retried_once_on_a_new_one() -> None:
+    """The race the pool's check cannot see: the peer closes the pooled connection just as the
+    request goes out. Nothing of an answer came, so the fetch goes again on a new connection."""
+    data = os.urandom(CHUNK)
+    gate = Gate(SECRET, "peer", PEER_CLIENTS)
+    connections = 0
+
+    async def owner(stream: trio.SocketStream) -> None:
+        nonlocal connections
+        connections += 1
+        this = connections
+        admitted = await gate.admit(stream)
+        assert admitted is not None
+        frames, _ = admitted
+        for served in range(2):
+            request = await frames.receive()
+            if this == 1 and served == 1:
+                await stream.aclose()  # the second request on the first connection: gone
+                return
+            await frames.send(FrameKind.RESPONSE, request.prefix.request_id, ChunkData(0, CHUNK), data)
+
+    async def main() -> None:
+        transport = TcpTransport(SECRET)
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_tcp, owner, "127.0.0.1", 0)
+            with trio.fail_after(20):
+                for _ in range(2):
+                    assert await fetch_all(transport, f"127.0.0.1:{port}", CHUNK, [chunk_checksum(data)]) == data
+            nursery.cancel_scope.cancel()
+        assert connections == 2
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("sent", ["nothing", "half a chunk"])
+def test_an_owner_gone_silent_is_detected_within_the_peer_budget(sent: str) -> None:
+    """An owner that stops sending (frozen, or cut off by the network) without closing: the
+    fetch fails with EIO after PEER_SILENCE_S, not after minutes."""
+    release = trio.Event()
+
+    async def frozen_owner(stream: trio.SocketStream) -> None:
+        admitted = await Gate(SECRET, "peer", PEER_CLIENTS).admit(stream)
+        assert admitted is not None
+        frames, _ = admitted
+        request = await frames.receive()
+        if sent == "half a chunk":
+            await frames.send_encoded(encode_frame(FrameKind.RESPONSE, request.prefix.request_id,
+                                                   ChunkData(0, CHUNK), CHUNK) + b"\0" * (CHUNK // 2))
+        await release.wait()  # holds the connection open, saying nothing
+
+    async def main() -> None:
+        transport = TcpTransport(SECRET)
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_tcp, frozen_owner, "127.0.0.1", 0)
+            started = trio.current_time()
+            with trio.fail_after(PEER_SILENCE_S + 5):
+                with pytest.raises(StorageError) as raised:
+                    await fetch_all(transport, f"127.0.0.1:{port}", CHUNK, [])
+            assert raised.value.errno == errno.EIO and f"silent for {PEER_SILENCE_S:g} s" in str(raised.value)
+            assert trio.current_time() - started >= PEER_SILENCE_S  # it waited the budget, no less
+            release.set()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+class SlowSource:
+    """A store whose chunks take longer than the reader's silence budget to come (a slow disk)."""
+
+    def __init__(self, store: TieredStore, delay_s: float) -> None:
+        self.store = store
+        self.chunk_size = store.chunk_size
+        self.delay_s = delay_s
+
+    async def serve_chunks(self, version, first, count, send) -> None:
+        async def slow_send(index: int, chunk) -> None:
+            await trio.sleep(self.delay_s)
+            await send(index, chunk)
+
+        await self.store.serve_chunks(version, first, count, slow_send)
+
+
+def test_an_owner_that_is_slow_but_alive_pulses_and_the_fetch_completes() -> None:
+    data = os.urandom(2 * CHUNK)
+    checksums = [chunk_checksum(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)]
+    store = make_store(data)
+
+    async def main() -> None:
+        transport = TcpTransport(SECRET)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(store.run)
+            port = await nursery.start(PeerServer(SlowSource(store, PEER_SILENCE_S + 0.5), SECRET).serve,
+                                       "127.0.0.1", 0)
+            started = trio.current_time()
+            with trio.fail_after(30):
+                assert await fetch_all(transport, f"127.0.0.1:{port}", len(data), checksums) == data
+            assert trio.current_time() - started > 2 * PEER_SILENCE_S  # it did outlast the silence budget
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_reader_gone_mid_transfer_is_no_error_on_the_owner(caplog: pytest.LogCaptureFixture) -> None:
+    data = os.urandom(3 * CHUNK)
+    checksums = [chunk_checksum(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)]
+
+    async def test(address: str) -> None:
+        host, port = address.rsplit(":", 1)
+        frames = await connect(host, int(port), SECRET, "node", "peer")
+        await frames.send(FrameKind.REQUEST, 1, FetchChunks(VERSION, 0, 3))
+        await frames.stream.receive_some(1000)  # the answer has started
+        await frames.aclose()  # and the reader is gone
+        assert await fetch_all(TcpTransport(SECRET), address, len(data), checksums) == data
+
+    with_server(data, test)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

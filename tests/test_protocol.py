@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import typing
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfs.wire import messages as m
-from kvfs.wire.auth import AuthError, Hello, Proof, check, load_secret, new_nonce, prove
-from kvfs.wire.protocol import (MAX_HEADER, MAX_PAYLOAD, PREFIX, PREFIX_SIZE, ErrorReply, FrameKind, FrameReader,
-                                   HeaderDecoder, ProtocolError, encode_frame, parse_prefix)
+from kvfs.wire.auth import (AuthError, ClientHandshake, HandshakeMessage, Hello, Proof, ServerHandshake, load_secret,
+                            new_nonce)
+from kvfs.wire.protocol import (MAX_HEADER, MAX_PAYLOAD, PREFIX, PREFIX_SIZE, ErrorReply, FrameKind, FrameParser,
+                                VERSION, HeaderDecoder, ProtocolError, encode_frame, parse_prefix)
+from kvfs.wire.text import printable
 
 ANY_REQUEST = typing.Union[tuple(m.Request.__subclasses__())]  # type: ignore[misc]
 
@@ -20,9 +23,9 @@ def test_frames_round_trip_through_a_split_stream() -> None:
     requests = [m.Lookup(1, b"a" * 200), m.Seal(7, 4096, 5, [1, 2, 3]), m.CollectOrphans()]
     stream = b"".join(encode_frame(FrameKind.REQUEST, i, r) for i, r in enumerate(requests))
     stream += encode_frame(FrameKind.RESPONSE, 9, m.Done([4]), payload_length=5) + b"hello"
-    reader, frames = FrameReader(), []
+    parser, frames = FrameParser(), []
     for i in range(0, len(stream), 7):  # arbitrary cuts
-        frames += reader.feed(stream[i : i + 7])
+        frames += parser.frames(stream[i : i + 7])
     decoder = HeaderDecoder(ANY_REQUEST)
     assert [decoder.decode(f.header) for f in frames[:3]] == requests
     assert [f.prefix.request_id for f in frames] == [0, 1, 2, 9]
@@ -34,8 +37,8 @@ def test_frames_round_trip_through_a_split_stream() -> None:
     (lambda p: b"XX" + p[2:], "bad magic"),
     (lambda p: p[:2] + bytes([9]) + p[3:], "protocol version 9"),
     (lambda p: p[:3] + bytes([77]) + p[4:], "unknown frame kind 77"),
-    (lambda p: PREFIX.pack(b"KV", 1, 2, MAX_HEADER + 1, 0, 1), "header of"),
-    (lambda p: PREFIX.pack(b"KV", 1, 2, 10, MAX_PAYLOAD + 1, 1), "payload of"),
+    (lambda p: PREFIX.pack(b"KV", VERSION, 2, MAX_HEADER + 1, 0, 1), "header of"),
+    (lambda p: PREFIX.pack(b"KV", VERSION, 2, 10, MAX_PAYLOAD + 1, 1), "payload of"),
 ])
 def test_bad_prefixes_are_refused_before_allocating(mutate, reason: str) -> None:
     good = encode_frame(FrameKind.REQUEST, 1, m.GetAttr(1))[:PREFIX_SIZE]
@@ -43,12 +46,62 @@ def test_bad_prefixes_are_refused_before_allocating(mutate, reason: str) -> None
         parse_prefix(mutate(good))
 
 
-def test_a_failed_reader_stays_failed() -> None:
-    reader = FrameReader()
+def test_a_failed_parser_stays_failed() -> None:
+    parser = FrameParser()
     with pytest.raises(ProtocolError):
-        reader.feed(b"GARBAGE-GARBAGE-GARBAGE")
+        parser.frames(b"GARBAGE-GARBAGE-GARBAGE")
     with pytest.raises(ProtocolError):
-        reader.feed(encode_frame(FrameKind.REQUEST, 1, m.GetAttr(1)))
+        parser.frames(encode_frame(FrameKind.REQUEST, 1, m.GetAttr(1)))
+
+
+def test_the_callers_limits_are_enforced_at_the_prefix() -> None:
+    """Before authentication a connection parses with tiny limits; a prefix announcing more is
+    refused before a byte of its header is buffered, and `limit` lifts them afterwards."""
+    big = encode_frame(FrameKind.REQUEST, 1, m.Lookup(1, b"n" * 2000))
+    parser = FrameParser(max_header=1024, max_payload=0)
+    with pytest.raises(ProtocolError, match="header of 20.. bytes exceeds 1024"):
+        parser.frames(big[:PREFIX_SIZE])
+    with pytest.raises(ProtocolError, match="payload of 1 bytes exceeds 0"):
+        FrameParser(1024, 0).frames(encode_frame(FrameKind.HELLO, 0, m.GetAttr(1), payload_length=1))
+    lifted = FrameParser(max_header=1024, max_payload=0)
+    assert lifted.frames(encode_frame(FrameKind.HELLO, 0, m.GetAttr(1)))[0].prefix.kind == FrameKind.HELLO
+    lifted.limit(MAX_HEADER, MAX_PAYLOAD)
+    assert HeaderDecoder(m.Lookup).decode(lifted.frames(big)[0].header) == m.Lookup(1, b"n" * 2000)
+
+
+def test_a_payload_can_bypass_the_parser_into_the_callers_buffer() -> None:
+    """The chunk reader's way: read exactly what `wanted` says, take the head, then move the
+    payload into its own buffer (what was buffered, then the rest received outside)."""
+    payload = bytes(range(256)) * 40
+    stream = encode_frame(FrameKind.RESPONSE, 5, m.Done([1]), payload_length=len(payload)) + payload
+    stream += encode_frame(FrameKind.RESPONSE, 6, m.Done([2]))
+    parser = FrameParser()
+    assert parser.wanted() == PREFIX_SIZE and parser.next_head() is None
+    parser.feed(stream[:PREFIX_SIZE])
+    assert parser.next_head() is None  # the prefix is parsed; the header is missing
+    header_length = parser.wanted()
+    parser.feed(stream[PREFIX_SIZE : PREFIX_SIZE + header_length + 100])  # 100 payload bytes with it
+    head = parser.next_head()
+    assert head is not None and head.prefix.request_id == 5 and head.prefix.payload_length == len(payload)
+    assert parser.wanted() == len(payload) - 100
+    target = memoryview(bytearray(len(payload)))
+    assert parser.drain_payload(target) == 100
+    start = PREFIX_SIZE + header_length + 100
+    target[100:] = stream[start : start + len(payload) - 100]  # what a recv_into would do
+    parser.payload_received(len(payload) - 100)
+    assert bytes(target) == payload
+    with pytest.raises(RuntimeError):
+        parser.payload_received(1)  # nothing more is owed
+    (last,) = parser.frames(stream[start + len(payload) - 100 :])
+    assert last.prefix.request_id == 6 and last.payload == b""
+
+
+def test_a_head_with_its_payload_untaken_blocks_the_next_one() -> None:
+    parser = FrameParser()
+    parser.feed(encode_frame(FrameKind.RESPONSE, 1, m.Done([1]), payload_length=3) + b"abc")
+    assert parser.next_head() is not None
+    with pytest.raises(RuntimeError, match="payload has not been taken"):
+        parser.next_head()
 
 
 def test_headers_of_the_wrong_type_are_refused() -> None:
@@ -62,10 +115,10 @@ def test_headers_of_the_wrong_type_are_refused() -> None:
 @settings(max_examples=300)
 @given(st.binary(max_size=200), st.integers(1, 50))
 def test_random_bytes_never_escape_as_anything_but_protocol_errors(data: bytes, cut: int) -> None:
-    reader, decoder = FrameReader(), HeaderDecoder(ANY_REQUEST)
+    parser, decoder = FrameParser(), HeaderDecoder(ANY_REQUEST)
     try:
         for i in range(0, len(data), cut):
-            for frame in reader.feed(data[i : i + cut]):
+            for frame in parser.frames(data[i : i + cut]):
                 decoder.decode(frame.header)
     except ProtocolError:
         pass
@@ -74,8 +127,8 @@ def test_random_bytes_never_escape_as_anything_but_protocol_errors(data: bytes, 
 @settings(max_examples=200)
 @given(st.binary(max_size=120))
 def test_random_headers_behind_a_valid_prefix(header: bytes) -> None:
-    frame = PREFIX.pack(b"KV", 1, FrameKind.REQUEST, len(header), 0, 1) + header
-    frames = FrameReader().feed(frame)
+    frame = PREFIX.pack(b"KV", VERSION, FrameKind.REQUEST, len(header), 0, 1) + header
+    frames = FrameParser().frames(frame)
     assert len(frames) == 1
     try:
         HeaderDecoder(ANY_REQUEST).decode(frames[0].header)
@@ -84,29 +137,67 @@ def test_random_headers_behind_a_valid_prefix(header: bytes) -> None:
 
 
 def handshake(client_secret: bytes, server_secret: bytes) -> None:
-    client_nonce, server_nonce = new_nonce(), new_nonce()
-    client_hello, server_hello = Hello("node", client_nonce), Hello("master", server_nonce)
-    client_proof = Proof(prove(client_secret, "node", client_nonce, server_nonce))
-    server_proof = Proof(prove(server_secret, "master", server_nonce, client_nonce))
-    check(server_secret, client_hello, client_proof, server_nonce)  # the master checks the node
-    check(client_secret, server_hello, server_proof, client_nonce)  # and the node the master
+    """Both sides' state, the messages passed by hand in the order the wire carries them."""
+    client = ClientHandshake(client_secret, "node", frozenset({"master"}))
+    server = ServerHandshake(server_secret, "master", frozenset({"node", "client"}))
+    server_hello = server.greet(client.hello)
+    server_proof = server.verify(client.answer(server_hello))  # raises before the server proves anything
+    assert client.verify(server_proof) == "master"
 
 
 def test_handshake_with_the_same_secret() -> None:
     handshake(b"s" * 32, b"s" * 32)
 
 
-def test_handshake_with_a_wrong_secret_fails() -> None:
-    with pytest.raises(AuthError, match="node failed to prove"):
+def test_handshake_with_a_wrong_secret_fails_at_the_server_first() -> None:
+    with pytest.raises(AuthError, match="the node failed to prove"):
         handshake(b"wrong" * 8, b"s" * 32)
 
 
-def test_a_reflected_proof_is_refused() -> None:
-    secret, nonce = b"s" * 32, new_nonce()
-    # An attacker replays the master's own hello and proof back at it.
-    proof = Proof(prove(secret, "master", nonce, nonce))
+def test_a_server_proof_never_passes_for_a_client_proof() -> None:
+    """The reflection across two connections: an attacker relays a server's proof from one
+    connection as its own proof on another whose transcript mirrors the first (the worst case,
+    with the second server's nonce equal to the first client's). With the role of each proof
+    and the whole transcript inside the MAC, the mirrored proof is refused."""
+    secret = b"s" * 32
+    honest = ClientHandshake(secret, "node", frozenset({"master"}))
+    first = ServerHandshake(secret, "master", frozenset({"node"}))
+    server_hello = first.greet(honest.hello)
+    stolen = first.verify(honest.answer(server_hello))  # the proof an observer of the first connection sees
+    mirror = ServerHandshake(secret, "master", frozenset({"master", "node"}), nonce=honest.hello.nonce)
+    mirror.greet(Hello(server_hello.role, server_hello.nonce))
+    with pytest.raises(AuthError, match="failed to prove"):
+        mirror.verify(stolen)
+    # The other direction: a client's own proof echoed back to it is no server proof.
+    client = ClientHandshake(secret, "node", frozenset({"master"}))
+    own = client.answer(Hello("master", new_nonce()))
+    with pytest.raises(AuthError, match="failed to prove"):
+        client.verify(own)
+
+
+def test_echoed_nonces_unknown_roles_and_early_proofs_are_refused() -> None:
+    secret = b"s" * 32
+    server = ServerHandshake(secret, "master", frozenset({"node", "client"}))
     with pytest.raises(AuthError, match="reflection"):
-        check(secret, Hello("master", nonce), proof, nonce)
+        server.greet(Hello("node", server.hello.nonce))
+    with pytest.raises(AuthError, match="claims role 'peer'"):
+        server.greet(Hello("peer", new_nonce()))
+    with pytest.raises(AuthError, match="before the client's hello"):
+        ServerHandshake(secret, "master", frozenset({"node"})).verify(Proof(bytes(32)))
+    client = ClientHandshake(secret, "node", frozenset({"master"}))
+    with pytest.raises(AuthError, match="claims role 'peer'"):  # a peer port is not the master
+        client.answer(Hello("peer", new_nonce()))
+
+
+@pytest.mark.parametrize("message", [
+    {"type": "Hello", "role": "n" * 33, "nonce": bytes(32)},
+    {"type": "Hello", "role": "", "nonce": bytes(32)},
+    {"type": "Hello", "role": "node", "nonce": bytes(31)},
+    {"type": "Proof", "mac": bytes(64)},
+])
+def test_handshake_messages_out_of_bounds_are_protocol_errors(message: dict) -> None:
+    with pytest.raises(ProtocolError, match="invalid header"):
+        HeaderDecoder(HandshakeMessage).decode(msgspec.msgpack.encode(message))
 
 
 def test_secret_sources(tmp_path) -> None:
@@ -118,3 +209,10 @@ def test_secret_sources(tmp_path) -> None:
         load_secret(None, {"KVFS_SECRET": "short"})
     with pytest.raises(AuthError, match="no cluster secret"):
         load_secret(None, {})
+
+
+def test_peer_text_is_escaped_and_cut_for_the_log() -> None:
+    assert printable("node\nFAKE\x1b[31m\x00") == "node\\nFAKE\\x1b[31m\\x00"
+    assert printable("gr\u00fc\u00dfe \\n") == "gr\u00fc\u00dfe \\n"  # printable text and backslashes stay
+    assert printable(printable("a\nb")) == printable("a\nb")
+    assert printable("x" * 300, 10) == "xxxxxxxxxx... (300 characters)"

@@ -15,9 +15,9 @@ import pytest
 import trio
 
 from conftest import CLUSTER_SECRET, Cluster
-from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder, encode_frame
+from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder
 from kvfs.wire.rdma_messages import Locate, RdmaConnect
-from kvfs.net.rpc import FrameStream, handshake
+from kvfs.net.handshake import connect
 from kvfs.config import split_address
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,15 +48,13 @@ def test_a_node_without_rdma_answers_the_rdma_handshake_with_enotsup(cluster: Cl
 
     async def ask() -> list[tuple[FrameKind, int]]:
         host, port = split_address(address)
-        stream = await trio.open_tcp_stream(host, port)
-        frames = FrameStream(stream)
-        await handshake(frames, CLUSTER_SECRET.encode(), "node")
+        frames = await connect(host, port, CLUSTER_SECRET.encode(), "node", "peer")
         answers = []
         for request_id, request in ((1, RdmaConnect(1, 2, "fe80::1")), (2, Locate(1, 0, 1))):
-            await stream.send_all(encode_frame(FrameKind.REQUEST, request_id, request))
-            prefix, header, _ = await frames.receive()
-            answers.append((prefix.kind, errors.decode(header).errno))
-        await stream.aclose()
+            await frames.send(FrameKind.REQUEST, request_id, request)
+            frame = await frames.receive()
+            answers.append((frame.prefix.kind, errors.decode(frame.header).errno))
+        await frames.aclose()
         return answers
 
     assert trio.run(ask) == [(FrameKind.ERROR, errno.ENOTSUP), (FrameKind.ERROR, errno.ENOTSUP)]

@@ -16,8 +16,9 @@ from kvfs.wire import messages as m
 from kvfs.wire.auth import AuthError
 from kvfs.cluster.master import MetadataService
 from kvfs.cluster.namespace import ROOT_INO
-from kvfs.wire.protocol import PREFIX, FrameKind
-from kvfs.net.rpc import FrameStream, MetadataServer, RemoteMaster, handshake
+from kvfs.wire.protocol import PREFIX, VERSION, FrameKind
+from kvfs.net.handshake import connect
+from kvfs.net.rpc import MetadataServer, RemoteMaster
 from kvfs.errors import MetadataError
 from kvfs.policy import LruPolicy
 
@@ -75,13 +76,12 @@ def test_wrong_secret_is_refused_and_logged(caplog: pytest.LogCaptureFixture) ->
 @pytest.mark.parametrize("garbage", [
     os.urandom(64),
     PREFIX.pack(b"KV", 9, FrameKind.HELLO, 0, 0, 0),  # wrong version
-    PREFIX.pack(b"KV", 1, FrameKind.HELLO, 1 << 30, 0, 0),  # oversized header
-    PREFIX.pack(b"KV", 1, FrameKind.HELLO, 100, 0, 0) + b"\x01" * 10,  # truncated, then closed
+    PREFIX.pack(b"KV", VERSION, FrameKind.HELLO, 1 << 30, 0, 0),  # oversized header
+    PREFIX.pack(b"KV", VERSION, FrameKind.HELLO, 100, 0, 0) + b"\x01" * 10,  # truncated, then closed
 ])
 def test_bad_frames_close_only_that_connection(garbage: bytes, caplog: pytest.LogCaptureFixture) -> None:
     async def test(port: int, nursery: trio.Nursery) -> None:
         stream = await trio.open_tcp_stream("127.0.0.1", port)
-        await stream.receive_some(4096)  # the server's hello
         await stream.send_all(garbage)
         await stream.send_eof()
         with trio.fail_after(5):  # the server hangs up
@@ -117,12 +117,10 @@ def test_invalid_request_after_handshake_closes_the_connection(caplog: pytest.Lo
 @given(frames=st.lists(st.tuples(st.sampled_from(list(FrameKind)), st.binary(max_size=64)), min_size=1, max_size=4))
 def test_random_frames_after_the_handshake_never_take_the_master_down(frames) -> None:
     async def test(port: int, nursery: trio.Nursery) -> None:
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
-        frame_stream = FrameStream(stream)
-        await handshake(frame_stream, SECRET, "node")
+        stream = (await connect("127.0.0.1", port, SECRET, "node", "master")).stream
         try:  # well-formed prefixes around arbitrary headers; the master may hang up at any point
             for kind, header in frames:
-                await stream.send_all(PREFIX.pack(b"KV", 1, kind, len(header), 0, 1) + header)
+                await stream.send_all(PREFIX.pack(b"KV", VERSION, kind, len(header), 0, 1) + header)
             await stream.send_eof()
             with trio.fail_after(5):
                 while await stream.receive_some(65536):

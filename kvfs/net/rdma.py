@@ -37,11 +37,12 @@ import trio
 
 from kvfs.checksum import chunk_checksum
 from kvfs.wire.auth import AuthError
-from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame
+from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder, ProtocolError
 from kvfs.wire.rdma_messages import (NOT_IN_DRAM, Locate, Located, RdmaAccepted, RdmaConnect, RevokeForTest,
                                          Unlease)
-from kvfs.net.rpc import FrameStream, handshake
-from kvfs.net.transport import CONNECT_TIMEOUT_S, MeasuredTransport, TcpTransport
+from kvfs.net.handshake import connect
+from kvfs.net.streams import FrameStream
+from kvfs.net.transport import MeasuredTransport, TcpTransport
 from kvfs.net.verbs import (Endpoint, QueuePair, RdmaDevice, RdmaError, RdmaUnavailable, Window, buffer_address,
                                 probe)
 from kvfs.config import split_address
@@ -54,6 +55,7 @@ LEASE_TTL_S = 10.0  # a reader holds chunks this long at most; then its windows 
 PROBE_SIZE = 4096
 RETRY_RDMA_AFTER_S = 30.0  # a peer whose RDMA failed is fetched over TCP this long
 CONTROL_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 5.0  # the control connection, handshake included
 
 
 # The owner's side ------------------------------------------------------------------------
@@ -227,10 +229,9 @@ _ERRORS = HeaderDecoder(ErrorReply)
 class _RdmaPeer:
     """The reader's RDMA connection to one owner: a control stream and a queue pair."""
 
-    def __init__(self, address: str, stream: trio.SocketStream, qp: QueuePair) -> None:
+    def __init__(self, address: str, frames: FrameStream, qp: QueuePair) -> None:
         self.address = address
-        self.stream = stream
-        self.frames = FrameStream(stream)
+        self.frames = frames
         self.qp = qp
         self.lock = trio.Lock()
         self._ids = itertools.count(1)
@@ -239,8 +240,9 @@ class _RdmaPeer:
         async with self.lock:
             request_id = next(self._ids)
             with trio.fail_after(CONTROL_TIMEOUT_S):
-                await self.stream.send_all(encode_frame(FrameKind.REQUEST, request_id, request))
-                prefix, header, _ = await self.frames.receive()
+                await self.frames.send(FrameKind.REQUEST, request_id, request)
+                frame = await self.frames.receive()
+            prefix, header = frame.prefix, frame.header
             if prefix.request_id != request_id:
                 raise ProtocolError(f"reply to request {prefix.request_id}, expected {request_id}")
             if prefix.kind == FrameKind.ERROR:
@@ -250,11 +252,11 @@ class _RdmaPeer:
 
     async def send_only(self, request: Any) -> None:
         async with self.lock:
-            await self.stream.send_all(encode_frame(FrameKind.REQUEST, next(self._ids), request))
+            await self.frames.send(FrameKind.REQUEST, next(self._ids), request)
 
     async def aclose(self) -> None:
         self.qp.close()
-        await self.stream.aclose()
+        await self.frames.aclose()
 
 
 class RdmaTransport(MeasuredTransport):
@@ -407,13 +409,16 @@ class RdmaTransport(MeasuredTransport):
 
     async def _connect(self, address: str) -> _RdmaPeer:
         host, port = split_address(address)
-        with trio.fail_after(CONNECT_TIMEOUT_S * 5):
-            stream = await trio.open_tcp_stream(host, port)
-        qp = self.device.create_queue_pair()
-        peer = _RdmaPeer(address, stream, qp)
+        with trio.fail_after(CONNECT_TIMEOUT_S):
+            frames = await connect(host, port, self.secret, "node", "peer")
         try:
-            with trio.fail_after(CONTROL_TIMEOUT_S):
-                await handshake(peer.frames, self.secret, "node")
+            qp = self.device.create_queue_pair()
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await frames.aclose()
+            raise
+        peer = _RdmaPeer(address, frames, qp)
+        try:
             mine = qp.endpoint()
             try:
                 accepted = await peer.call(RdmaConnect(mine.qp_num, mine.psn, mine.gid))

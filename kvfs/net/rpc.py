@@ -2,9 +2,10 @@
 
 `MetadataServer` serves a request handler (the master's `MetadataService.handle`)
 to authenticated peers; `RemoteMaster` is the node's `MasterClient` for a master
-in another process. Frames are parsed by `kvfs.wire.protocol`; this module
-only moves bytes. A peer that fails the handshake or sends an invalid frame is
-disconnected with a logged reason; other connections are not affected.
+in another process. Connections are opened and accepted by `kvfs.net.handshake`
+and carry frames through `kvfs.net.streams`. A peer that fails the handshake or
+sends an invalid frame is disconnected with a logged reason; other connections
+are not affected.
 """
 
 from __future__ import annotations
@@ -18,87 +19,15 @@ from typing import Any, Callable, Protocol
 import trio
 
 from kvfs.wire import messages as m
-from kvfs.wire.auth import AuthError, HandshakeMessage, Hello, Proof, check, new_nonce, prove
-from kvfs.wire.protocol import (PREFIX_SIZE, ErrorReply, FrameKind, HeaderDecoder, Prefix, ProtocolError,
-                                   encode_frame, parse_prefix)
+from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame
+from kvfs.wire.text import printable
+from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, MASTER_CLIENTS, Gate, connect
+from kvfs.net.streams import FrameStream, peer_name, serve_tcp
 from kvfs.errors import KvfsError, MetadataError
 
 log = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT_S = 5.0
 _ANY_REQUEST = typing.Union[tuple(m.Request.__subclasses__())]  # type: ignore[misc]
-
-
-class FrameStream:
-    """Reads and writes whole frames on a trio stream."""
-
-    def __init__(self, stream: trio.abc.Stream) -> None:
-        self.stream = stream
-        self._buffer = bytearray()
-
-    async def _exactly(self, count: int) -> bytes:
-        while len(self._buffer) < count:
-            data = await self.stream.receive_some(max(65536, count - len(self._buffer)))
-            if not data:
-                raise EOFError("connection closed")
-            self._buffer += data
-        out = bytes(self._buffer[:count])
-        del self._buffer[:count]
-        return out
-
-    async def receive(self) -> tuple[Prefix, bytes, bytes]:
-        prefix = parse_prefix(await self._exactly(PREFIX_SIZE))
-        header = await self._exactly(prefix.header_length)
-        payload = await self._exactly(prefix.payload_length) if prefix.payload_length else b""
-        return prefix, header, payload
-
-    async def receive_request(self, decoder: HeaderDecoder) -> tuple[int, Any]:
-        """The next frame, which must be a request without payload: (request id, request)."""
-        prefix, header, payload = await self.receive()
-        if prefix.kind != FrameKind.REQUEST or payload:
-            raise ProtocolError(f"unexpected {prefix.kind.name} frame with {len(payload)} payload bytes")
-        return prefix.request_id, decoder.decode(header)
-
-    async def send(self, kind: FrameKind, request_id: int, header: Any, payload: bytes | memoryview = b"") -> None:
-        await self.stream.send_all(encode_frame(kind, request_id, header, len(payload)))
-        if payload:
-            await self.stream.send_all(payload)
-
-
-_handshake_decoder = HeaderDecoder(HandshakeMessage)
-
-
-async def serve_tcp(handler: Callable[[trio.SocketStream], Any], host: str, port: int,
-                    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serves connections on HOST:PORT; reports the bound port (PORT 0 picks a free one)."""
-    listeners = await trio.open_tcp_listeners(port, host=host)
-    task_status.started(listeners[0].socket.getsockname()[1])
-    await trio.serve_listeners(handler, listeners)
-
-
-def peer_name(stream: trio.SocketStream) -> Any:
-    try:
-        return stream.socket.getpeername()
-    except OSError:
-        return "?"
-
-
-async def handshake(frames: FrameStream, secret: bytes, role: str) -> str:
-    """Mutual authentication; returns the peer's role. Raises AuthError or ProtocolError."""
-    nonce = new_nonce()
-    with trio.fail_after(HANDSHAKE_TIMEOUT_S):
-        await frames.send(FrameKind.HELLO, 0, Hello(role, nonce))
-        prefix, header, _ = await frames.receive()
-        hello = _handshake_decoder.decode(header)
-        if prefix.kind != FrameKind.HELLO or not isinstance(hello, Hello):
-            raise ProtocolError("expected a hello")
-        await frames.send(FrameKind.HELLO, 0, Proof(prove(secret, role, nonce, hello.nonce)))
-        prefix, header, _ = await frames.receive()
-        proof = _handshake_decoder.decode(header)
-        if prefix.kind != FrameKind.HELLO or not isinstance(proof, Proof):
-            raise ProtocolError("expected a proof")
-        check(secret, hello, proof, nonce)
-    return hello.role
 
 
 PUSH_BYTES = 640 << 10  # name changes per pushed frame (a frame header holds 1 MiB)
@@ -137,13 +66,18 @@ class MetadataServer:
     `handle(request, caller)` answers one request; `caller` is the node id that
     registered on this connection (0 for a client that did not register)."""
 
-    def __init__(self, handle: Callable[[m.Request, int], Any], secret: bytes, notifier: Notifier | None = None) -> None:
+    def __init__(self, handle: Callable[[m.Request, int], Any], secret: bytes, notifier: Notifier | None = None,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
         self.handle = handle
-        self.secret = secret
         self.notifier = notifier
+        self.gate = Gate(secret, "master", MASTER_CLIENTS, "connection", handshake_timeout_s)
         self._requests = HeaderDecoder(_ANY_REQUEST)
         self._wake: dict[int, trio.Event] = {}  # node -> its pusher's wake-up
-        self.refused = 0
+
+    @property
+    def refused(self) -> int:
+        """Connections that failed the handshake."""
+        return self.gate.refused
 
     def wake_pushers(self) -> None:
         """Lets the connections of nodes with waiting name changes push them."""
@@ -173,14 +107,11 @@ class MetadataServer:
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         peer = peer_name(stream)
-        frames = FrameStream(stream)
         async with stream:
-            try:
-                role = await handshake(frames, self.secret, "master")
-            except (AuthError, ProtocolError, trio.TooSlowError, EOFError, trio.BrokenResourceError) as error:
-                self.refused += 1
-                log.warning("refused connection from %s: %s", peer, error or type(error).__name__)
+            admitted = await self.gate.admit(stream)
+            if admitted is None:
                 return
+            frames, role = admitted
             log.info("%s connected from %s", role, peer)
             try:
                 async with trio.open_nursery() as nursery:  # the request loop and, once registered, the pusher
@@ -216,9 +147,9 @@ class MetadataServer:
                     log.error("%s from %s: %s", type(request).__name__, peer, error)
                     frame = encode_frame(FrameKind.ERROR, request_id, ErrorReply(errno.EFBIG, str(error)))
                 async with send_lock:
-                    await frames.stream.send_all(frame)
+                    await frames.send_encoded(frame)
         except ProtocolError as error:
-            log.warning("closing connection from %s: %s", peer, error)
+            log.warning("closing connection from %s: %s", peer, printable(error))
         except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
             log.info("%s at %s disconnected", role, peer)
 
@@ -259,13 +190,7 @@ class RemoteMaster:
     async def connect(cls, host: str, port: int, secret: bytes, nursery: trio.Nursery, role: str = "node",
                       on_notify: Callable[[m.NameChanges], None] | None = None) -> "RemoteMaster":
         """Connects, authenticates, and starts the receiver task in `nursery`."""
-        stream = await trio.open_tcp_stream(host, port)
-        frames = FrameStream(stream)
-        try:
-            await handshake(frames, secret, role)
-        except BaseException:
-            await stream.aclose()
-            raise
+        frames = await connect(host, port, secret, role, "master")
         master = cls(frames, on_notify)
         nursery.start_soon(master._receive_forever)
         return master
@@ -273,7 +198,8 @@ class RemoteMaster:
     async def _receive_forever(self) -> None:
         try:
             while True:
-                prefix, header, _ = await self._frames.receive()
+                frame = await self._frames.receive()
+                prefix, header = frame.prefix, frame.header
                 if prefix.kind == FrameKind.NOTIFY:
                     changes = self._notifications.decode(header)
                     if self._on_notify is not None:
@@ -295,7 +221,7 @@ class RemoteMaster:
         finally:
             self._fail(EOFError("connection closed"))
             with trio.CancelScope(shield=True):
-                await self._frames.stream.aclose()
+                await self._frames.aclose()
 
     def _fail(self, error: Exception) -> None:
         if self.broken is None:
@@ -326,4 +252,4 @@ class RemoteMaster:
 
     async def aclose(self) -> None:
         self._fail(EOFError("closed"))
-        await self._frames.stream.aclose()
+        await self._frames.aclose()

@@ -25,11 +25,12 @@ import msgspec
 import trio
 
 from kvfs.checksum import chunk_checksum
-from kvfs.wire.auth import AuthError
-from kvfs.wire.protocol import (PREFIX_SIZE, ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame,
-                                   parse_prefix)
+from kvfs.wire.protocol import ErrorReply, FrameKind, Head, HeaderDecoder, ProtocolError, encode_frame
 from kvfs.wire.rdma_messages import RDMA_REQUESTS, Unlease
-from kvfs.net.rpc import FrameStream, handshake, peer_name, serve_tcp
+from kvfs.wire.text import printable
+from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, PEER_CLIENTS, REFUSALS, Gate, connect
+from kvfs.net.streams import BlockingFrames, FrameStream, peer_name, serve_tcp
+from kvfs.concurrency import run_all
 from kvfs.config import split_address
 from kvfs.errors import KvfsError, StorageError
 from kvfs.histogram import OperationStats
@@ -37,8 +38,14 @@ from kvfs.histogram import OperationStats
 log = logging.getLogger(__name__)
 
 SOCKET_BUFFER = 4 << 20
-CONNECT_TIMEOUT_S = 1.0
-FETCH_TIMEOUT_S = 10.0  # a peer silent this long mid-transfer is treated as gone
+# The reader's budget against one peer (docs/cluster.md, "Bounds on a peer"): connecting and
+# authenticating, then each wait for the owner's next bytes, take at most PEER_SILENCE_S; the
+# owner pulses every PULSE_S while it prepares a chunk, so only a frozen, dead or cut-off
+# owner goes silent that long.
+PEER_SILENCE_S = 3.0
+CONNECT_TIMEOUT_S = PEER_SILENCE_S
+PULSE_S = 1.0
+SEND_STALL_S = 10.0  # the owner drops a reader that takes no data this long
 STREAMS_PER_PEER = 8
 
 
@@ -51,6 +58,10 @@ class FetchChunks(msgspec.Struct, tag=True):
 class ChunkData(msgspec.Struct, tag=True):
     index: int
     length: int
+
+
+class Pulse(msgspec.Struct, tag=True):
+    """Sent while the owner prepares the next chunk (its own frame kind, `FrameKind.PULSE`)."""
 
 
 class ChunkSource(Protocol):
@@ -70,8 +81,9 @@ class Transport(Protocol):
         """Fills `targets` with chunks first, first+1, ... of `version` stored at `address`,
         verifying each against its checksum and calling `on_chunk(index)` as each arrives.
         `on_answer()` runs once the peer has started sending (it has the version), before
-        the first payload is in. Raises StorageError: ENOENT if the peer is unreachable or
-        no longer has the version."""
+        the first payload is in. Raises StorageError: ENOENT if the peer refuses the
+        connection or no longer has the version, EIO if it is too slow to connect or goes
+        silent for PEER_SILENCE_S (or sends bad bytes)."""
 
 
 def _tune(sock: trio.socket.SocketType) -> None:
@@ -98,13 +110,18 @@ class PeerServer:
     """Serves chunk reads of this node's versions to authenticated peers, over TCP, and the
     control requests of the RDMA transport when this node has one."""
 
-    def __init__(self, store: ChunkSource, secret: bytes, rdma: RdmaService | None = None) -> None:
+    def __init__(self, store: ChunkSource, secret: bytes, rdma: RdmaService | None = None,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
         self.store = store
-        self.secret = secret
         self.rdma = rdma
+        self.gate = Gate(secret, "peer", PEER_CLIENTS, "peer connection", handshake_timeout_s)
         self._requests = HeaderDecoder(Union[(FetchChunks, *RDMA_REQUESTS)])  # type: ignore[misc]
-        self.refused = 0
         self.served_bytes = 0
+
+    @property
+    def refused(self) -> int:
+        """Connections that failed the handshake."""
+        return self.gate.refused
 
     async def serve(self, host: str, port: int, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         await serve_tcp(self._connection, host, port, task_status)
@@ -112,24 +129,21 @@ class PeerServer:
     async def _connection(self, stream: trio.SocketStream) -> None:
         peer = peer_name(stream)
         _tune(stream.socket)
-        frames = FrameStream(stream)
         async with stream:
-            try:
-                await handshake(frames, self.secret, "peer")
-            except (AuthError, ProtocolError, trio.TooSlowError, EOFError, trio.BrokenResourceError) as error:
-                self.refused += 1
-                log.warning("refused peer connection from %s: %s", peer, error or type(error).__name__)
+            admitted = await self.gate.admit(stream)
+            if admitted is None:
                 return
+            frames, _ = admitted
             session = None
             try:
                 while True:
                     request_id, request = await frames.receive_request(self._requests)
                     if isinstance(request, FetchChunks):
-                        await self._fetch(stream, request_id, request)
+                        await self._fetch(frames, request_id, request)
                     else:
-                        session = await self._rdma_request(stream, request_id, session, request)
+                        session = await self._rdma_request(frames, request_id, session, request)
             except ProtocolError as error:
-                log.warning("closing peer connection from %s: %s", peer, error)
+                log.warning("closing peer connection from %s: %s", peer, printable(error))
             except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
             except Exception:  # never let one connection take the server down
@@ -138,9 +152,9 @@ class PeerServer:
                 if session is not None and self.rdma is not None:
                     await self.rdma.close_session(session)
 
-    async def _rdma_request(self, stream: trio.SocketStream, request_id: int, session: Any, request: Any) -> Any:
+    async def _rdma_request(self, frames: FrameStream, request_id: int, session: Any, request: Any) -> Any:
         async def reply(kind: FrameKind, header: Any) -> None:
-            await stream.send_all(encode_frame(kind, request_id, header))
+            await frames.send(kind, request_id, header)
 
         if self.rdma is not None:
             return await self.rdma.handle(session, request, reply)
@@ -148,23 +162,70 @@ class PeerServer:
             await reply(FrameKind.ERROR, ErrorReply(errno.ENOTSUP, "this node has no RDMA transport"))
         return None
 
-    async def _fetch(self, stream: trio.SocketStream, request_id: int, request: FetchChunks) -> None:
-        fd = stream.socket.fileno()
+    async def _fetch(self, frames: FrameStream, request_id: int, request: FetchChunks) -> None:
+        answer = _Answer(frames, request_id, self._count_served)
 
-        async def send(index: int, data: memoryview | bytes) -> None:
-            header = encode_frame(FrameKind.RESPONSE, request_id, ChunkData(index, len(data)), len(data))
-            # The header alone first, so that the reader's open returns while the payload is
-            # still on its way (with a large send buffer the kernel would hold it back with
-            # the payload); the payload from a worker thread: the event loop would wake up
-            # for every socket buffer's worth.
-            await stream.send_all(header)
-            await trio.to_thread.run_sync(send_all_blocking, fd, [data])
-            self.served_bytes += len(data)
+        async def serve() -> None:
+            try:  # the store checks the chunk range, for this path and the RDMA one
+                await self.store.serve_chunks(request.version, request.first, request.count, answer.chunk)
+            except KvfsError as error:
+                await answer.error(error)
+            finally:
+                answer.finish()
 
-        try:  # the store checks the chunk range, for this path and the RDMA one
-            await self.store.serve_chunks(request.version, request.first, request.count, send)
-        except KvfsError as error:
-            await stream.send_all(encode_frame(FrameKind.ERROR, request_id, ErrorReply(error.errno, str(error))))
+        await run_all([serve, answer.pulse_until_finished])  # a failure is raised as itself
+
+    def _count_served(self, count: int) -> None:
+        self.served_bytes += count
+
+
+class _Answer:
+    """The owner's answer to one fetch: a frame per chunk (or an error), and a pulse whenever
+    PULSE_S passes without a frame while the store prepares the next chunk."""
+
+    def __init__(self, frames: FrameStream, request_id: int, sent: Callable[[int], None]) -> None:
+        assert isinstance(frames.stream, trio.SocketStream)
+        self.frames = frames
+        self.request_id = request_id
+        self._fd = frames.stream.socket.fileno()
+        self._sending = trio.Lock()  # one frame at a time
+        self._finished = trio.Event()
+        self._last_sent = trio.current_time()
+        self._sent = sent  # payload bytes, as each chunk goes out
+
+    async def chunk(self, index: int, data: memoryview | bytes) -> None:
+        header = encode_frame(FrameKind.RESPONSE, self.request_id, ChunkData(index, len(data)), len(data))
+        # The header alone first, so that the reader's open returns while the payload is
+        # still on its way (with a large send buffer the kernel would hold it back with
+        # the payload); the payload from a worker thread: the event loop would wake up
+        # for every socket buffer's worth.
+        async with self._sending:
+            await self.frames.send_encoded(header)
+            await trio.to_thread.run_sync(send_all_blocking, self._fd, [data])
+            self._last_sent = trio.current_time()
+        self._sent(len(data))
+
+    async def error(self, error: KvfsError) -> None:
+        async with self._sending:
+            await self.frames.send(FrameKind.ERROR, self.request_id, ErrorReply(error.errno, str(error)))
+
+    def finish(self) -> None:
+        self._finished.set()
+
+    async def pulse_until_finished(self) -> None:
+        while True:
+            with trio.move_on_at(self._last_sent + PULSE_S):
+                await self._finished.wait()
+            async with self._sending:
+                if self._finished.is_set():
+                    return
+                if trio.current_time() - self._last_sent < PULSE_S:
+                    continue  # a chunk went out meanwhile
+                with trio.move_on_after(SEND_STALL_S) as stalled:
+                    await self.frames.send(FrameKind.PULSE, self.request_id, Pulse())
+                if stalled.cancelled_caught:  # a frame may be cut: the connection is done
+                    raise TimeoutError(f"the peer took no data for {SEND_STALL_S:g} s")
+                self._last_sent = trio.current_time()
 
 
 def send_all_blocking(fd: int, buffers: list[bytes | memoryview]) -> None:
@@ -177,8 +238,8 @@ def send_all_blocking(fd: int, buffers: list[bytes | memoryview]) -> None:
         try:
             sent = os.writev(fd, views)
         except BlockingIOError:
-            if not poller.poll(FETCH_TIMEOUT_S * 1000):
-                raise TimeoutError(f"the peer took no data for {FETCH_TIMEOUT_S} s") from None
+            if not poller.poll(SEND_STALL_S * 1000):
+                raise TimeoutError(f"the peer took no data for {SEND_STALL_S:g} s") from None
             continue
         while sent and views:
             if sent >= len(views[0]):
@@ -187,29 +248,6 @@ def send_all_blocking(fd: int, buffers: list[bytes | memoryview]) -> None:
             else:
                 views[0] = views[0][sent:]
                 sent = 0
-
-
-class _PeerConnection:
-    """An authenticated connection, used in blocking mode from a worker thread: a blocking
-    recv_into with MSG_WAITALL takes a whole chunk in one system call, where a non-blocking
-    socket in the event loop would wake up for every few hundred KiB."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        sock.setblocking(True)
-        sock.settimeout(FETCH_TIMEOUT_S)
-        self.sock = sock
-        self.prefix = bytearray(PREFIX_SIZE)
-
-    def receive_exactly(self, target: memoryview) -> None:
-        got = 0
-        while got < len(target):
-            count = self.sock.recv_into(target[got:], len(target) - got, socket.MSG_WAITALL)
-            if count == 0:
-                raise EOFError("the peer closed the connection")
-            got += count
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 class MeasuredTransport:
@@ -239,31 +277,32 @@ class TcpTransport(MeasuredTransport):
         super().__init__()
         self.secret = secret
         self.streams_per_peer = streams_per_peer
-        self._idle: dict[str, list[_PeerConnection]] = {}
+        self._idle: dict[str, list[BlockingFrames]] = {}
         self._chunks = HeaderDecoder(ChunkData)
         self._errors = HeaderDecoder(ErrorReply)
         self._next_id = 1
         self.fetched_bytes = 0
         self.checksum_failures = 0
 
-    async def _connect(self, address: str) -> _PeerConnection:
-        idle = self._idle.get(address)
-        if idle:
-            return idle.pop()
+    async def _connect(self, address: str, pooled: bool = True) -> tuple[BlockingFrames, bool]:
+        """A connection to the peer: (an idle one, True) if one looks alive, else (a new one, False)."""
+        idle = self._idle.get(address) if pooled else None
+        while idle:
+            connection = idle.pop()
+            if _looks_alive(connection):
+                return connection, True
+            connection.close()  # the peer closed it (restarted, say): not worth a request
         host, port = split_address(address)
         with trio.move_on_after(CONNECT_TIMEOUT_S):
-            stream = await trio.open_tcp_stream(host, port)
-            _tune(stream.socket)
-            frames = FrameStream(stream)
+            frames = await connect(host, port, self.secret, "node", "peer", tune=_tune)
             try:
-                await handshake(frames, self.secret, "node")
+                return BlockingFrames.detach(frames, PEER_SILENCE_S), False
             except BaseException:
-                await stream.aclose()
+                await frames.aclose()
                 raise
-            return _PeerConnection(socket.socket(fileno=stream.socket.detach()))
-        raise OSError(errno.ETIMEDOUT, f"connecting to {address} took over {CONNECT_TIMEOUT_S} s")
+        raise TimeoutError(errno.ETIMEDOUT, f"connecting to {address} took over {CONNECT_TIMEOUT_S:g} s")
 
-    def _give_back(self, address: str, connection: _PeerConnection) -> None:
+    def _give_back(self, address: str, connection: BlockingFrames) -> None:
         idle = self._idle.setdefault(address, [])
         if len(idle) < self.streams_per_peer:
             idle.append(connection)
@@ -273,8 +312,20 @@ class TcpTransport(MeasuredTransport):
     async def _fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
                      checksums: list[int], on_chunk: Callable[[int], None], on_answer: Callable[[], None]) -> None:
         try:
-            connection = await self._connect(address)
-        except (OSError, AuthError, ProtocolError, EOFError, trio.BrokenResourceError, ValueError) as error:
+            await self._fetch_once(address, version, first, targets, lengths, checksums, on_chunk, on_answer)
+        except _Unanswered:  # a pooled connection the peer had dropped (a restart): once more on a new one
+            log.debug("version %d: the pooled connection to %s was stale; reconnecting", version, address)
+            await self._fetch_once(address, version, first, targets, lengths, checksums, on_chunk, on_answer,
+                                   pooled=False)
+
+    async def _fetch_once(self, address: str, version: int, first: int, targets: list[memoryview],
+                          lengths: list[int], checksums: list[int], on_chunk: Callable[[int], None],
+                          on_answer: Callable[[], None], pooled: bool = True) -> None:
+        try:
+            connection, reused = await self._connect(address, pooled)
+        except TimeoutError as error:  # slow is not absent: the peer may be alive and loaded
+            raise StorageError(errno.EIO, f"version {version}: peer {address} did not answer ({error})") from None
+        except (OSError, ValueError, *REFUSALS) as error:
             raise StorageError(errno.ENOENT, f"version {version}: peer {address} is unreachable ({error})") from None
         request_id = self._next_id
         self._next_id += 1
@@ -294,6 +345,13 @@ class TcpTransport(MeasuredTransport):
         except _RemoteError:
             reusable = True  # the peer answered; the connection is in step
             raise
+        except _Unanswered as error:
+            if reused:
+                raise
+            raise StorageError(errno.ENOENT, f"version {version}: lost peer {address} ({error.__cause__})") from None
+        except TimeoutError:
+            raise StorageError(errno.EIO, f"version {version}: peer {address} was silent for "
+                                          f"{PEER_SILENCE_S:g} s") from None
         except (OSError, EOFError) as error:
             raise StorageError(errno.ENOENT, f"version {version}: lost peer {address} ({error})") from None
         except ProtocolError as error:
@@ -304,20 +362,31 @@ class TcpTransport(MeasuredTransport):
             else:
                 connection.close()
 
-    def _exchange(self, connection: _PeerConnection, request_id: int, address: str, version: int, first: int,
+    def _answer(self, connection: BlockingFrames, request_id: int) -> Head:
+        """The next frame for this request that is not a pulse (pulses only keep the deadline off)."""
+        while True:
+            head = connection.receive_head()
+            prefix = head.prefix
+            if prefix.kind == FrameKind.PULSE and prefix.request_id <= request_id and not prefix.payload_length:
+                continue  # (a late one of an earlier request on this connection is harmless too)
+            if prefix.request_id != request_id:
+                raise ProtocolError(f"{prefix.kind.name} frame for request {prefix.request_id}, expected {request_id}")
+            return head
+
+    def _exchange(self, connection: BlockingFrames, request_id: int, address: str, version: int, first: int,
                   targets: list[memoryview], lengths: list[int], checksums: list[int],
                   arrived: Callable[[int], None], answered: Callable[[], None]) -> None:
         """One fetch, in a worker thread: the request, then a frame per chunk into its target."""
-        connection.sock.sendall(encode_frame(FrameKind.REQUEST, request_id, FetchChunks(version, first, len(targets))))
-        prefix_view = memoryview(connection.prefix)
+        try:
+            connection.send(FrameKind.REQUEST, request_id, FetchChunks(version, first, len(targets)))
+            head = self._answer(connection, request_id)
+        except (EOFError, ConnectionResetError, BrokenPipeError) as error:  # closed before a word of answer
+            raise _Unanswered() from error
         for offset, (target, length) in enumerate(zip(targets, lengths)):
             index = first + offset
-            connection.receive_exactly(prefix_view)
-            prefix = parse_prefix(prefix_view)
-            header = bytearray(prefix.header_length)
-            connection.receive_exactly(memoryview(header))
-            if prefix.request_id != request_id:
-                raise ProtocolError(f"reply to request {prefix.request_id}, expected {request_id}")
+            if offset:
+                head = self._answer(connection, request_id)
+            prefix, header = head.prefix, head.header
             if prefix.kind == FrameKind.ERROR:
                 error = self._errors.decode(header)
                 raise _RemoteError(error.errno, f"peer {address}: {error.message}")
@@ -328,7 +397,7 @@ class TcpTransport(MeasuredTransport):
                 raise ProtocolError(f"chunk {reply.index} of {reply.length} bytes, expected chunk {index} of {length}")
             if not offset:
                 answered()
-            connection.receive_exactly(target[:length])
+            connection.receive_payload(target[:length])
             if index < len(checksums) and chunk_checksum(target[:length]) != checksums[index]:
                 self.checksum_failures += 1
                 raise StorageError(errno.EIO, f"version {version} chunk {index} from {address} fails its checksum")
@@ -344,3 +413,14 @@ class TcpTransport(MeasuredTransport):
 
 class _RemoteError(StorageError):
     """The peer answered with an error: the connection itself is still good."""
+
+
+class _Unanswered(Exception):
+    """The connection closed before any answer to the request (its cause says how)."""
+
+
+def _looks_alive(connection: BlockingFrames) -> bool:
+    """An idle connection has nothing to read: readable means the peer closed (or reset) it."""
+    poller = select.poll()
+    poller.register(connection.sock, select.POLLIN | select.POLLPRI)
+    return not poller.poll(0)
