@@ -21,8 +21,10 @@ from kvfs.config import MountConfig
 from kvfs.errors import KvfsError
 from kvfs.fuse.errors import fuse_handler
 from kvfs.fuse.handles import HandleTable, LookupCounts
+from kvfs.fuse.privilege import has_cap_sys_admin
 from kvfs.histogram import OperationStats
 from kvfs.node.service import Node, OpenFile
+from kvfs.node.xattrs import ROOT_CONTROL
 
 log = logging.getLogger("kvfs.fuse")
 
@@ -236,6 +238,9 @@ class KvfsOperations(pyfuse3.Operations):
 
     @fuse_handler
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
+        if name == ROOT_CONTROL and inode == pyfuse3.ROOT_INODE and not has_cap_sys_admin(ctx.pid):
+            raise KvfsError(errno.EPERM, f"{ROOT_CONTROL.decode()}: needs CAP_SYS_ADMIN (uid {ctx.uid}, "
+                                         f"pid {ctx.pid} has not)")
         await self.node.xattrs.setxattr(inode, name, value)
 
     @fuse_handler
