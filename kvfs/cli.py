@@ -90,6 +90,9 @@ def _add_store_options(command: argparse.ArgumentParser, entry_timeout_s: float 
     command.add_argument("--negative-timeout", type=float, default=1.0, help="seconds the kernel caches absent names")
     command.add_argument("--temp-grace", type=float, default=300.0,
                          help="seconds before an abandoned *.tmp file is collected")
+    command.add_argument("--unsealed-per-user", default=None,
+                         help="bytes of files open for writing one user (not root) may hold; a write past it "
+                              "gets EDQUOT (default: half the DRAM tier; 0: no cap)")
     command.add_argument("--publish-grace", type=float, default=30.0,
                          help="seconds after close during which a new file not yet renamed or read is evicted last")
     command.add_argument("--gc-interval", type=float, default=30.0, help="seconds between orphan collections")
@@ -285,6 +288,8 @@ def _mount_config(args: argparse.Namespace, **cluster) -> MountConfig:
         entry_timeout_s=args.entry_timeout,
         negative_timeout_s=args.negative_timeout,
         temp_grace_s=args.temp_grace,
+        unsealed_per_user=(parse_size(str(args.unsealed_per_user), "--unsealed-per-user")
+                           if args.unsealed_per_user is not None else None),
         publish_grace_s=args.publish_grace,
         gc_interval_s=args.gc_interval,
         allow_other=args.allow_other,

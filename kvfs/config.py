@@ -70,6 +70,7 @@ class MountConfig:
     temp_suffix: str = ".tmp"
     temp_grace_s: float = 300.0  # sealed temp files untouched this long are orphans
     publish_grace_s: float = 30.0  # new files closed, not yet renamed or read, are evicted last this long
+    unsealed_per_user: int | None = None  # cap on a non-root user's files open for writing; None: dram / 2; 0: none
     gc_interval_s: float = 30.0
     read_ahead_kb: int = 8192  # set on the mount's bdi after mounting
     max_background: int = 64  # set on the FUSE connection after mounting
@@ -118,6 +119,12 @@ class MountConfig:
                 check_address(getattr(self, name), name)
         if self.disk_path is not None and self.disk_bytes < (64 << 20):
             raise ConfigError(f"disk_size: {self.disk_bytes} bytes is below the 64 MiB minimum")
+
+
+def unsealed_cap(config: MountConfig) -> int:
+    """Bytes of unsealed files one user may hold (0: no cap): half the DRAM tier by default, so
+    that one user's open files cannot pin the tier that every user's files share."""
+    return config.dram_bytes // 2 if config.unsealed_per_user is None else config.unsealed_per_user
 
 
 def default_disk_bytes(path: str) -> int:

@@ -29,7 +29,7 @@ from kvfs.net.rdma import RdmaExporter, RdmaTransport, open_rdma
 from kvfs.net.transport import PeerServer, TcpTransport
 from kvfs.net.verbs import RdmaDevice
 from kvfs.concurrency import single_error
-from kvfs.config import MountConfig, format_size, split_address
+from kvfs.config import MountConfig, format_size, split_address, unsealed_cap
 from kvfs.errors import CommandError, KvfsError
 from kvfs.fuse.mount import find_mount, prepare_mountpoint, tune_connection
 from kvfs.fuse.operations import KvfsOperations
@@ -90,7 +90,8 @@ class Daemon:
                 transport = RdmaTransport(self.rdma, config.secret, transport, read_buffers)
         self.node = Node(EmbeddedMaster(self.service), self.store, clock, forget_entries=self._forget_entries,
                          transport=transport,
-                         invalidate_attrs=self._invalidate_attrs if config.master is not None else None)
+                         invalidate_attrs=self._invalidate_attrs if config.master is not None else None,
+                         unsealed_per_user=unsealed_cap(config))
         self.operations = KvfsOperations(self.node, config)
         self.link: MasterLink | None = None
         self.peer_server: PeerServer | None = None

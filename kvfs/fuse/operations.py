@@ -204,7 +204,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     @fuse_handler
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        handle, keep_cache = await self.node.open(inode, flags)
+        handle, keep_cache = await self.node.open(inode, flags, ctx.uid)
         return pyfuse3.FileInfo(fh=self.files.add(handle), keep_cache=keep_cache)
 
     @fuse_handler

@@ -29,6 +29,7 @@ from kvfs.wire import messages as m
 from kvfs.node.dircache import DirectoryCache
 from kvfs.cluster.embedded import MasterClient
 from kvfs.node.prefetch import Prefetches
+from kvfs.node.quota import UnsealedBytes
 from kvfs.cluster.namespace import check_name
 from kvfs.net.rpc import MasterUnavailable
 from kvfs.net.transport import Transport
@@ -64,6 +65,8 @@ class WriteState:
     writers: int
     mtime_ns: int
     ctime_ns: int = 0  # the last write or truncate (mtime_ns may since have been set by utimensat)
+    uid: int = 0  # whose cap of unsealed bytes the version counts against (kvfs/node/quota.py)
+    charged: int = 0  # bytes counted against it: the furthest end written, set before the write awaits
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,8 @@ class Node:
     def __init__(self, master: MasterClient, store: TieredStore, clock: Clock, node_id: int = 1,
                  forget_entries: Callable[[list[tuple[int, bytes, int]]], None] = lambda entries: None,
                  transport: Transport | None = None,
-                 invalidate_attrs: Callable[[int], Awaitable[None]] | None = None) -> None:
+                 invalidate_attrs: Callable[[int], Awaitable[None]] | None = None,
+                 unsealed_per_user: int = 0) -> None:
         self.master = master
         self.store = store
         store.owner = self
@@ -105,6 +109,7 @@ class Node:
         self.dircache = DirectoryCache(DIRECTORY_CACHE_NAMES) if transport is not None else None
         self.prefetches = Prefetches(store, clock.monotonic) if transport is not None else None
         self._writing: dict[int, WriteState] = {}
+        self.unsealed = UnsealedBytes(unsealed_per_user)  # each version's size, by the uid writing it
         self._cached_version: dict[int, int] = {}  # ino -> version the kernel page cache holds
         # Files stored here, for reads while the master is unreachable: ino -> (version, last attributes).
         self._local: dict[int, tuple[int, m.Attr]] = {}
@@ -230,8 +235,19 @@ class Node:
         state = self._writing[version]
         if size < state.size:
             self.store.truncate(version, size)
+        if size < state.charged:
+            self.unsealed.credit(state.uid, state.charged - size)
+            state.charged = size
+        else:  # the gaps are filled with zeros in DRAM at the seal
+            self._charge(state, size, f"version {version}")
         state.size = size
         state.mtime_ns = state.ctime_ns = self.clock.wall_ns()
+
+    def _charge(self, state: WriteState, end: int, what: str) -> None:
+        """Counts a version's bytes up to `end` against its writer's cap (EDQUOT past it)."""
+        if end > state.charged:
+            self.unsealed.charge(state.uid, end - state.charged, what)
+            state.charged = end
 
     def _check_file_size(self, size: int) -> None:
         capacity = self.store.dram.capacity
@@ -294,10 +310,10 @@ class Node:
     async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int, exclusive: bool) -> tuple[OpenFile, m.Attr]:
         opened = await self.master.call(m.Create(parent, name, mode, uid, gid, self.node_id, exclusive))
         self._own_change(parent, name, present=True)
-        handle = await self._start_writing(opened, truncate=False)
+        handle = await self._start_writing(opened, truncate=False, uid=uid)
         return handle, self._current(opened.attr)
 
-    async def open(self, ino: int, flags: int) -> tuple[OpenFile, bool]:
+    async def open(self, ino: int, flags: int, uid: int = 0) -> tuple[OpenFile, bool]:
         """Opens a file; returns the handle and whether the kernel may keep its cached pages."""
         if flags & os.O_ACCMODE == os.O_RDONLY:
             try:
@@ -322,7 +338,7 @@ class Node:
                 self._cached_version.pop(ino, None)
             return handle, keep_cache
         self._cached_version.pop(ino, None)
-        return await self._open_version(ino, truncate=bool(flags & os.O_TRUNC)), False
+        return await self._open_version(ino, truncate=bool(flags & os.O_TRUNC), uid=uid), False
 
     async def _open_reader(self, ino: int) -> tuple[m.Opened, ReadSource]:
         """A reader's version and where its bytes come from. When the node that stores them
@@ -454,10 +470,11 @@ class Node:
         else:
             self._opens.pop(key, None)
 
-    async def _open_version(self, ino: int, truncate: bool) -> OpenFile:
-        return await self._start_writing(await self.master.call(m.OpenWrite(ino, self.node_id, truncate)), truncate)
+    async def _open_version(self, ino: int, truncate: bool, uid: int = 0) -> OpenFile:
+        return await self._start_writing(await self.master.call(m.OpenWrite(ino, self.node_id, truncate)), truncate,
+                                         uid)
 
-    async def _start_writing(self, opened: m.Opened, truncate: bool) -> OpenFile:
+    async def _start_writing(self, opened: m.Opened, truncate: bool, uid: int = 0) -> OpenFile:
         self.drop(opened.dropped)
         version = opened.version
         self._count_open(version, True, 1)
@@ -469,7 +486,7 @@ class Node:
         else:
             self.store.create(version)
             now = self.clock.wall_ns()
-            state = self._writing[version] = WriteState(0, 1, now, now)
+            state = self._writing[version] = WriteState(0, 1, now, now, uid=uid)
             if opened.copy_from:
                 self._count_open(opened.copy_from, False, 1)
                 try:
@@ -477,6 +494,10 @@ class Node:
                     if opened.node and opened.node != self.node_id:  # the old bytes are on another node
                         reader = await self._open_remote(opened.copy_from, opened.copy_size, opened.node,
                                                          opened.address, opened.checksums)
+                    # Counted without the cap (refusing here would strand the opened version): the
+                    # writes that follow are what the cap refuses.
+                    self.unsealed.charge(uid, opened.copy_size, f"inode {opened.attr.ino}", capped=False)
+                    state.charged = opened.copy_size
                     await self.store.copy(opened.copy_from, version, opened.copy_size, reader)
                     state.size = opened.copy_size
                 finally:
@@ -505,9 +526,10 @@ class Node:
             raise StorageError(errno.EBADF, f"inode {handle.ino} is not open for writing")
         end = offset + len(data)
         self._check_file_size(end)
+        state = self._writing[handle.version]
+        self._charge(state, end, f"inode {handle.ino}")
         await self.store.write(handle.version, offset, data)
         self.written_bytes += len(data)
-        state = self._writing[handle.version]
         state.size = max(state.size, end)
         state.mtime_ns = state.ctime_ns = self.clock.wall_ns()
         return len(data)
@@ -522,6 +544,7 @@ class Node:
         if state.writers:
             return
         del self._writing[handle.version]  # the last writer is done: the bytes are final
+        self.unsealed.credit(state.uid, state.charged)
         checksums = self.store.seal(handle.version, state.size)
         for reader in self._early_readers.pop(handle.version, []):
             reader.size = state.size
