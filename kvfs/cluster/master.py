@@ -24,12 +24,13 @@ from kvfs.cluster.objects import FileVersion, ObjectDirectory
 from kvfs.cluster.opens import OpenHandles
 from kvfs.cluster.registry import LOCAL_NODE, Registry
 from kvfs.cluster.usage import DirectoryUsage
+from kvfs.cluster.validate import check_request
 from kvfs.errors import MetadataError
 from kvfs.policy import EvictionPolicy
 
-XATTR_NAME_MAX = 255
-XATTR_SIZE_MAX = 65536
-USER_XATTR_PREFIX = b"user."
+# The user attributes of one inode, names and values together (the kernel bounds each, not
+# their number): what a GetRecord answer and a node's SSD index record carry.
+XATTRS_MAX_BYTES = 256 << 10
 RECLAIM_MAX_FILES = 16  # files evicted per reclaim request
 # Files being published passed over per reclaim before the scan stops and they are taken
 # after all, in the policy's order: bounds the scan when nearly every file is fresh
@@ -139,7 +140,10 @@ class MetadataService:
         """Answers one request from node `caller`; raises MetadataError with the errno it should see.
 
         Versions dropped on behalf of other nodes, and names other nodes' kernels may
-        cache, are queued for those nodes and delivered with their next heartbeat."""
+        cache, are queued for those nodes and delivered with their next heartbeat.
+
+        The request is checked first (kvfs.cluster.validate): one that fails changes nothing."""
+        check_request(request)
         self._caller = caller
         try:
             response = self._handlers[type(request)](request)
@@ -510,7 +514,8 @@ class MetadataService:
     def _readdir(self, req: m.ReadDir) -> m.Listing:
         directory = self.ns.directory(req.ino)
         entries = [m.DirEntry(name, self.attr(inode), entry_id)
-                   for name, inode, entry_id in self.ns.listing(directory, req.start_id, req.limit)
+                   for name, inode, entry_id in self.ns.listing(directory, req.start_id,
+                                                                 min(req.limit, m.READDIR_MAX))
                    if self._visible(inode) is not None]
         return m.Listing(entries)
 
@@ -619,12 +624,6 @@ class MetadataService:
 
     # Extended attributes ---------------------------------------------------------------
 
-    def _check_xattr_name(self, name: bytes) -> None:
-        if len(name) > XATTR_NAME_MAX:
-            raise MetadataError(errno.ERANGE, f"xattr name of {len(name)} bytes")
-        if not name.startswith(USER_XATTR_PREFIX) or len(name) == len(USER_XATTR_PREFIX):
-            raise MetadataError(errno.ENOTSUP, f"xattr {name!r}: only user.* attributes are supported")
-
     def _getxattr(self, req: m.GetXattr) -> m.XattrValue:
         value = self.ns.get(req.ino).xattrs.get(req.name)
         if value is None:
@@ -632,10 +631,13 @@ class MetadataService:
         return m.XattrValue(value)
 
     def _setxattr(self, req: m.SetXattr) -> m.Done:
-        self._check_xattr_name(req.name)
-        if len(req.value) > XATTR_SIZE_MAX:
-            raise MetadataError(errno.E2BIG, f"xattr value of {len(req.value)} bytes")
-        inode = self.ns.get(req.ino)
+        inode = self.ns.get(req.ino)  # (the name and value were checked with the request)
+        old = inode.xattrs.get(req.name)
+        total = sum(len(name) + len(value) for name, value in inode.xattrs.items())
+        total += len(req.value) - (len(old) if old is not None else -len(req.name))
+        if total > XATTRS_MAX_BYTES:
+            raise MetadataError(errno.ENOSPC, f"inode {req.ino}: its attributes would take {total} bytes "
+                                              f"(limit {XATTRS_MAX_BYTES})")
         inode.xattrs[req.name] = req.value
         inode.ctime_ns = self.clock.wall_ns()
         self.ns.dirty.add(inode.ino)
