@@ -283,6 +283,11 @@ class MetadataService:
             raise MetadataError(errno.ELOOP, f"inode {ino} is a symbolic link")
         return inode
 
+    def _known_node(self, node: int) -> None:
+        """A version is stored on a node the registry knows (else nothing could ever remove it)."""
+        if node not in self.registry.nodes:
+            raise MetadataError(errno.EINVAL, f"no node {node} is registered")
+
     @staticmethod
     def _check_linked(inode: Inode) -> None:
         # ESTALE, not ENOENT: the kernel resolved the name before it was removed or
@@ -296,11 +301,13 @@ class MetadataService:
 
     def _new_entry(self, parent: int, name: bytes) -> Inode:
         check_name(name)
-        self._claim(parent, name)
         directory = self.ns.directory(parent)
         if not directory.linked:
             raise MetadataError(errno.ENOENT, f"directory {parent} was removed")
-        if name in (b".", b"..") or name in directory.children:  # type: ignore[operator]
+        if name in (b".", b".."):
+            raise MetadataError(errno.EEXIST, f"{name!r} exists in directory {parent}")
+        self._claim(parent, name)  # only once nothing can fail: a hidden file's name is free
+        if name in directory.children:  # type: ignore[operator]
             raise MetadataError(errno.EEXIST, f"{name!r} exists in directory {parent}")
         return directory
 
@@ -422,6 +429,7 @@ class MetadataService:
 
     def _create(self, req: m.Create) -> m.Opened:
         check_name(req.name)
+        self._known_node(req.node)
         existing = self._entry(req.parent, req.name)
         if existing is not None:
             if req.exclusive:
@@ -469,8 +477,9 @@ class MetadataService:
         check_name(req.name_new)
         source = self._existing(req.parent_old, req.name_old)
         new_parent = self.ns.directory(req.parent_new)
-        self._claim(req.parent_new, req.name_new)
-        target = self.ns.lookup(req.parent_new, req.name_new)
+        if not new_parent.linked:
+            raise MetadataError(errno.ENOENT, f"directory {req.parent_new} was removed")
+        target = self._entry(req.parent_new, req.name_new)
         if target is source:
             return m.Done()
         if source.is_dir and self.ns.is_ancestor(source.ino, new_parent.ino):
@@ -491,6 +500,7 @@ class MetadataService:
                 self.ns.unlink(target, now)
             else:
                 self.remove_file(target, now, dropped, linger=True)
+        self._claim(req.parent_new, req.name_new)  # a hidden file's name, once nothing can fail
         self._removed_names.append((source.parent, source.name, source.ino))
         self._unpublished.pop(source.ino, None)  # renamed: published
         self.ns.detach(source, now)
@@ -552,6 +562,7 @@ class MetadataService:
         return opened
 
     def _open_write(self, req: m.OpenWrite) -> m.Opened:
+        self._known_node(req.node)
         inode = self._file(req.ino)
         self._check_linked(inode)
         current = self.objects.get(inode.version)
@@ -761,8 +772,16 @@ class MetadataService:
 
     def restore(self, req: m.Restore) -> m.Restored:
         record = req.record
+        self._known_node(req.node)
+        if req.version in self.objects.versions:  # known already: the master's entry stands
+            return m.Restored(False, [])
         now = self.clock.wall_ns()
         directory = self.ns.inodes[ROOT_INO]
+        walked: Inode | None = directory
+        for name in record.path[:-1]:  # nothing is created for a path that cannot be restored
+            walked = self.ns.lookup(walked.ino, name) if walked is not None else None
+            if walked is not None and not walked.is_dir:
+                return m.Restored(False, [req.version])
         for name in record.path[:-1]:
             child = self.ns.lookup(directory.ino, name)
             if child is None:
