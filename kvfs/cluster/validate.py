@@ -21,7 +21,7 @@ from typing import Any, Callable
 import msgspec
 
 from kvfs.chunks import CHUNK_SIZE
-from kvfs.cluster.namespace import NAME_MAX, check_name, check_target
+from kvfs.cluster.namespace import check_name, check_target
 from kvfs.errors import MetadataError
 from kvfs.wire import messages as m
 
