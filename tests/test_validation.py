@@ -5,6 +5,7 @@ a live `kvfs master`, whose state stays saved and equal to what it holds in memo
 from __future__ import annotations
 
 import errno
+import os
 import stat
 from pathlib import Path
 from typing import Iterator
@@ -317,3 +318,38 @@ def test_a_refused_rename_leaves_a_hidden_file_of_the_target_name(tmp_path: Path
     assert opened.version in master.service.objects.versions
     master.reloads_equal()
     master.state.close()
+
+
+# Through a mount: what a user can ask for is refused with an errno, the daemon carries on ------
+
+
+def test_times_out_of_range_through_a_mount(kvfs_dir: Path) -> None:
+    path = kvfs_dir / "f"
+    path.write_bytes(b"x")
+    os.utime(path, ns=(-(10**18), -(10**18)))  # 1938: before the epoch is a time like any other
+    assert path.stat().st_mtime_ns == -(10**18)
+    year_2300 = 10_413_792_000 * 10**9  # past a signed 64-bit count of nanoseconds
+    with pytest.raises(OSError) as raised:
+        os.utime(path, ns=(year_2300, year_2300))
+    assert raised.value.errno == errno.EINVAL
+    assert path.stat().st_mtime_ns == -(10**18) and path.read_bytes() == b"x"
+    with pytest.raises(OSError) as raised:
+        os.mkdir(kvfs_dir / ("x" * 256))
+    assert raised.value.errno == errno.ENAMETOOLONG
+    assert sorted(os.listdir(kvfs_dir)) == ["f"]
+
+
+def test_times_out_of_range_through_a_cluster_node_keep_its_connection(cluster: Cluster) -> None:
+    """Times are bounded by the service, not at decoding: the node gets EINVAL back and keeps
+    its connection to the master."""
+    node = cluster.add_node("64M")
+    path = node.path / "f"
+    path.write_bytes(b"x")
+    year_2300 = 10_413_792_000 * 10**9
+    with pytest.raises(OSError) as raised:
+        os.utime(path, ns=(year_2300, year_2300))
+    assert raised.value.errno == errno.EINVAL
+    (node.path / "after").mkdir()
+    assert sorted(os.listdir(node.path)) == ["after", "f"]
+    log = cluster.master.log_text()
+    assert "closing connection" not in log and "disconnected" not in log, log[-3000:]
