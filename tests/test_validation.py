@@ -353,3 +353,17 @@ def test_times_out_of_range_through_a_cluster_node_keep_its_connection(cluster: 
     assert sorted(os.listdir(node.path)) == ["after", "f"]
     log = cluster.master.log_text()
     assert "closing connection" not in log and "disconnected" not in log, log[-3000:]
+
+
+def test_a_refused_open_by_create_takes_no_kernel_reference(tmp_path: Path) -> None:
+    """A create of a name another node is writing fails (EBUSY): the caller's kernel gets no
+    inode, so the master must not count a reference from it (the inode could never go)."""
+    master = Master(tmp_path / "state")
+    other = master.call(m.Register("b", "b:1"), 0).node
+    master.call(m.Report([]), other)
+    master.call(m.FinishRegistration(), other)
+    opened = master.call(m.Create(ROOT_INO, b"f", 0o644, 0, 0, other, True), other)
+    master.refuses(m.Create(ROOT_INO, b"f", 0o644, 0, 0, master.node, False), errno.EBUSY)
+    assert not master.service.ns.inodes[opened.attr.ino].refs & (1 << master.node)
+    master.reloads_equal()
+    master.state.close()

@@ -434,8 +434,9 @@ class MetadataService:
         if existing is not None:
             if req.exclusive:
                 raise MetadataError(errno.EEXIST, f"{req.name!r} exists in directory {req.parent}")
-            self._referenced(existing)
-            return self._open_write(m.OpenWrite(existing.ino, req.node, truncate=False))
+            opened = self._open_write(m.OpenWrite(existing.ino, req.node, truncate=False))
+            self._referenced(existing)  # only once the open succeeded: the kernel holds it now
+            return opened
         directory = self._new_entry(req.parent, req.name)
         now = self.clock.wall_ns()
         inode = self.ns.new_inode(stat.S_IFREG | stat.S_IMODE(req.mode), req.uid, req.gid, now, directory=False)
