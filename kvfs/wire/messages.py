@@ -301,7 +301,8 @@ class Register(Request):
 
 class Report(Request):
     held: Annotated[list[Held], msgspec.Meta(max_length=MAX_HELD)]
-    opens: Annotated[list[tuple[U64, bool, U64]], msgspec.Meta(max_length=MAX_IDS)] = []  # (version, writer, handles) the node has open, wherever stored
+    # (version, writer, handles) the node has open, wherever stored
+    opens: Annotated[list[tuple[U64, bool, U64]], msgspec.Meta(max_length=MAX_IDS)] = []
 
 
 class FinishRegistration(Request):
