@@ -24,12 +24,13 @@ from kvfs.cluster.objects import FileVersion, ObjectDirectory
 from kvfs.cluster.opens import OpenHandles
 from kvfs.cluster.registry import LOCAL_NODE, Registry
 from kvfs.cluster.usage import DirectoryUsage
+from kvfs.cluster.validate import check_request
 from kvfs.errors import MetadataError
 from kvfs.policy import EvictionPolicy
 
-XATTR_NAME_MAX = 255
-XATTR_SIZE_MAX = 65536
-USER_XATTR_PREFIX = b"user."
+# The user attributes of one inode, names and values together (the kernel bounds each, not
+# their number): what a GetRecord answer and a node's SSD index record carry.
+XATTRS_MAX_BYTES = 256 << 10
 RECLAIM_MAX_FILES = 16  # files evicted per reclaim request
 # Files being published passed over per reclaim before the scan stops and they are taken
 # after all, in the policy's order: bounds the scan when nearly every file is fresh
@@ -139,7 +140,10 @@ class MetadataService:
         """Answers one request from node `caller`; raises MetadataError with the errno it should see.
 
         Versions dropped on behalf of other nodes, and names other nodes' kernels may
-        cache, are queued for those nodes and delivered with their next heartbeat."""
+        cache, are queued for those nodes and delivered with their next heartbeat.
+
+        The request is checked first (kvfs.cluster.validate): one that fails changes nothing."""
+        check_request(request)
         self._caller = caller
         try:
             response = self._handlers[type(request)](request)
@@ -279,6 +283,11 @@ class MetadataService:
             raise MetadataError(errno.ELOOP, f"inode {ino} is a symbolic link")
         return inode
 
+    def _known_node(self, node: int) -> None:
+        """A version is stored on a node the registry knows (else nothing could ever remove it)."""
+        if node not in self.registry.nodes:
+            raise MetadataError(errno.EINVAL, f"no node {node} is registered")
+
     @staticmethod
     def _check_linked(inode: Inode) -> None:
         # ESTALE, not ENOENT: the kernel resolved the name before it was removed or
@@ -292,11 +301,13 @@ class MetadataService:
 
     def _new_entry(self, parent: int, name: bytes) -> Inode:
         check_name(name)
-        self._claim(parent, name)
         directory = self.ns.directory(parent)
         if not directory.linked:
             raise MetadataError(errno.ENOENT, f"directory {parent} was removed")
-        if name in (b".", b"..") or name in directory.children:  # type: ignore[operator]
+        if name in (b".", b".."):
+            raise MetadataError(errno.EEXIST, f"{name!r} exists in directory {parent}")
+        self._claim(parent, name)  # only once nothing can fail: a hidden file's name is free
+        if name in directory.children:  # type: ignore[operator]
             raise MetadataError(errno.EEXIST, f"{name!r} exists in directory {parent}")
         return directory
 
@@ -418,12 +429,14 @@ class MetadataService:
 
     def _create(self, req: m.Create) -> m.Opened:
         check_name(req.name)
+        self._known_node(req.node)
         existing = self._entry(req.parent, req.name)
         if existing is not None:
             if req.exclusive:
                 raise MetadataError(errno.EEXIST, f"{req.name!r} exists in directory {req.parent}")
-            self._referenced(existing)
-            return self._open_write(m.OpenWrite(existing.ino, req.node, truncate=False))
+            opened = self._open_write(m.OpenWrite(existing.ino, req.node, truncate=False))
+            self._referenced(existing)  # only once the open succeeded: the kernel holds it now
+            return opened
         directory = self._new_entry(req.parent, req.name)
         now = self.clock.wall_ns()
         inode = self.ns.new_inode(stat.S_IFREG | stat.S_IMODE(req.mode), req.uid, req.gid, now, directory=False)
@@ -465,8 +478,9 @@ class MetadataService:
         check_name(req.name_new)
         source = self._existing(req.parent_old, req.name_old)
         new_parent = self.ns.directory(req.parent_new)
-        self._claim(req.parent_new, req.name_new)
-        target = self.ns.lookup(req.parent_new, req.name_new)
+        if not new_parent.linked:
+            raise MetadataError(errno.ENOENT, f"directory {req.parent_new} was removed")
+        target = self._entry(req.parent_new, req.name_new)
         if target is source:
             return m.Done()
         if source.is_dir and self.ns.is_ancestor(source.ino, new_parent.ino):
@@ -487,6 +501,7 @@ class MetadataService:
                 self.ns.unlink(target, now)
             else:
                 self.remove_file(target, now, dropped, linger=True)
+        self._claim(req.parent_new, req.name_new)  # a hidden file's name, once nothing can fail
         self._removed_names.append((source.parent, source.name, source.ino))
         self._unpublished.pop(source.ino, None)  # renamed: published
         self.ns.detach(source, now)
@@ -510,7 +525,8 @@ class MetadataService:
     def _readdir(self, req: m.ReadDir) -> m.Listing:
         directory = self.ns.directory(req.ino)
         entries = [m.DirEntry(name, self.attr(inode), entry_id)
-                   for name, inode, entry_id in self.ns.listing(directory, req.start_id, req.limit)
+                   for name, inode, entry_id in self.ns.listing(directory, req.start_id,
+                                                                 min(req.limit, m.READDIR_MAX))
                    if self._visible(inode) is not None]
         return m.Listing(entries)
 
@@ -547,6 +563,7 @@ class MetadataService:
         return opened
 
     def _open_write(self, req: m.OpenWrite) -> m.Opened:
+        self._known_node(req.node)
         inode = self._file(req.ino)
         self._check_linked(inode)
         current = self.objects.get(inode.version)
@@ -619,12 +636,6 @@ class MetadataService:
 
     # Extended attributes ---------------------------------------------------------------
 
-    def _check_xattr_name(self, name: bytes) -> None:
-        if len(name) > XATTR_NAME_MAX:
-            raise MetadataError(errno.ERANGE, f"xattr name of {len(name)} bytes")
-        if not name.startswith(USER_XATTR_PREFIX) or len(name) == len(USER_XATTR_PREFIX):
-            raise MetadataError(errno.ENOTSUP, f"xattr {name!r}: only user.* attributes are supported")
-
     def _getxattr(self, req: m.GetXattr) -> m.XattrValue:
         value = self.ns.get(req.ino).xattrs.get(req.name)
         if value is None:
@@ -632,10 +643,13 @@ class MetadataService:
         return m.XattrValue(value)
 
     def _setxattr(self, req: m.SetXattr) -> m.Done:
-        self._check_xattr_name(req.name)
-        if len(req.value) > XATTR_SIZE_MAX:
-            raise MetadataError(errno.E2BIG, f"xattr value of {len(req.value)} bytes")
-        inode = self.ns.get(req.ino)
+        inode = self.ns.get(req.ino)  # (the name and value were checked with the request)
+        old = inode.xattrs.get(req.name)
+        total = sum(len(name) + len(value) for name, value in inode.xattrs.items())
+        total += len(req.value) - (len(old) if old is not None else -len(req.name))
+        if total > XATTRS_MAX_BYTES:
+            raise MetadataError(errno.ENOSPC, f"inode {req.ino}: its attributes would take {total} bytes "
+                                              f"(limit {XATTRS_MAX_BYTES})")
         inode.xattrs[req.name] = req.value
         inode.ctime_ns = self.clock.wall_ns()
         self.ns.dirty.add(inode.ino)
@@ -759,8 +773,16 @@ class MetadataService:
 
     def restore(self, req: m.Restore) -> m.Restored:
         record = req.record
+        self._known_node(req.node)
+        if req.version in self.objects.versions:  # known already: the master's entry stands
+            return m.Restored(False, [])
         now = self.clock.wall_ns()
         directory = self.ns.inodes[ROOT_INO]
+        walked: Inode | None = directory
+        for name in record.path[:-1]:  # nothing is created for a path that cannot be restored
+            walked = self.ns.lookup(walked.ino, name) if walked is not None else None
+            if walked is not None and not walked.is_dir:
+                return m.Restored(False, [req.version])
         for name in record.path[:-1]:
             child = self.ns.lookup(directory.ino, name)
             if child is None:

@@ -7,7 +7,43 @@ encode to msgpack unchanged when the master moves behind RPC.
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import msgspec
+
+# Bounds that decoding itself enforces on every request (kvfs.cluster.validate adds what a
+# type cannot say, and checks structs built in-process, which are never decoded). They are
+# wide enough for anything a kernel hands a node: a request outside them comes from no
+# correct peer, and its connection is closed. Times are bounded by the validator instead,
+# which answers EINVAL: a user's utimensat may ask for any time.
+U32_MAX = 2**32 - 1
+MODE_MAX = 0o177777  # file type and permission bits, nothing above
+WIRE_NAME_MAX = 4096  # PATH_MAX; names are 255 bytes (ENAMETOOLONG from the validator)
+XATTR_NAME_MAX = 255  # the kernel's limits, which it checks before a request is made
+XATTR_SIZE_MAX = 65536
+NODE_NAME_MAX = 255
+ADDRESS_MAX = 1024
+TEXT_MAX = 65536  # free text a node reports (its storage error)
+MAX_IDS = 1 << 20  # inodes or versions in one request: about what a header can hold
+MAX_CHUNKS = 1 << 19  # checksums of one file: 2 TiB of 4 MiB chunks
+MAX_PATH_DEPTH = 2048  # elements of a restored path (PATH_MAX / 2)
+MAX_XATTRS = 1 << 14  # attributes of one restored file
+MAX_HELD = 1 << 17  # versions in one registration report (nodes send 2,000)
+READDIR_MAX = 1 << 16  # entries listed for one ReadDir at most (nodes ask for 256)
+
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack itself carries nothing above 2^64 - 1
+U32 = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
+Mode = Annotated[int, msgspec.Meta(ge=0, le=MODE_MAX)]
+VersionId = Annotated[int, msgspec.Meta(ge=1)]  # 0 is "no version"
+Name = Annotated[bytes, msgspec.Meta(max_length=WIRE_NAME_MAX)]
+XattrName = Annotated[bytes, msgspec.Meta(max_length=XATTR_NAME_MAX)]
+XattrData = Annotated[bytes, msgspec.Meta(max_length=XATTR_SIZE_MAX)]
+NodeName = Annotated[str, msgspec.Meta(max_length=NODE_NAME_MAX)]
+Address = Annotated[str, msgspec.Meta(max_length=ADDRESS_MAX)]
+Text = Annotated[str, msgspec.Meta(max_length=TEXT_MAX)]
+Word = Annotated[str, msgspec.Meta(max_length=16)]
+Ids = Annotated[list[U64], msgspec.Meta(max_length=MAX_IDS)]
+Checksums = Annotated[list[U64], msgspec.Meta(max_length=MAX_CHUNKS)]
 
 
 class Attr(msgspec.Struct):
@@ -56,13 +92,13 @@ class FileRecord(msgspec.Struct):
     and a node reports it back to restore the file (the index keeps its own struct,
     kvfs.disk.records.DiskFile: a change here never changes the disk format)."""
 
-    path: list[bytes]
-    size: int
-    mode: int
-    uid: int
-    gid: int
+    path: Annotated[list[Name], msgspec.Meta(max_length=MAX_PATH_DEPTH)]
+    size: U64
+    mode: Mode
+    uid: U32
+    gid: U32
     mtime_ns: int
-    xattrs: dict[bytes, bytes]
+    xattrs: Annotated[dict[XattrName, XattrData], msgspec.Meta(max_length=MAX_XATTRS)]
 
 
 # Requests ---------------------------------------------------------------------------
@@ -73,132 +109,132 @@ class Request(msgspec.Struct, tag=True):
 
 
 class Lookup(Request):
-    parent: int
-    name: bytes
+    parent: U64
+    name: Name
 
 
 class GetAttr(Request):
-    ino: int
+    ino: U64
 
 
 class SetAttr(Request):
-    ino: int
-    mode: int | None = None
-    uid: int | None = None
-    gid: int | None = None
+    ino: U64
+    mode: Mode | None = None
+    uid: U32 | None = None
+    gid: U32 | None = None
     atime_ns: int | None = None
     mtime_ns: int | None = None
 
 
 class MkDir(Request):
-    parent: int
-    name: bytes
-    mode: int
-    uid: int
-    gid: int
+    parent: U64
+    name: Name
+    mode: Mode
+    uid: U32
+    gid: U32
 
 
 class Symlink(Request):
-    parent: int
-    name: bytes
-    target: bytes
-    uid: int
-    gid: int
+    parent: U64
+    name: Name
+    target: Name
+    uid: U32
+    gid: U32
 
 
 class ReadLink(Request):
-    ino: int
+    ino: U64
 
 
 class Create(Request):
-    parent: int
-    name: bytes
-    mode: int
-    uid: int
-    gid: int
-    node: int
+    parent: U64
+    name: Name
+    mode: Mode
+    uid: U32
+    gid: U32
+    node: U64
     exclusive: bool
 
 
 class Unlink(Request):
-    parent: int
-    name: bytes
+    parent: U64
+    name: Name
 
 
 class RmDir(Request):
-    parent: int
-    name: bytes
+    parent: U64
+    name: Name
 
 
 class Rename(Request):
-    parent_old: int
-    name_old: bytes
-    parent_new: int
-    name_new: bytes
+    parent_old: U64
+    name_old: Name
+    parent_new: U64
+    name_new: Name
     noreplace: bool = False
 
 
 class ReadDir(Request):
-    ino: int
-    start_id: int
-    limit: int
+    ino: U64
+    start_id: U64
+    limit: U64  # at most READDIR_MAX are listed
 
 
 class Forget(Request):
     """The node's kernel no longer references these inodes."""
 
-    inos: list[int]
+    inos: Ids
 
 
 class OpenRead(Request):
-    ino: int
+    ino: U64
 
 
 class OpenWrite(Request):
     """Opens a file for writing: joins its unsealed version or starts a new one (copy-on-write)."""
 
-    ino: int
-    node: int
+    ino: U64
+    node: U64
     truncate: bool
 
 
 class Release(Request):
-    version: int
+    version: U64
     writer: bool
 
 
 class Seal(Request):
     """The last writer closed the version: its bytes are final."""
 
-    version: int
-    size: int
+    version: U64
+    size: U64
     mtime_ns: int
-    checksums: list[int]
+    checksums: Checksums
     ctime_ns: int = 0  # the last write's (0: mtime_ns), later than mtime_ns after a utimensat
 
 
 class GetXattr(Request):
-    ino: int
-    name: bytes
+    ino: U64
+    name: XattrName
 
 
 class SetXattr(Request):
-    ino: int
-    name: bytes
-    value: bytes
+    ino: U64
+    name: XattrName
+    value: XattrData
 
 
 class ListXattr(Request):
-    ino: int
+    ino: U64
 
 
 class RemoveXattr(Request):
-    ino: int
-    name: bytes
+    ino: U64
+    name: XattrName
 
 
 class GetVersion(Request):
-    version: int
+    version: U64
 
 
 class Reclaim(Request):
@@ -206,34 +242,34 @@ class Reclaim(Request):
 
     tier "dram": files whose only copy is in DRAM; tier "disk": files on the node's SSD."""
 
-    node: int
-    nbytes: int
-    tier: str = "dram"
+    node: U64
+    nbytes: U64
+    tier: Literal["dram", "disk"] = "dram"
 
 
 class Offloaded(Request):
     """These versions are now safe on the node's SSD."""
 
-    versions: list[int]
+    versions: Ids
 
 
 class GetRecord(Request):
-    version: int
+    version: U64
 
 
 class Lost(Request):
     """The node found the only copy of a version corrupt: the file must go."""
 
-    version: int
+    version: U64
 
 
 class Restore(Request):
     """Recovery: a sealed file found in a node's SSD index re-enters the namespace."""
 
-    version: int
-    node: int
+    version: VersionId
+    node: U64
     record: FileRecord
-    checksums: list[int]
+    checksums: Checksums
 
 
 class CollectOrphans(Request):
@@ -247,25 +283,26 @@ class Stats(Request):
 class Held(msgspec.Struct):
     """One version a node holds, as it reports it when (re-)registering."""
 
-    version: int
-    size: int
+    version: VersionId
+    size: U64
     sealed: bool
     on_disk: bool
     mtime_ns: int = 0
-    checksums: list[int] = []
+    checksums: Checksums = []
     record: FileRecord | None = None  # from the SSD index: how to restore a file the master forgot
 
 
 class Register(Request):
     """A node (re)joins: it gets its id, then reports what it holds, then finishes."""
 
-    name: str
-    address: str  # host:port of its peer server
+    name: NodeName
+    address: Address  # host:port of its peer server
 
 
 class Report(Request):
-    held: list[Held]
-    opens: list[tuple[int, bool, int]] = []  # (version, writer, handles) the node has open, wherever stored
+    held: Annotated[list[Held], msgspec.Meta(max_length=MAX_HELD)]
+    # (version, writer, handles) the node has open, wherever stored
+    opens: Annotated[list[tuple[U64, bool, U64]], msgspec.Meta(max_length=MAX_IDS)] = []
 
 
 class FinishRegistration(Request):
@@ -275,29 +312,29 @@ class FinishRegistration(Request):
 class Activity(msgspec.Struct):
     """A node's counters since it started, reported with its heartbeats."""
 
-    lookups_found: int = 0
-    lookups_absent: int = 0
-    opens_dram: int = 0
-    opens_ssd: int = 0
-    opens_peer: int = 0
-    offload_backlog_files: int = 0
-    offload_backlog_bytes: int = 0
-    read_bytes: int = 0  # read through the mount (every tier)
-    written_bytes: int = 0
-    evicted_files: int = 0
-    transport: str = ""  # how it fetches from peers: "tcp", or "rdma" (TCP with peers without it)
-    io_engine: str = ""  # how its SSD tier does I/O: "io_uring" or "threads" ("" without an SSD tier)
+    lookups_found: U64 = 0
+    lookups_absent: U64 = 0
+    opens_dram: U64 = 0
+    opens_ssd: U64 = 0
+    opens_peer: U64 = 0
+    offload_backlog_files: U64 = 0
+    offload_backlog_bytes: U64 = 0
+    read_bytes: U64 = 0  # read through the mount (every tier)
+    written_bytes: U64 = 0
+    evicted_files: U64 = 0
+    transport: Word = ""  # how it fetches from peers: "tcp", or "rdma" (TCP with peers without it)
+    io_engine: Word = ""  # how its SSD tier does I/O: "io_uring" or "threads" ("" without an SSD tier)
     # Files the SSD tier failed to take (a storage failure; they stay in DRAM), and why.
-    offload_failed_files: int = 0
-    offload_failed_bytes: int = 0
-    storage_error: str = ""
+    offload_failed_files: U64 = 0
+    offload_failed_bytes: U64 = 0
+    storage_error: Text = ""
 
 
 class Heartbeat(Request):
-    dram_capacity: int
-    dram_used: int
-    ssd_capacity: int = 0
-    ssd_used: int = 0
+    dram_capacity: U64
+    dram_used: U64
+    ssd_capacity: U64 = 0
+    ssd_used: U64 = 0
     activity: Activity | None = None  # what the node served since it started (for `kvfs status`)
 
 
@@ -314,21 +351,21 @@ class DirUsage(Request):
 class RemoveNode(Request):
     """An operator's decision: a node that is down will not come back; its files go."""
 
-    name: str
+    name: NodeName
 
 
 class WatchNames(Request):
     """The directory's names, a page at a time, and from the first page on a push of each
     name added or removed there (unless it holds more than `limit` names: then nothing)."""
 
-    ino: int
-    limit: int
-    start_id: int = 0  # resume after this entry (0: the first page, which starts the watch)
-    page: int = 4096  # names per answer (a frame header holds at most 1 MiB)
+    ino: U64
+    limit: U64
+    start_id: U64 = 0  # resume after this entry (0: the first page, which starts the watch)
+    page: U64 = 4096  # names per answer (a frame header holds at most 1 MiB)
 
 
 class Unwatch(Request):
-    inos: list[int]
+    inos: Ids
 
 
 # Responses --------------------------------------------------------------------------
