@@ -367,3 +367,18 @@ def test_a_refused_open_by_create_takes_no_kernel_reference(tmp_path: Path) -> N
     assert not master.service.ns.inodes[opened.attr.ino].refs & (1 << master.node)
     master.reloads_equal()
     master.state.close()
+
+
+
+def test_a_time_the_wire_cannot_carry_is_einval_on_a_cluster_node(cluster: Cluster) -> None:
+    """A time past 2**64-1 ns cannot even be encoded: the node's client refuses it with EINVAL
+    before sending a byte, so its connection to the master stays in step and serves on."""
+    node = cluster.add_node("64M")
+    path = node.path / "f.bin"
+    path.write_bytes(b"x")
+    with pytest.raises(OSError) as refused:
+        os.utime(path, ns=(2**70, 2**70))
+    assert refused.value.errno == errno.EINVAL
+    os.utime(path, ns=(10**18, 10**18))
+    assert os.stat(path).st_mtime_ns == 10**18
+    assert node.new_errors() == []

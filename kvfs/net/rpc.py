@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+import msgspec
 import trio
 
 from kvfs.wire import messages as m
@@ -237,10 +238,15 @@ class RemoteMaster:
             raise MasterUnavailable(f"no connection to the master: {self.broken}")
         request_id = self._next_id
         self._next_id += 1
+        try:  # encoded before anything is sent: a request the wire cannot carry leaves the stream in step
+            frame = encode_frame(FrameKind.REQUEST, request_id, request)
+        except (OverflowError, TypeError, ValueError, msgspec.EncodeError, ProtocolError) as error:
+            raise MetadataError(errno.EINVAL, f"{type(request).__name__}: a field the protocol cannot carry "
+                                              f"({error})") from None
         pending = self._pending[request_id] = _Pending(request)
         try:
             async with self._send_lock:
-                await self._frames.send(FrameKind.REQUEST, request_id, request)
+                await self._frames.send_encoded(frame)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
             self._pending.pop(request_id, None)
             self._fail(error)
