@@ -2,15 +2,17 @@
 the threads or io_uring engine) in tmp_path, driven under trio's MockClock, so that what takes
 seconds of real time in a mount (backpressure, retry delays, watermarks) runs at once.
 
-The store's owner here is a small namespace of files that answers the store's questions
-(what a version is called, which files to evict); each test ends with an audit of the
-store's books against both tiers and the index.
+The store's owner is either a small namespace of files that answers the store's questions
+(what a version is called, which files to evict), or, one level up, the node's file service
+with the master embedded. Each test ends with an audit of the store's books against both
+tiers and the index (and, for the node, of the namespace against the store).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -18,11 +20,16 @@ import pytest
 import trio
 import trio.testing
 
+from kvfs.cluster.embedded import EmbeddedMaster
+from kvfs.cluster.master import MasterSettings, MetadataService
+from kvfs.cluster.namespace import ROOT_INO
 from kvfs.disk.engine import AlignedIo, ThreadEngine
 from kvfs.disk.probe import probe_io_uring
 from kvfs.disk.records import DiskFile, DiskRecord
 from kvfs.disk.tier import SsdTier
 from kvfs.errors import StorageError
+from kvfs.node.service import Node
+from kvfs.policy import make_policy
 from kvfs.store.audit import audit
 from kvfs.store.buffers import ReadBufferPool
 from kvfs.store.dram import DramTier
@@ -303,3 +310,109 @@ def test_a_corrupt_chunk_quarantines_its_file(tmp_path: Path, engine_kind: str) 
         assert 1 not in store.residency and store.residency.removals() == []
 
     run_store(tmp_path, engine_kind, scenario)
+
+
+# One level up: the node's file service over the store, the master embedded -----------------------
+
+
+class TrioClock:
+    """`kvfs.clock.Clock` read from trio's clock (a MockClock in these tests)."""
+
+    def wall_ns(self) -> int:
+        return 1_700_000_000 * 10**9 + int(trio.current_time() * 1e9)
+
+    def monotonic(self) -> float:
+        return trio.current_time()
+
+
+NodeScenario = Callable[[Node, TieredStore], Awaitable[None]]
+
+
+def run_node(tmp_path: Path, engine_kind: str, scenario: NodeScenario) -> None:
+    """Runs `scenario` against a node service (master embedded) over a store with both tiers,
+    under a MockClock; ends by checking the namespace against the store, the index and the audit."""
+    async def main() -> None:
+        engine = make_engine(engine_kind)
+        ssd = SsdTier(tmp_path / "disk", DISK, engine, CHUNK, direct_io=True)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(engine.run)
+                clock = TrioClock()
+                store = TieredStore(DramTier(DRAM, CHUNK), ssd, TierSettings(), ReadBufferPool(8, CHUNK),
+                                    clock=trio.current_time)
+                service = MetadataService(clock, make_policy("reuse"), MasterSettings())
+                node = Node(EmbeddedMaster(service), store, clock)
+                nursery.start_soon(store.run)
+                await scenario(node, store)
+                await store.wait_offloaded()
+                await store.flush_removals_now()
+                await check_namespace(node, store)
+                assert audit(store) == []
+                nursery.cancel_scope.cancel()
+        finally:
+            ssd.close()
+            engine.close()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=AUTOJUMP_S))
+
+
+async def check_namespace(node: Node, store: TieredStore) -> None:
+    """Every file in the root is stored here, saved on SSD under its current name; nothing else is."""
+    files = {entry.attr.version: entry.name for entry in await node.readdir(ROOT_INO, 0, 1000)
+             if stat.S_ISREG(entry.attr.mode)}
+    assert set(store.residency) == set(files)
+    assert store.unsaved() == (0, 0)
+    records = store.disk_records()
+    assert {version: record.file.path for version, record in records.items()} == \
+        {version: [name] for version, name in files.items()}
+
+
+async def node_write(node: Node, name: bytes, data: bytes) -> int:
+    handle, _ = await node.create(ROOT_INO, name, stat.S_IFREG | 0o644, 0, 0, True)
+    for start in range(0, len(data), CHUNK):
+        await node.write(handle, start, data[start:start + CHUNK])
+    await node.release(handle)
+    return handle.ino
+
+
+async def node_read(node: Node, ino: int, size: int) -> tuple[bytes, str]:
+    handle, _ = await node.open(ino, os.O_RDONLY)
+    try:
+        assert handle.source is not None
+        return bytes(await node.read(handle, 0, size)), handle.source.tier
+    finally:
+        await node.release(handle)
+
+
+def test_a_published_file_is_saved_under_its_final_name_and_promoted_on_its_second_read(
+        tmp_path: Path, engine_kind: str) -> None:
+    async def scenario(node: Node, store: TieredStore) -> None:
+        data = content(7, 3 * CHUNK + 10)
+        ino = await node_write(node, b"block.tmp", data)
+        await node.rename(ROOT_INO, b"block.tmp", ROOT_INO, b"block", False)  # published, maybe mid-offload
+        await store.wait_offloaded()
+        assert store.demote_all() == 1
+        assert await node_read(node, ino, len(data)) == (data, "ssd")
+        assert await node_read(node, ino, len(data)) == (data, "dram")  # the second touch promoted it
+        assert store.stats.promoted_files == 1
+        gone = await node_write(node, b"gone", content(8, CHUNK))
+        await node.unlink(ROOT_INO, b"gone")  # its DRAM and SSD copies go
+        await node.forget([gone])
+        await store.wait_offloaded()
+
+    run_node(tmp_path, engine_kind, scenario)
+
+
+def test_files_written_past_dram_through_the_node_are_all_kept(tmp_path: Path, engine_kind: str) -> None:
+    async def scenario(node: Node, store: TieredStore) -> None:
+        inos = {}
+        for index in range(40):  # 40 chunks through a 16-chunk DRAM tier
+            name = f"f{index}".encode()
+            inos[name] = await node_write(node, name, content(index, CHUNK))
+        await store.wait_offloaded()
+        assert node.evicted_files == 0 and store.stats.demoted_files >= 40 - 16
+        for index, (name, ino) in enumerate(inos.items()):
+            data, _ = await node_read(node, ino, CHUNK)
+            assert data == content(index, CHUNK), name
+
+    run_node(tmp_path, engine_kind, scenario)
