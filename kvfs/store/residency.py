@@ -268,6 +268,7 @@ class Residency:
         self._files[version] = Entry(size, checksums, in_dram=False, on_ssd=True)
 
     def drop_recovered(self, version: int) -> None:
+        self.policy.remove(version)
         entry = self._files.pop(version, None)
         if entry is not None and entry.dram_only:
             self._dram_only_bytes -= entry.size
