@@ -269,6 +269,8 @@ class Residency:
 
     def drop_recovered(self, version: int) -> None:
         self.policy.remove(version)
+        self._queue.pop(version, None)
+        self._parked.pop(version, None)
         entry = self._files.pop(version, None)
         if entry is not None and entry.dram_only:
             self._dram_only_bytes -= entry.size
