@@ -233,6 +233,10 @@ class DramTier:
                 self.arena.zero(block, length)
                 extents[index] = Extent(block, length, self.arena.block_size(block))
 
+    def block_bytes(self, version: int) -> int:
+        """The arena bytes a version's blocks take (for audits: their sum is the arena's use)."""
+        return sum(self.arena.block_size(e.offset) for e in self._versions[version] if e is not None)
+
     def drop(self, version: int) -> None:
         """Frees every chunk of a version (unknown versions are ignored)."""
         for extent in self._versions.pop(version, ()):

@@ -22,7 +22,6 @@ import errno
 import functools
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol
 
@@ -34,9 +33,9 @@ from kvfs.disk.tier import CorruptChunk, SsdTier, rounded
 from kvfs.errors import NoSpace, StorageError
 from kvfs.policy import DEFAULT_POLICY, make_policy
 from kvfs.store.buffers import ReadBufferPool
-from kvfs.store.faults import STORAGE_ERRORS, StorageFaults
-from kvfs.chunks import chunk_count
 from kvfs.store.dram import DramTier
+from kvfs.store.faults import STORAGE_ERRORS, StorageFaults
+from kvfs.store.residency import Entry, Residency, chunk_lengths
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +44,7 @@ OFFLOAD_BATCH_BYTES = 128 << 20
 # Offload yields to a burst of writes (on two cores it would take CPU from the writers)
 # until writes pause for OFFLOAD_QUIET_S, but never for longer than OFFLOAD_MAX_DEFER_S
 # per batch, and not at all once DRAM passes the high watermark.
-OFFLOAD_QUIET_S = 0.02
 OFFLOAD_MAX_DEFER_S = 0.5
-# After a storage failure the offloader retries after RETRY_MIN_S, doubling up to
-# RETRY_MAX_S while it keeps failing: resumption within seconds of the cause going away,
-# without an attempt (and its I/O) per sealed file meanwhile.
-RETRY_MIN_S = 0.25
-RETRY_MAX_S = 5.0
 
 
 class StoreOwner(Protocol):
@@ -95,15 +88,6 @@ class StoreStats:
 
 
 @dataclass
-class Sealed:
-    size: int
-    checksums: list[int]
-
-    def lengths(self, chunk_size: int) -> list[int]:
-        return [min(chunk_size, self.size - i * chunk_size) for i in range(chunk_count(self.size, chunk_size))]
-
-
-@dataclass
 class ReadSource:
     """Where an open reader's bytes are: the DRAM tier (no chunks) or SSD read buffers that
     fill chunk by chunk while the reader is served (each chunk verified before use)."""
@@ -126,40 +110,28 @@ class ReadSource:
 
 
 class TieredStore:
+    """The trio shell around `Residency`: it does the I/O, the waiting and the background
+    tasks; every decision about where a version resides is the residency's."""
+
     def __init__(self, dram: DramTier, ssd: SsdTier | None, settings: TierSettings = TierSettings(),
-                 read_buffers: ReadBufferPool | None = None) -> None:
+                 read_buffers: ReadBufferPool | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.dram = dram
         self.ssd = ssd
         self.read_buffers = read_buffers or ReadBufferPool(0, dram.chunk_size)
         self.settings = settings
         self.chunk_size = dram.chunk_size
+        self.clock = clock  # trio.current_time under a MockClock
         self.owner: StoreOwner | None = None
         self.stats = StoreStats()
-        self._sealed: dict[int, Sealed] = {}
-        self._in_dram_order = make_policy(settings.eviction_policy)  # sealed versions resident in DRAM
-        self._pins: dict[int, int] = {}  # readers and offloads using a DRAM copy
-        self._offload_queue: OrderedDict[int, None] = OrderedDict()
-        self._offloading: set[int] = set()
-        self._dropped_while_busy: set[int] = set()
-        self._disk_removals: list[int] = []
-        self._touches: dict[int, int] = {}
+        self.residency = Residency(make_policy(settings.eviction_policy), clock)
         self._offload_wanted = trio.Event()
         self._space_freed = trio.Event()
         self._idle = trio.Event()
         self._idle.set()
-        self._offload_stuck = False
-        self._unsettled: set[int] = set()
-        self._promoting: dict[int, trio.Event] = {}  # committed to SSD, record not yet checked against renames
-        self._disk_readers: dict[int, int] = {}  # versions being read from SSD: not removed meanwhile
+        self._offload_stuck = False  # the SSD is full and nothing on it can be evicted
+        self._promotions: dict[int, trio.Event] = {}  # set when a promotion in flight ends
         self._nursery: trio.Nursery | None = None
-        self._dram_only_bytes = 0  # sealed bytes whose only copy is in DRAM
-        self._last_write = 0.0
-        self.faults = StorageFaults(str(ssd.directory) if ssd is not None else "", log)
-        self._parked: OrderedDict[int, None] = OrderedDict()  # offload failed: retried after a delay
-        self._resettle: dict[int, bool] = {}  # records to rewrite (True: a first offload, not yet reported)
-        self._retry_at = 0.0
-        self._retry_delay = RETRY_MIN_S
-        self._quarantined: set[int] = set()
+        self.faults = StorageFaults(str(ssd.directory) if ssd is not None else "", log, clock)
 
     # Queries --------------------------------------------------------------------------
 
@@ -171,8 +143,7 @@ class TieredStore:
 
     def holdings(self) -> list[tuple[int, int, list[int], bool]]:
         """(version, size, checksums, on SSD) of every sealed version stored here."""
-        return [(version, sealed.size, sealed.checksums, self.on_disk(version) and version not in self._unsettled)
-                for version, sealed in self._sealed.items()]
+        return self.residency.holdings()
 
     def __contains__(self, version: int) -> bool:
         return version in self.dram or (self.ssd is not None and version in self.ssd)
@@ -182,17 +153,16 @@ class TieredStore:
 
     def is_saved(self, version: int) -> bool:
         """Whether a version's SSD copy would survive a crash under its current name."""
-        return self.on_disk(version) and version not in self._unsettled
+        return self.on_disk(version) and not self.residency.is_unsettled(version)
 
     def unsaved(self) -> tuple[int, int]:
         """Files (and bytes) stored here with no copy on SSD under their current name:
         what stopping now would lose."""
-        versions = [version for version in self._sealed if not self.is_saved(version)]
-        return len(versions), sum(self._sealed[version].size for version in versions)
+        return self.residency.unsaved()
 
     def offload_failed(self) -> tuple[int, int]:
         """Files (and bytes) waiting for a retry after a storage failure."""
-        return len(self._parked), sum(self._sealed[v].size for v in self._parked if v in self._sealed)
+        return self.residency.parked_totals()
 
     def tier_of(self, version: int) -> str:
         """Where a version is; "ssd" only once its copy there would survive a crash as named."""
@@ -200,14 +170,13 @@ class TieredStore:
                  if present]
         return "+".join(tiers) or "none"
 
-
     # Writing --------------------------------------------------------------------------
 
     def create(self, version: int) -> None:
         self.dram.create(version)
 
     async def write(self, version: int, offset: int, data: bytes | memoryview) -> None:
-        self._last_write = time.monotonic()
+        self.residency.wrote()
         await self._with_room(lambda: self.dram.write(version, offset, data))
 
     def truncate(self, version: int, size: int) -> None:
@@ -229,9 +198,7 @@ class TieredStore:
 
     def seal(self, version: int, size: int) -> list[int]:
         checksums = self.dram.seal(version, size)
-        self._sealed[version] = Sealed(size, checksums)
-        self._in_dram_order.insert(version, size, time.monotonic())
-        self._dram_only_bytes += size
+        self.residency.seal(version, size, checksums)
         if self.ssd is not None:
             if self.settings.offload == "eager":
                 self._queue_offload(version)
@@ -240,20 +207,18 @@ class TieredStore:
         return checksums
 
     def _queue_offload(self, version: int) -> None:
-        self._offload_queue[version] = None
+        if self.residency.queue(version):
+            self._wake_offloader()
+
+    def _wake_offloader(self) -> None:
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self._offload_wanted.set()
 
     def _check_watermark(self) -> None:
-        if self.dram.used <= self.settings.high_watermark * self.dram.capacity:
-            return
-        excess = self._dram_only_bytes - self.settings.low_watermark * self.dram.capacity
-        for version in self._in_dram_order.candidates():
-            if excess <= 0:
-                break
-            if not self.on_disk(version) and version not in self._offload_queue and version not in self._offloading:
-                self._queue_offload(version)
-                excess -= self._sealed[version].size
+        settings = self.settings
+        if self.residency.queue_for_watermark(self.dram.used, self.dram.capacity, settings.high_watermark,
+                                              settings.low_watermark):
+            self._wake_offloader()
 
     # Room in DRAM ---------------------------------------------------------------------
 
@@ -273,11 +238,11 @@ class TieredStore:
             return True
         if self.ssd is None:
             return await self._owner().reclaim("dram", needed)
-        if not self._offload_queue and not self._offloading:
+        if not self.residency.offload_pending():
             self.queue_all_dram_only()
         if self._offload_failing():  # evicting would lose files: wait (bounded) for the SSD to work again
             return await self._wait_for_offload()
-        if (self._offload_queue or self._offloading) and not self._offload_stuck:
+        if self.residency.offload_pending() and not self._offload_stuck:
             if await self._wait_for_offload():
                 return True
         if self._offload_failing():  # it failed while we waited
@@ -287,14 +252,11 @@ class TieredStore:
 
     def _demote_one(self) -> bool:
         """Drops the DRAM copy of the least valuable version that is safe on SSD."""
-        if self.ssd is None:  # nothing is (and the scan below would visit every version)
+        if self.ssd is None:  # nothing is (and the scan would visit every version)
             return False
-        for version in self._in_dram_order.candidates():
-            if self.is_saved(version) and not self._pins.get(version):
-                break
-        else:
+        version = self.residency.demote_one()
+        if version is None:
             return False
-        self._in_dram_order.remove(version)
         self.dram.drop(version)
         self.stats.demoted_files += 1
         return True
@@ -305,21 +267,19 @@ class TieredStore:
 
     def queue_all_dram_only(self) -> int:
         """Queues every sealed version whose only copy is in DRAM; returns how many."""
-        queued = 0
-        for version in list(self._in_dram_order.candidates()):
-            if not self.on_disk(version) and version not in self._offloading and version not in self._offload_queue:
-                self._queue_offload(version)
-                queued += 1
+        queued = self.residency.queue_all_dram_only()
+        if queued:
+            self._wake_offloader()
         return queued
 
     async def _wait_for_offload(self) -> bool:
         """Backpressure: a writer waits (bounded) for the offloader to make DRAM copies demotable."""
         self.stats.backpressure_waits += 1
-        started = time.monotonic()
+        started = self.clock()
         event = self._space_freed
         with trio.move_on_after(self.settings.backpressure_timeout_s):
             await event.wait()
-        self.stats.backpressure_seconds += time.monotonic() - started
+        self.stats.backpressure_seconds += self.clock() - started
         return event.is_set()
 
     def describe_extents(self, version: int) -> str:
@@ -336,19 +296,19 @@ class TieredStore:
 
     async def open_read(self, version: int) -> ReadSource:
         """Makes a version readable: pinned in DRAM, promoted on a second touch, or read from SSD."""
-        while version in self._promoting:  # another reader is bringing it into DRAM: use that
-            await self._promoting[version].wait()
+        while version in self._promotions:  # another reader is bringing it into DRAM: use that
+            await self._promotions[version].wait()
         if version in self.dram:
-            self._pin(version)
-            self._in_dram_order.touch(version, time.monotonic())
+            self.residency.pin(version)
+            self.residency.touch(version)
             return ReadSource(version, from_dram=True)
         if not self.on_disk(version):
             raise StorageError(errno.ENOENT, f"version {version} is stored on no tier of this node")
-        sealed = self._sealed[version]
-        self._touches[version] = touches = self._touches.get(version, 0) + 1
-        if touches >= 2 and await self._promote(version, sealed):
+        touches = self.residency.touch_on_ssd(version)
+        size = self._entry(version).size
+        if touches >= 2 and await self._promote(version):
             return ReadSource(version, from_dram=True)  # promotion pinned it for this reader
-        lengths = sealed.lengths(self.chunk_size)
+        lengths = chunk_lengths(size, self.chunk_size)
         source = ReadSource(version, False, [self.read_buffers.take() for _ in lengths],
                             [trio.Event() for _ in lengths])
         if not lengths:  # an empty file: nothing to read
@@ -365,18 +325,21 @@ class TieredStore:
             raise
         source.ready[0].set()
         self.stats.ssd_reads += 1
-        self.stats.ssd_read_bytes += sealed.size
+        self.stats.ssd_read_bytes += size
         return source
+
+    def _entry(self, version: int) -> Entry:
+        entry = self.residency.entry(version)
+        if entry is None:
+            raise StorageError(errno.ENOENT, f"version {version} is not stored on this node")
+        return entry
 
     # Chunks for and from other nodes ------------------------------------------------------
 
     def _chunk_lengths(self, version: int, first: int, count: int) -> list[int]:
         """The lengths of every chunk of a sealed version stored here, after checking that a
         peer's run first..first+count-1 lies within it."""
-        sealed = self._sealed.get(version)
-        if sealed is None:
-            raise StorageError(errno.ENOENT, f"version {version} is not stored on this node")
-        lengths = sealed.lengths(self.chunk_size)
+        lengths = self._entry(version).lengths(self.chunk_size)
         if first < 0 or count < 0 or first + count > len(lengths):
             raise StorageError(errno.EINVAL, f"version {version} has {len(lengths)} chunks, not {first}+{count}")
         return lengths
@@ -387,7 +350,7 @@ class TieredStore:
         A whole-file request counts as a read (it may promote the version into DRAM); a
         partial one from SSD reads just its chunks."""
         lengths = self._chunk_lengths(version, first, count)
-        if version in self.dram or version in self._promoting or (first == 0 and count == len(lengths)):
+        if version in self.dram or version in self._promotions or (first == 0 and count == len(lengths)):
             source = await self.open_read(version)
             try:
                 for index in range(first, first + count):
@@ -408,14 +371,15 @@ class TieredStore:
         offsets and lengths of chunks first..first+count-1, or None when the version is not
         in DRAM (the peer fetches it over TCP then). `end_lease` unpins it."""
         lengths = self._chunk_lengths(version, first, count)
-        if version not in self.dram or version in self._promoting:
+        if version not in self.dram or version in self._promotions:
             return None
-        self._pin(version)
-        self._in_dram_order.touch(version, time.monotonic())
+        self.residency.pin(version)
+        self.residency.touch(version)
         return self.dram.chunk_offsets(version, first, count), lengths[first:first + count]
 
     def end_lease(self, version: int) -> None:
-        self._unpin(version)
+        if self.residency.unpin(version):  # the file went while it was read
+            self.dram.drop(version)
 
     async def open_remote(self, version: int, size: int,
                           fetch: Callable[[ReadSource, int, int], Awaitable[None]], streams: int) -> ReadSource:
@@ -428,7 +392,7 @@ class TieredStore:
         parallel runs); the reader is served while they fill. `fetch(source, start, stop)`
         fills chunks start..stop-1, sets each one's ready event, and sets `answered` (when
         start is 0) as soon as the owner starts sending."""
-        lengths = Sealed(size, []).lengths(self.chunk_size)
+        lengths = chunk_lengths(size, self.chunk_size)
         source = ReadSource(version, False, [self.read_buffers.take() for _ in lengths],
                             [trio.Event() for _ in lengths], remote=True)
         if not lengths:
@@ -511,11 +475,12 @@ class TieredStore:
             self.read_buffers.give_back(buffer)
         source.chunks = []
 
-    async def _promote(self, version: int, sealed: Sealed) -> bool:
+    async def _promote(self, version: int) -> bool:
         """Second-touch admission: reads the version into DRAM if room can be made without
         waiting, and returns it pinned for the caller. While its blocks fill, other readers
         wait for it and it can be neither demoted nor freed."""
-        lengths = sealed.lengths(self.chunk_size)
+        size = self._entry(version).size
+        lengths = chunk_lengths(size, self.chunk_size)
         while True:
             try:
                 targets = self.dram.adopt(version, lengths)
@@ -523,27 +488,24 @@ class TieredStore:
             except NoSpace:
                 if not self._demote_one():
                     return False
-        self._promoting[version] = done = trio.Event()
-        self._pins[version] = self._pins.get(version, 0) + 1
+        self._promotions[version] = done = trio.Event()
+        self.residency.begin_promote(version)
         promoted = False
         try:
             await self._read_from_disk(version, targets)
-            promoted = version in self._sealed  # else the file went while we read it
+            promoted = self.residency.end_promote(version)  # False: the file went while we read it
         finally:
-            del self._promoting[version]
+            del self._promotions[version]
             done.set()
             if not promoted:  # give the blocks back; readers that waited go to the SSD
-                self._pins[version] -= 1
-                if not self._pins[version]:
-                    del self._pins[version]
-                self._dropped_while_busy.discard(version)
+                if self.residency.promoting(version):
+                    self.residency.promote_failed(version)
                 self.dram.drop(version)
         if not promoted:
             return False
-        self._in_dram_order.insert(version, sealed.size, time.monotonic())
         self.stats.promoted_files += 1
         self.stats.ssd_reads += 1
-        self.stats.ssd_read_bytes += sealed.size
+        self.stats.ssd_read_bytes += size
         return True
 
     async def _read_from_disk(self, version: int, targets: list[memoryview], first_index: int = 0) -> None:
@@ -567,9 +529,8 @@ class TieredStore:
     async def _quarantine(self, version: int, error: CorruptChunk) -> None:
         """A corrupt chunk: its file leaves the namespace, and its record and extents the
         SSD, for good (once its reads are done). Logged once per file, with its path."""
-        if version in self._quarantined:
+        if not self.residency.quarantine(version):
             return
-        self._quarantined.add(version)
         self.stats.quarantined_files += 1
         record = await self._owner().describe(version)
         name = "/" + "/".join(part.decode(errors="replace") for part in record.file.path) if record else "(unlinked)"
@@ -582,16 +543,11 @@ class TieredStore:
 
     def _hold_disk_copy(self, version: int) -> None:
         """While held, a version's extents on SSD are not freed (its reads are in flight)."""
-        self._disk_readers[version] = self._disk_readers.get(version, 0) + 1
+        self.residency.hold_disk(version)
 
     def _release_disk_copy(self, version: int) -> None:
-        left = self._disk_readers[version] - 1
-        if left:
-            self._disk_readers[version] = left
-        else:
-            del self._disk_readers[version]
-            if version in self._disk_removals:  # removed while it was read: free it now
-                self._offload_wanted.set()
+        if self.residency.release_disk(version):  # removed while it was read: free it now
+            self._offload_wanted.set()
 
     async def read(self, source: ReadSource, offset: int, length: int) -> memoryview | bytes:
         if source.from_dram:
@@ -610,57 +566,32 @@ class TieredStore:
 
     def close_read(self, source: ReadSource) -> None:
         if source.from_dram:
-            self._unpin(source.version)
+            self.end_lease(source.version)
             return
         source.closed = True
         if not source.streaming:  # else the stream gives the buffers back when it ends
             self._release_buffers(source)
 
-    def _pin(self, version: int) -> None:
-        self._pins[version] = self._pins.get(version, 0) + 1
-
-    def _unpin(self, version: int) -> None:
-        left = self._pins.get(version, 0) - 1
-        if left > 0:
-            self._pins[version] = left
-            return
-        self._pins.pop(version, None)
-        if version in self._dropped_while_busy and version not in self._offloading:
-            self._dropped_while_busy.discard(version)
-            self.dram.drop(version)
-
     # Dropping -------------------------------------------------------------------------
 
     def drop(self, version: int) -> None:
         """Frees a version everywhere (its file is gone); SSD space is freed by the reaper."""
-        sealed = self._sealed.pop(version, None)
-        if sealed is not None and version in self.dram and (not self.on_disk(version) or self._resettle.get(version)):
-            self._dram_only_bytes -= sealed.size
-        self._in_dram_order.remove(version)
-        self._offload_queue.pop(version, None)
-        self._parked.pop(version, None)
-        if self._resettle.pop(version, None) is not None:
-            self._unsettled.discard(version)
-        self._touches.pop(version, None)
-        if self._pins.get(version) or version in self._offloading:
-            self._dropped_while_busy.add(version)  # freed once the I/O using it is done
-        else:
-            self.dram.drop(version)
-        if self.on_disk(version):
-            self._disk_removals.append(version)
+        free_now, remove = self.residency.drop(version)
+        if free_now:
+            self.dram.drop(version)  # else once the I/O using it is done
+        if remove:
             self._offload_wanted.set()
 
     async def flush_removals(self) -> None:
-        if self.ssd is not None and self._disk_removals:
+        if self.ssd is not None and self.residency.removals():
             # Versions still being read from SSD keep their extents until the reads are done.
-            busy = [v for v in self._disk_removals if v in self._disk_readers]
-            versions = [v for v in self._disk_removals if v not in self._disk_readers]
-            self._disk_removals = busy
+            versions = self.residency.take_removals()
             try:
                 await self.ssd.remove(versions)
             except BaseException:  # nothing was removed: the next pass tries again
-                self._disk_removals.extend(versions)
+                self.residency.restore_removals(versions)
                 raise
+            self.residency.removed_from_ssd(versions)
 
     # The offloader --------------------------------------------------------------------
 
@@ -676,68 +607,52 @@ class TieredStore:
         while True:
             await self._wait_for_work()
             self._offload_wanted = trio.Event()
-            if time.monotonic() < self._retry_at:  # the SSD failed a moment ago: wait for the retry
-                self._park(list(self._offload_queue))
+            if not self.residency.retry_due():  # the SSD failed a moment ago: wait for the retry
+                self.residency.park_queue()
             else:
                 try:
                     await self._offload_pass()
                 except Exception:  # a bug: the files stay in DRAM, and are retried later
                     log.exception("offload pass failed")
-                    self._park(list(self._offload_queue) + list(self._offloading))
-                    self._schedule_retry()
+                    busy = self.residency.busy_versions()
+                    self.residency.park(self.residency.queued() + [v for v, u in busy.items() if u.offloading])
+                    self.residency.failed()
             self._idle.set()
 
     async def _wait_for_work(self) -> None:
         """Until something is queued or removed, or (after a failure) the retry is due."""
-        if self._parked or self._resettle or (self._disk_removals and self.faults.failing("index")):
-            with trio.move_on_after(max(0.0, self._retry_at - time.monotonic())):
+        if self.residency.retry_pending(self.faults.failing("index")):
+            with trio.move_on_after(self.residency.retry_wait_s()):
                 await self._offload_wanted.wait()
         else:
             await self._offload_wanted.wait()
 
     async def _offload_pass(self) -> None:
-        for version in reversed(self._parked):  # their retry is due: first in line, in their order
-            self._offload_queue[version] = None
-            self._offload_queue.move_to_end(version, last=False)
-        self._parked.clear()
+        self.residency.requeue_parked()  # their retry is due: first in line, in their order
         if not await self._settle_pending() or not await self._flush_removals_counted():
-            self._park(list(self._offload_queue))  # the index cannot be written: neither can records
+            self.residency.park_queue()  # the index cannot be written: neither can records
             return
-        while self._offload_queue:
+        while self.residency.queued():
             await self._yield_to_writers()
-            if not await self._offload_batch(self._take_batch()):
-                self._park(list(self._offload_queue))  # until the retry: one attempt per delay
+            if not await self._offload_batch(self.residency.take_batch(OFFLOAD_BATCH_FILES, OFFLOAD_BATCH_BYTES)):
+                self.residency.park_queue()  # until the retry: one attempt per delay
                 return
             await self._flush_removals_counted()
-        self._retry_delay = RETRY_MIN_S
+        self.residency.backoff.succeeded()
         self.faults.succeeded("offload")  # (also when the files that failed went meanwhile)
-
-    def _park(self, versions: list[int]) -> None:
-        """Files whose offload failed (or waits for a retry): they stay in DRAM, undemotable."""
-        for version in versions:
-            self._offload_queue.pop(version, None)
-            if version in self._sealed and not self.on_disk(version):
-                self._parked[version] = None
-
-    def _schedule_retry(self) -> None:
-        self._retry_at = time.monotonic() + self._retry_delay
-        self._retry_delay = min(RETRY_MAX_S, self._retry_delay * 2)
 
     def retry_now(self) -> None:
         """Retries failed offloads and record rewrites at once (a stop, fsync, sync or flush)."""
-        self._retry_at = 0.0
-        for version in list(self._parked):
-            self._queue_offload(version)
-        self._parked.clear()
-        if self._resettle or self._disk_removals:
-            self._idle = trio.Event() if self._idle.is_set() else self._idle
-            self._offload_wanted.set()
+        parked = self.residency.parked()
+        self.residency.retry_now()
+        if parked or self.residency.resettles() or self.residency.removals():
+            self._wake_offloader()
 
     def remove_later(self, versions: list[int], error: BaseException) -> None:
         """Records the index failed to delete (at start): the offloader retries them."""
-        self._disk_removals.extend(versions)
+        self.residency.remove_later(versions)
         self._count_failure("index", error, f"removing {len(versions)} records")
-        self._schedule_retry()
+        self.residency.failed()
 
     async def flush_removals_now(self) -> None:
         """At a stop: removes the records of dropped files (a failure is counted and logged)."""
@@ -747,24 +662,24 @@ class TieredStore:
     async def _flush_removals_counted(self) -> bool:
         """Removes records of dropped files; False (counted, retried later) if the index fails."""
         assert self.ssd is not None
-        writes = any(v in self.ssd and v not in self._disk_readers for v in self._disk_removals)
+        writes = any(v in self.ssd for v in self.residency.removable())
         try:
             await self.flush_removals()
         except STORAGE_ERRORS as error:
-            self._count_failure("index", error, f"removing {len(self._disk_removals)} records")
-            self._schedule_retry()
+            self._count_failure("index", error, f"removing {len(self.residency.removals())} records")
+            self.residency.failed()
             return False
         if writes:
             self.faults.succeeded("index")
         return True
 
     async def _yield_to_writers(self) -> None:
-        deadline = time.monotonic() + OFFLOAD_MAX_DEFER_S
-        while time.monotonic() < deadline and not self._space_wanted():
-            quiet_for = time.monotonic() - self._last_write
-            if quiet_for >= OFFLOAD_QUIET_S:
+        deadline = self.clock() + OFFLOAD_MAX_DEFER_S
+        while self.clock() < deadline and not self._space_wanted():
+            quiet_from = self.residency.quiet_from()
+            if self.clock() >= quiet_from:
                 return
-            await trio.sleep(OFFLOAD_QUIET_S - quiet_for)
+            await trio.sleep_until(min(quiet_from, deadline))
 
     def _space_wanted(self) -> bool:
         """DRAM pressure or a waiting writer: offload at full speed."""
@@ -775,40 +690,25 @@ class TieredStore:
         """Files, and their bytes, queued for or being copied to SSD (or waiting for a retry)."""
         if self.ssd is None:
             return 0, 0
-        waiting = set(self._offload_queue) | self._offloading | set(self._parked)
-        return len(waiting), sum(self._sealed[v].size for v in waiting if v in self._sealed)
+        return self.residency.backlog()
 
     async def wait_offloaded(self) -> None:
         """Returns once every version queued so far is on SSD (or could not be): the end of
         the offloader's pass that takes them (later seals do not prolong the wait)."""
-        if self.ssd is not None and (self._offload_queue or self._offloading or not self._idle.is_set()):
+        if self.ssd is not None and (self.residency.offload_pending() or not self._idle.is_set()):
             await self._idle.wait()
 
     async def wait_saved(self, version: int) -> None:
         """fsync of a sealed version: returns once it is on SSD under its current name (a
         failed copy is retried at once); EIO if it cannot be copied now."""
-        if self.ssd is None or version not in self._sealed or self.is_saved(version):
+        if self.ssd is None or version not in self.residency or self.is_saved(version):
             return
-        if version not in self._offloading:
-            self._parked.pop(version, None)
-            self._queue_offload(version)
+        self._queue_offload(version)  # (unless it is being copied now)
         self.retry_now()
         await self.wait_offloaded()
-        if version in self._sealed and not self.is_saved(version):
+        if version in self.residency and not self.is_saved(version):
             cause = self.faults.last_error() or "the SSD tier is full"
             raise StorageError(errno.EIO, f"version {version} could not be copied to {self.ssd.directory}: {cause}")
-
-    def _take_batch(self) -> list[int]:
-        batch: list[int] = []
-        nbytes = 0
-        while self._offload_queue and len(batch) < OFFLOAD_BATCH_FILES and nbytes < OFFLOAD_BATCH_BYTES:
-            version, _ = self._offload_queue.popitem(last=False)
-            sealed = self._sealed.get(version)
-            if sealed is None or version not in self.dram or self.on_disk(version):
-                continue
-            batch.append(version)
-            nbytes += sealed.size
-        return batch
 
     async def _offload_batch(self, batch: list[int]) -> bool:
         """Copies a batch to SSD; False after a storage failure (the batch is parked, in DRAM)."""
@@ -816,22 +716,22 @@ class TieredStore:
         planned: list[tuple[int, list[int], DiskRecord]] = []
         try:
             for version in batch:
-                sealed = self._sealed[version]
-                lengths = sealed.lengths(self.chunk_size)
+                entry = self._entry(version)
+                lengths = entry.lengths(self.chunk_size)
                 try:
-                    self.dram.materialize(version, sealed.size)
+                    self.dram.materialize(version, entry.size)
                 except NoSpace:
                     continue
                 offsets = await self._allocate_disk(lengths)
                 if offsets is None:
                     continue
                 record = await self._owner().describe(version)
-                if record is None or version not in self._sealed:
+                if record is None or version not in self.residency:
                     self.ssd.release(offsets)
                     continue
-                record.chunks = [(o, n, c) for o, n, c in zip(offsets, lengths, sealed.checksums)]
+                record.chunks = [(o, n, c) for o, n, c in zip(offsets, lengths, entry.checksums)]
                 planned.append((version, offsets, record))
-                self._offloading.add(version)
+                self.residency.start_offload(version)
             if not planned:
                 return True
             await run_all(functools.partial(self.ssd.write_chunks, offsets,
@@ -841,28 +741,29 @@ class TieredStore:
         except BaseException as error:  # nothing of the batch is on SSD: it stays in DRAM
             for version, offsets, _ in planned:
                 self.ssd.release(offsets)
-                self._offloading.discard(version)
+                self.residency.finish_offload(version)
                 self._release_if_dropped(version)
-            self._park(batch)
+            self.residency.park(batch)
             if not isinstance(error, STORAGE_ERRORS):
                 raise
             self._count_failure("offload", error, f"{len(batch)} files")
-            self._schedule_retry()
+            self.residency.failed()
             return False
         self.faults.succeeded("offload")
         self.faults.succeeded("index")  # the commit was an index write
-        self._unsettled.update(version for version, _, _ in planned)
+        for version, _, _ in planned:
+            self.residency.committed(version)
         for version, _, record in planned:
-            self._offloading.discard(version)
-            if version in self._dropped_while_busy or version not in self._sealed:
+            if self.residency.finish_offload(version):  # the file went meanwhile
                 self._unsettle_dropped(version)
                 continue
             try:
                 settled = await self._settle(record)
             except STORAGE_ERRORS as error:  # committed under an older name: rewritten later
                 self._count_failure("index", error, f"version {version}")
-                self._schedule_retry()
-                self._resettle[version] = True
+                self.residency.failed()
+                if version in self.residency:
+                    self.residency.needs_resettle(version, True)
                 continue
             if not settled:
                 self._unsettle_dropped(version)
@@ -873,20 +774,19 @@ class TieredStore:
         return True
 
     def _unsettle_dropped(self, version: int) -> None:
-        self._unsettled.discard(version)
-        self._disk_removals.append(version)
-        self._release_if_dropped(version)
+        if self.residency.unsettle_dropped(version):
+            self.dram.drop(version)
 
     async def _saved(self, version: int, first: bool) -> None:
         """A record now names the file as it is: from here on the master knows it is on SSD,
         so a later rename rewrites the record itself."""
-        self._unsettled.discard(version)
-        sealed = self._sealed.get(version)
-        if not first or sealed is None:
+        self.residency.saved(version)
+        entry = self.residency.entry(version)
+        if not first or entry is None:
             return
         await self._owner().offloaded([version])
-        size = sealed.size
-        self._dram_only_bytes -= size
+        size = entry.size
+        self.residency.reported(version)
         self.stats.offloaded_files += 1
         self.stats.offloaded_bytes += size
 
@@ -909,36 +809,34 @@ class TieredStore:
         the index still fails."""
         assert self.ssd is not None
         rewritten = False
-        for version, first in list(self._resettle.items()):
-            if version not in self._sealed or not self.on_disk(version):
-                self._resettle.pop(version, None)
+        for version, first in self.residency.resettles().items():
+            if version not in self.residency or not self.on_disk(version):
+                self.residency.resettled(version)
                 continue
             record = await self._owner().describe(version)
             if record is None:  # the file is going: its drop removes the record
-                self._resettle.pop(version, None)
-                self._unsettled.discard(version)
+                self.residency.abandon_resettle(version)
                 continue
             record.chunks = [(e.offset, e.length, e.checksum) for e in self.ssd.extents[version]]
             try:
                 await self.ssd.update([record])
                 settled = await self._settle(record)
             except STORAGE_ERRORS as error:
-                self._count_failure("index", error, f"rewriting {len(self._resettle)} records")
-                self._schedule_retry()
+                self._count_failure("index", error, f"rewriting {len(self.residency.resettles())} records")
+                self.residency.failed()
                 return False
             rewritten = True
-            self._resettle.pop(version, None)
+            self.residency.resettled(version)
             if settled:
                 await self._saved(version, first)
             else:  # the file went meanwhile: its drop removes the record
-                self._unsettled.discard(version)
+                self.residency.abandon_resettle(version)
         if rewritten:
             self.faults.succeeded("index")
         return True
 
     def _release_if_dropped(self, version: int) -> None:
-        if version in self._dropped_while_busy and not self._pins.get(version):
-            self._dropped_while_busy.discard(version)
+        if self.residency.release_if_dropped(version):
             self.dram.drop(version)
 
     async def _allocate_disk(self, lengths: list[int]) -> list[int] | None:
@@ -958,7 +856,8 @@ class TieredStore:
     async def refresh_record(self, version: int) -> None:
         """Rewrites a version's index record after its path or attributes changed; if the
         index fails, the version counts as not on SSD until the offloader rewrites it."""
-        if self.ssd is None or version not in self.ssd or version in self._resettle:
+        entry = self.residency.entry(version)
+        if self.ssd is None or version not in self.ssd or (entry is not None and entry.resettle is not None):
             return
         record = await self._owner().describe(version)
         if record is None:
@@ -968,9 +867,9 @@ class TieredStore:
             await self.ssd.update([record])
         except STORAGE_ERRORS as error:
             self._count_failure("index", error, f"version {version}")
-            self._schedule_retry()
-            self._unsettled.add(version)
-            self._resettle[version] = False
+            self.residency.failed()
+            if version in self.residency:
+                self.residency.needs_resettle(version, False)
             self._offload_wanted.set()
 
     def demote_all(self) -> int:
@@ -983,7 +882,7 @@ class TieredStore:
     # Recovery ---------------------------------------------------------------------------
 
     def adopt_recovered(self, version: int, size: int, checksums: list[int]) -> None:
-        self._sealed[version] = Sealed(size, checksums)
+        self.residency.adopt_recovered(version, size, checksums)
 
     def drop_recovered(self, version: int) -> None:
-        self._sealed.pop(version, None)
+        self.residency.drop_recovered(version)
