@@ -23,7 +23,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Protocol
+from typing import Awaitable, Callable
 
 import trio
 
@@ -31,8 +31,9 @@ from kvfs.concurrency import run_all
 from kvfs.disk.index import DiskRecord
 from kvfs.disk.tier import CorruptChunk, SsdTier, rounded
 from kvfs.errors import NoSpace, StorageError
-from kvfs.policy import DEFAULT_POLICY, make_policy
+from kvfs.policy import make_policy
 from kvfs.store.buffers import ReadBufferPool
+from kvfs.store.contract import StoreOwner, StoreStats, TierSettings  # re-exported: callers import them from here
 from kvfs.store.dram import DramTier
 from kvfs.store.faults import STORAGE_ERRORS, StorageFaults
 from kvfs.store.residency import Entry, Residency, chunk_lengths
@@ -45,46 +46,6 @@ OFFLOAD_BATCH_BYTES = 128 << 20
 # until writes pause for OFFLOAD_QUIET_S, but never for longer than OFFLOAD_MAX_DEFER_S
 # per batch, and not at all once DRAM passes the high watermark.
 OFFLOAD_MAX_DEFER_S = 0.5
-
-
-class StoreOwner(Protocol):
-    """What the store needs from its node: the master's decisions."""
-
-    async def reclaim(self, tier: str, nbytes: int) -> bool:
-        """Evicts whole files from `tier` ('dram' or 'disk'); True if any went."""
-
-    async def describe(self, version: int) -> DiskRecord | None:
-        """The index record (path, attributes) of a version, None if it is no longer a file."""
-
-    async def offloaded(self, versions: list[int]) -> None:
-        """These versions are now safe on SSD."""
-
-    async def lost(self, version: int) -> None:
-        """This version's only copy is corrupt: the file must disappear."""
-
-
-@dataclass(frozen=True)
-class TierSettings:
-    offload: str = "eager"  # or "watermark"
-    high_watermark: float = 0.9
-    low_watermark: float = 0.7
-    backpressure_timeout_s: float = 30.0
-    eviction_policy: str = DEFAULT_POLICY
-
-
-@dataclass
-class StoreStats:
-    offloaded_files: int = 0
-    offloaded_bytes: int = 0
-    demoted_files: int = 0
-    promoted_files: int = 0
-    ssd_reads: int = 0
-    ssd_read_bytes: int = 0
-    backpressure_waits: int = 0
-    backpressure_seconds: float = 0.0
-    checksum_failures: int = 0
-    quarantined_files: int = 0
-    storage_errors: int = 0
 
 
 @dataclass
