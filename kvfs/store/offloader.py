@@ -25,7 +25,7 @@ from kvfs.errors import NoSpace, StorageError
 from kvfs.store.contract import StoreOwner, StoreStats, TierSettings
 from kvfs.store.dram import DramTier
 from kvfs.store.faults import STORAGE_ERRORS, StorageFaults
-from kvfs.store.residency import Entry, Residency
+from kvfs.store.residency import Residency
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +66,6 @@ class Offloader:
     def is_saved(self, version: int) -> bool:
         """Whether a version's SSD copy would survive a crash under its current name."""
         return self.ssd is not None and version in self.ssd and not self.residency.is_unsettled(version)
-
-    def _entry(self, version: int) -> Entry:
-        entry = self.residency.entry(version)
-        if entry is None:
-            raise StorageError(errno.ENOENT, f"version {version} is not stored on this node")
-        return entry
 
     def _count_failure(self, operation: str, error: BaseException, detail: str = "") -> None:
         self.stats.storage_errors += 1
@@ -236,7 +230,7 @@ class Offloader:
         planned: list[tuple[int, list[int], DiskRecord]] = []
         try:
             for version in batch:
-                entry = self._entry(version)
+                entry = self.residency.stored(version)
                 lengths = entry.lengths(self.chunk_size)
                 try:
                     self.dram.materialize(version, entry.size)

@@ -37,7 +37,7 @@ from kvfs.store.contract import StoreOwner, StoreStats, TierSettings  # re-expor
 from kvfs.store.dram import DramTier
 from kvfs.store.faults import StorageFaults
 from kvfs.store.offloader import Offloader
-from kvfs.store.residency import Entry, Residency, chunk_lengths
+from kvfs.store.residency import Residency, chunk_lengths
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class TieredStore:
         if not self.on_disk(version):
             raise StorageError(errno.ENOENT, f"version {version} is stored on no tier of this node")
         touches = self.residency.touch_on_ssd(version)
-        size = self._entry(version).size
+        size = self.residency.stored(version).size
         if touches >= 2 and await self._promote(version):
             return ReadSource(version, from_dram=True)  # promotion pinned it for this reader
         lengths = chunk_lengths(size, self.chunk_size)
@@ -243,18 +243,12 @@ class TieredStore:
         self.stats.ssd_read_bytes += size
         return source
 
-    def _entry(self, version: int) -> Entry:
-        entry = self.residency.entry(version)
-        if entry is None:
-            raise StorageError(errno.ENOENT, f"version {version} is not stored on this node")
-        return entry
-
     # Chunks for and from other nodes ------------------------------------------------------
 
     def _chunk_lengths(self, version: int, first: int, count: int) -> list[int]:
         """The lengths of every chunk of a sealed version stored here, after checking that a
         peer's run first..first+count-1 lies within it."""
-        lengths = self._entry(version).lengths(self.chunk_size)
+        lengths = self.residency.stored(version).lengths(self.chunk_size)
         if first < 0 or count < 0 or first + count > len(lengths):
             raise StorageError(errno.EINVAL, f"version {version} has {len(lengths)} chunks, not {first}+{count}")
         return lengths
@@ -394,7 +388,7 @@ class TieredStore:
         """Second-touch admission: reads the version into DRAM if room can be made without
         waiting, and returns it pinned for the caller. While its blocks fill, other readers
         wait for it and it can be neither demoted nor freed."""
-        size = self._entry(version).size
+        size = self.residency.stored(version).size
         lengths = chunk_lengths(size, self.chunk_size)
         while True:
             try:
