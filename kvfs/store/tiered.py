@@ -22,7 +22,6 @@ import errno
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 import trio
@@ -38,29 +37,9 @@ from kvfs.store.dram import DramTier
 from kvfs.store.faults import StorageFaults
 from kvfs.store.offloader import Offloader
 from kvfs.store.residency import Residency, chunk_lengths
+from kvfs.store.source import ReadSource  # re-exported: callers import it from here
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class ReadSource:
-    """Where an open reader's bytes are: the DRAM tier (no chunks) or SSD read buffers that
-    fill chunk by chunk while the reader is served (each chunk verified before use)."""
-
-    version: int
-    from_dram: bool
-    chunks: list[memoryview] = field(default_factory=list)  # per chunk, for SSD reads
-    ready: list[trio.Event] = field(default_factory=list)
-    failures: dict[int, StorageError] = field(default_factory=dict)  # chunk -> why it cannot be served
-    # Remote sources: the owner has answered (it is sending chunk 0, or it failed).
-    answered: trio.Event = field(default_factory=trio.Event)
-    streaming: bool = False
-    closed: bool = False
-    remote: bool = False  # streamed from another node
-
-    @property
-    def tier(self) -> str:
-        """Where the reader is served from: "dram", "ssd" or "peer"."""
-        return "dram" if self.from_dram else "peer" if self.remote else "ssd"
 
 
 class TieredStore:
@@ -224,8 +203,7 @@ class TieredStore:
         if touches >= 2 and await self._promote(version):
             return ReadSource(version, from_dram=True)  # promotion pinned it for this reader
         lengths = chunk_lengths(size, self.chunk_size)
-        source = ReadSource(version, False, [self.read_buffers.take() for _ in lengths],
-                            [trio.Event() for _ in lengths])
+        source = ReadSource.buffered(version, lengths, self.read_buffers)
         if not lengths:  # an empty file: nothing to read
             return source
         if len(lengths) > 1:  # the rest streams in, from now on, while the reader is served
@@ -302,8 +280,7 @@ class TieredStore:
         fills chunks start..stop-1, sets each one's ready event, and sets `answered` (when
         start is 0) as soon as the owner starts sending."""
         lengths = chunk_lengths(size, self.chunk_size)
-        source = ReadSource(version, False, [self.read_buffers.take() for _ in lengths],
-                            [trio.Event() for _ in lengths], remote=True)
+        source = ReadSource.buffered(version, lengths, self.read_buffers, remote=True)
         if not lengths:
             source.answered.set()
             return source
@@ -349,7 +326,7 @@ class TieredStore:
                 for start, stop in zip(bounds, bounds[1:]):
                     nursery.start_soon(run, start, stop)
         finally:
-            self._end_stream(source)
+            source.end_stream(self.read_buffers)
 
     async def _stream_chunks(self, source: ReadSource) -> None:
         async def one(index: int) -> None:
@@ -370,19 +347,7 @@ class TieredStore:
                     nursery.start_soon(one, index)
         finally:
             self._release_disk_copy(source.version)
-            self._end_stream(source)
-
-    def _end_stream(self, source: ReadSource) -> None:
-        """A source's chunks are all in (or failed): a reader that closed meanwhile left its
-        buffers to the stream, which gives them back now."""
-        source.streaming = False
-        if source.closed:
-            self._release_buffers(source)
-
-    def _release_buffers(self, source: ReadSource) -> None:
-        for buffer in source.chunks:
-            self.read_buffers.give_back(buffer)
-        source.chunks = []
+            source.end_stream(self.read_buffers)
 
     async def _promote(self, version: int) -> bool:
         """Second-touch admission: reads the version into DRAM if room can be made without
@@ -461,25 +426,13 @@ class TieredStore:
     async def read(self, source: ReadSource, offset: int, length: int) -> memoryview | bytes:
         if source.from_dram:
             return self.dram.read(source.version, offset, length)
-        first, last = offset // self.chunk_size, (offset + length - 1) // self.chunk_size
-        for index in range(first, last + 1):
-            if not source.ready[index].is_set():
-                await source.ready[index].wait()
-            if index in source.failures:  # good chunks are still served; this one never
-                raise source.failures[index]
-        within = offset - first * self.chunk_size
-        if first == last:
-            return source.chunks[first][within : within + length]
-        joined = b"".join(source.chunks[i] for i in range(first, last + 1))
-        return joined[within : within + length]
+        return await source.read_chunks(offset, length, self.chunk_size)
 
     def close_read(self, source: ReadSource) -> None:
         if source.from_dram:
             self.end_lease(source.version)
             return
-        source.closed = True
-        if not source.streaming:  # else the stream gives the buffers back when it ends
-            self._release_buffers(source)
+        source.close(self.read_buffers)
 
     # Dropping -------------------------------------------------------------------------
 
