@@ -27,7 +27,8 @@ from kvfs.store.dram import DramTier
 from kvfs.store.faults import STORAGE_ERRORS, StorageFaults
 from kvfs.store.residency import Residency
 
-log = logging.getLogger(__name__)
+# The store's parts log as one component, under the name its lines have always had.
+log = logging.getLogger("kvfs.store.tiered")
 
 OFFLOAD_BATCH_FILES = 16
 OFFLOAD_BATCH_BYTES = 128 << 20
