@@ -19,16 +19,14 @@ master and requested through the owner's `reclaim`.
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import time
 from typing import Awaitable, Callable
 
 import trio
 
-from kvfs.concurrency import run_all
 from kvfs.disk.index import DiskRecord
-from kvfs.disk.tier import CorruptChunk, SsdTier
+from kvfs.disk.tier import SsdTier
 from kvfs.errors import NoSpace, StorageError
 from kvfs.policy import make_policy
 from kvfs.store.buffers import ReadBufferPool
@@ -36,6 +34,7 @@ from kvfs.store.contract import StoreOwner, StoreStats, TierSettings  # re-expor
 from kvfs.store.dram import DramTier
 from kvfs.store.faults import StorageFaults
 from kvfs.store.offloader import Offloader
+from kvfs.store.reads import LocalReads
 from kvfs.store.residency import Residency, chunk_lengths
 from kvfs.store.source import ReadSource  # re-exported: callers import it from here
 
@@ -57,10 +56,11 @@ class TieredStore:
         self.owner: StoreOwner | None = None
         self.stats = StoreStats()
         self.residency = Residency(make_policy(settings.eviction_policy), clock)
-        self._promotions: dict[int, trio.Event] = {}  # set when a promotion in flight ends
         self._nursery: trio.Nursery | None = None
         self.faults = StorageFaults(str(ssd.directory) if ssd is not None else "", log, clock)
         self.offloader = Offloader(self.residency, dram, ssd, self.faults, self.stats, settings, clock, self._owner)
+        self.reads = LocalReads(self.residency, dram, ssd, self.faults, self.stats, self.read_buffers, self._owner,
+                                self._spawn, self._demote_one, self.offloader.nudge)
 
     # Queries --------------------------------------------------------------------------
 
@@ -186,40 +186,22 @@ class TieredStore:
         assert self.owner is not None, "the store has no owner"
         return self.owner
 
-    # Reading --------------------------------------------------------------------------
+    def _spawn(self, function: Callable[..., Awaitable[None]], *args: object) -> None:
+        """Starts a stream in the background (`run`'s nursery)."""
+        assert self._nursery is not None, "the store is not running"
+        self._nursery.start_soon(function, *args)
+
+    # Reading (`LocalReads`) --------------------------------------------------------------
 
     async def open_read(self, version: int) -> ReadSource:
         """Makes a version readable: pinned in DRAM, promoted on a second touch, or read from SSD."""
-        while version in self._promotions:  # another reader is bringing it into DRAM: use that
-            await self._promotions[version].wait()
-        if version in self.dram:
-            self.residency.pin(version)
-            self.residency.touch(version)
-            return ReadSource(version, from_dram=True)
-        if not self.on_disk(version):
-            raise StorageError(errno.ENOENT, f"version {version} is stored on no tier of this node")
-        touches = self.residency.touch_on_ssd(version)
-        size = self.residency.stored(version).size
-        if touches >= 2 and await self._promote(version):
-            return ReadSource(version, from_dram=True)  # promotion pinned it for this reader
-        lengths = chunk_lengths(size, self.chunk_size)
-        source = ReadSource.buffered(version, lengths, self.read_buffers)
-        if not lengths:  # an empty file: nothing to read
-            return source
-        if len(lengths) > 1:  # the rest streams in, from now on, while the reader is served
-            assert self._nursery is not None
-            source.streaming = True
-            self._hold_disk_copy(version)  # until the stream ends, even if the file goes meanwhile
-            self._nursery.start_soon(self._stream_chunks, source)
-        try:  # the first chunk before the open returns: a corrupt file fails to open
-            await self._read_from_disk(version, source.chunks[:1])
-        except BaseException:
-            self.close_read(source)
-            raise
-        source.ready[0].set()
-        self.stats.ssd_reads += 1
-        self.stats.ssd_read_bytes += size
-        return source
+        return await self.reads.open_read(version)
+
+    async def read(self, source: ReadSource, offset: int, length: int) -> memoryview | bytes:
+        return await self.reads.read(source, offset, length)
+
+    def close_read(self, source: ReadSource) -> None:
+        self.reads.close_read(source)
 
     # Chunks for and from other nodes ------------------------------------------------------
 
@@ -237,7 +219,7 @@ class TieredStore:
         A whole-file request counts as a read (it may promote the version into DRAM); a
         partial one from SSD reads just its chunks."""
         lengths = self._chunk_lengths(version, first, count)
-        if version in self.dram or version in self._promotions or (first == 0 and count == len(lengths)):
+        if version in self.dram or self.reads.promoting(version) or (first == 0 and count == len(lengths)):
             source = await self.open_read(version)
             try:
                 for index in range(first, first + count):
@@ -248,7 +230,7 @@ class TieredStore:
         buffer = self.read_buffers.take()
         try:
             for index in range(first, first + count):
-                await self._read_from_disk(version, [buffer], first_index=index)
+                await self.reads.read_from_disk(version, [buffer], first_index=index)
                 await send(index, buffer[: lengths[index]])
         finally:
             self.read_buffers.give_back(buffer)
@@ -258,15 +240,14 @@ class TieredStore:
         offsets and lengths of chunks first..first+count-1, or None when the version is not
         in DRAM (the peer fetches it over TCP then). `end_lease` unpins it."""
         lengths = self._chunk_lengths(version, first, count)
-        if version not in self.dram or version in self._promotions:
+        if version not in self.dram or self.reads.promoting(version):
             return None
         self.residency.pin(version)
         self.residency.touch(version)
         return self.dram.chunk_offsets(version, first, count), lengths[first:first + count]
 
     def end_lease(self, version: int) -> None:
-        if self.residency.unpin(version):  # the file went while it was read
-            self.dram.drop(version)
+        self.reads.unpin(version)
 
     async def open_remote(self, version: int, size: int,
                           fetch: Callable[[ReadSource, int, int], Awaitable[None]], streams: int) -> ReadSource:
@@ -284,9 +265,8 @@ class TieredStore:
         if not lengths:
             source.answered.set()
             return source
-        assert self._nursery is not None, "the store is not running"
         source.streaming = True
-        self._nursery.start_soon(self._stream_remote, source, fetch, max(1, min(streams, len(lengths))))
+        self._spawn(self._stream_remote, source, fetch, max(1, min(streams, len(lengths))))
         return source
 
     async def remote_answered(self, source: ReadSource) -> ReadSource:
@@ -327,112 +307,6 @@ class TieredStore:
                     nursery.start_soon(run, start, stop)
         finally:
             source.end_stream(self.read_buffers)
-
-    async def _stream_chunks(self, source: ReadSource) -> None:
-        async def one(index: int) -> None:
-            try:
-                await self._read_from_disk(source.version, source.chunks[index : index + 1], first_index=index)
-            except StorageError as error:
-                source.failures[index] = error if error.errno == errno.EIO else StorageError(errno.EIO, str(error))
-            except OSError as error:
-                source.failures[index] = StorageError(errno.EIO, f"version {source.version}: {error}")
-            except Exception as error:  # a bug must fail this read, not the daemon
-                log.exception("reading chunk %d of version %d failed", index, source.version)
-                source.failures[index] = StorageError(errno.EIO, f"version {source.version}: {error!r}")
-            source.ready[index].set()
-
-        try:
-            async with trio.open_nursery() as nursery:
-                for index in range(1, len(source.chunks)):
-                    nursery.start_soon(one, index)
-        finally:
-            self._release_disk_copy(source.version)
-            source.end_stream(self.read_buffers)
-
-    async def _promote(self, version: int) -> bool:
-        """Second-touch admission: reads the version into DRAM if room can be made without
-        waiting, and returns it pinned for the caller. While its blocks fill, other readers
-        wait for it and it can be neither demoted nor freed."""
-        size = self.residency.stored(version).size
-        lengths = chunk_lengths(size, self.chunk_size)
-        while True:
-            try:
-                targets = self.dram.adopt(version, lengths)
-                break
-            except NoSpace:
-                if not self._demote_one():
-                    return False
-        self._promotions[version] = done = trio.Event()
-        self.residency.begin_promote(version)
-        promoted = False
-        try:
-            await self._read_from_disk(version, targets)
-            promoted = self.residency.end_promote(version)  # False: the file went while we read it
-        finally:
-            del self._promotions[version]
-            done.set()
-            if not promoted:  # give the blocks back; readers that waited go to the SSD
-                if self.residency.promoting(version):
-                    self.residency.promote_failed(version)
-                self.dram.drop(version)
-        if not promoted:
-            return False
-        self.stats.promoted_files += 1
-        self.stats.ssd_reads += 1
-        self.stats.ssd_read_bytes += size
-        return True
-
-    async def _read_from_disk(self, version: int, targets: list[memoryview], first_index: int = 0) -> None:
-        """Reads and verifies chunks; a corrupt one quarantines the file and fails with EIO."""
-        assert self.ssd is not None
-        self._hold_disk_copy(version)
-        try:
-            await run_all(functools.partial(self.ssd.read_chunk, version, index, target)
-                          for index, target in enumerate(targets, first_index))
-        except CorruptChunk as error:
-            self.stats.checksum_failures += 1
-            await self._quarantine(version, error)
-            raise StorageError(errno.EIO, str(error)) from None
-        except OSError as error:  # the device failed the read: counted, logged once per run
-            self._count_failure("read", error, f"version {version}")
-            raise StorageError(errno.EIO, f"version {version}: reading {self.ssd.directory} failed: {error}") from None
-        finally:
-            self._release_disk_copy(version)
-        self.faults.succeeded("read")
-
-    async def _quarantine(self, version: int, error: CorruptChunk) -> None:
-        """A corrupt chunk: its file leaves the namespace, and its record and extents the
-        SSD, for good (once its reads are done). Logged once per file, with its path."""
-        if not self.residency.quarantine(version):
-            return
-        self.stats.quarantined_files += 1
-        record = await self._owner().describe(version)
-        name = "/" + "/".join(part.decode(errors="replace") for part in record.file.path) if record else "(unlinked)"
-        log.error("%s: %s; the file is quarantined (removed from the namespace and the SSD)", name, error)
-        await self._owner().lost(version)
-
-    def _count_failure(self, operation: str, error: BaseException, detail: str = "") -> None:
-        self.stats.storage_errors += 1
-        self.faults.failed(operation, error, detail)
-
-    def _hold_disk_copy(self, version: int) -> None:
-        """While held, a version's extents on SSD are not freed (its reads are in flight)."""
-        self.residency.hold_disk(version)
-
-    def _release_disk_copy(self, version: int) -> None:
-        if self.residency.release_disk(version):  # removed while it was read: free it now
-            self.offloader.nudge()
-
-    async def read(self, source: ReadSource, offset: int, length: int) -> memoryview | bytes:
-        if source.from_dram:
-            return self.dram.read(source.version, offset, length)
-        return await source.read_chunks(offset, length, self.chunk_size)
-
-    def close_read(self, source: ReadSource) -> None:
-        if source.from_dram:
-            self.end_lease(source.version)
-            return
-        source.close(self.read_buffers)
 
     # Dropping -------------------------------------------------------------------------
 
