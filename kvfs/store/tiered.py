@@ -35,7 +35,8 @@ from kvfs.store.dram import DramTier
 from kvfs.store.faults import StorageFaults
 from kvfs.store.offloader import Offloader
 from kvfs.store.reads import LocalReads
-from kvfs.store.residency import Residency, chunk_lengths
+from kvfs.store.remote import Fetch, PeerChunks
+from kvfs.store.residency import Residency
 from kvfs.store.source import ReadSource  # re-exported: callers import it from here
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class TieredStore:
         self.offloader = Offloader(self.residency, dram, ssd, self.faults, self.stats, settings, clock, self._owner)
         self.reads = LocalReads(self.residency, dram, ssd, self.faults, self.stats, self.read_buffers, self._owner,
                                 self._spawn, self._demote_one, self.offloader.nudge)
+        self.peers = PeerChunks(self.residency, dram, self.reads, self.read_buffers, self._spawn)
 
     # Queries --------------------------------------------------------------------------
 
@@ -203,110 +205,31 @@ class TieredStore:
     def close_read(self, source: ReadSource) -> None:
         self.reads.close_read(source)
 
-    # Chunks for and from other nodes ------------------------------------------------------
-
-    def _chunk_lengths(self, version: int, first: int, count: int) -> list[int]:
-        """The lengths of every chunk of a sealed version stored here, after checking that a
-        peer's run first..first+count-1 lies within it."""
-        lengths = self.residency.stored(version).lengths(self.chunk_size)
-        if first < 0 or count < 0 or first + count > len(lengths):
-            raise StorageError(errno.EINVAL, f"version {version} has {len(lengths)} chunks, not {first}+{count}")
-        return lengths
+    # Chunks for and from other nodes (`PeerChunks`) ----------------------------------------
 
     async def serve_chunks(self, version: int, first: int, count: int,
                            send: Callable[[int, memoryview | bytes], Awaitable[None]]) -> None:
-        """Hands chunks of a sealed version to `send` in order (the peer server's source).
-        A whole-file request counts as a read (it may promote the version into DRAM); a
-        partial one from SSD reads just its chunks."""
-        lengths = self._chunk_lengths(version, first, count)
-        if version in self.dram or self.reads.promoting(version) or (first == 0 and count == len(lengths)):
-            source = await self.open_read(version)
-            try:
-                for index in range(first, first + count):
-                    await send(index, await self.read(source, index * self.chunk_size, lengths[index]))
-            finally:
-                self.close_read(source)
-            return
-        buffer = self.read_buffers.take()
-        try:
-            for index in range(first, first + count):
-                await self.reads.read_from_disk(version, [buffer], first_index=index)
-                await send(index, buffer[: lengths[index]])
-        finally:
-            self.read_buffers.give_back(buffer)
+        """Hands chunks of a sealed version to `send` in order (the peer server's source)."""
+        await self.peers.serve_chunks(version, first, count, send)
 
     def lease_dram(self, version: int, first: int, count: int) -> tuple[list[int | None], list[int]] | None:
-        """Pins a sealed version's DRAM copy for a peer that READs it over RDMA: the arena
-        offsets and lengths of chunks first..first+count-1, or None when the version is not
-        in DRAM (the peer fetches it over TCP then). `end_lease` unpins it."""
-        lengths = self._chunk_lengths(version, first, count)
-        if version not in self.dram or self.reads.promoting(version):
-            return None
-        self.residency.pin(version)
-        self.residency.touch(version)
-        return self.dram.chunk_offsets(version, first, count), lengths[first:first + count]
+        """Pins a sealed version's DRAM copy for a peer's RDMA READs (None: not in DRAM)."""
+        return self.peers.lease_dram(version, first, count)
 
     def end_lease(self, version: int) -> None:
-        self.reads.unpin(version)
+        self.peers.end_lease(version)
 
-    async def open_remote(self, version: int, size: int,
-                          fetch: Callable[[ReadSource, int, int], Awaitable[None]], streams: int) -> ReadSource:
+    async def open_remote(self, version: int, size: int, fetch: Fetch, streams: int) -> ReadSource:
         """A reader of a version stored on another node: `start_remote`, then `remote_answered`."""
-        return await self.remote_answered(self.start_remote(version, size, fetch, streams))
+        return await self.peers.open_remote(version, size, fetch, streams)
 
-    def start_remote(self, version: int, size: int,
-                     fetch: Callable[[ReadSource, int, int], Awaitable[None]], streams: int) -> ReadSource:
-        """Starts streaming a version stored on another node into read buffers (in `streams`
-        parallel runs); the reader is served while they fill. `fetch(source, start, stop)`
-        fills chunks start..stop-1, sets each one's ready event, and sets `answered` (when
-        start is 0) as soon as the owner starts sending."""
-        lengths = chunk_lengths(size, self.chunk_size)
-        source = ReadSource.buffered(version, lengths, self.read_buffers, remote=True)
-        if not lengths:
-            source.answered.set()
-            return source
-        source.streaming = True
-        self._spawn(self._stream_remote, source, fetch, max(1, min(streams, len(lengths))))
-        return source
+    def start_remote(self, version: int, size: int, fetch: Fetch, streams: int) -> ReadSource:
+        """Starts streaming a version stored on another node into read buffers."""
+        return self.peers.start_remote(version, size, fetch, streams)
 
     async def remote_answered(self, source: ReadSource) -> ReadSource:
-        """Waits until the owner answered: an open returns then, so that the kernel's first
-        READ is on its way while chunk 0 is still arriving. An owner that no longer has the
-        version (or cannot be reached) fails the open itself, and the source is closed."""
-        await source.answered.wait()
-        if 0 in source.failures:
-            self.close_read(source)
-            raise source.failures[0]
-        return source
-
-    async def _stream_remote(self, source: ReadSource, fetch: Callable[[ReadSource, int, int], Awaitable[None]],
-                             streams: int) -> None:
-        count = len(source.chunks)
-        bounds = [count * i // streams for i in range(streams + 1)]
-
-        async def run(start: int, stop: int) -> None:
-            try:
-                await fetch(source, start, stop)
-            except Exception as error:
-                if not isinstance(error, StorageError):
-                    log.exception("fetching chunks %d-%d of version %d failed", start, stop - 1, source.version)
-                # Before the owner answered, the open fails with the errno (ENOENT: the
-                # version is gone); a transfer broken after that fails reads with EIO.
-                refused = start == 0 and not source.answered.is_set()
-                for index in range(start, stop):
-                    if not source.ready[index].is_set():
-                        code = error.errno if isinstance(error, StorageError) and refused and index == 0 else errno.EIO
-                        source.failures[index] = StorageError(code, str(error))
-                        source.ready[index].set()
-                if start == 0:
-                    source.answered.set()
-
-        try:
-            async with trio.open_nursery() as nursery:
-                for start, stop in zip(bounds, bounds[1:]):
-                    nursery.start_soon(run, start, stop)
-        finally:
-            source.end_stream(self.read_buffers)
+        """Waits until the owner answered; an owner without the version fails the open."""
+        return await self.peers.remote_answered(source)
 
     # Dropping -------------------------------------------------------------------------
 
