@@ -72,23 +72,24 @@ class Offloader:
         self.stats.storage_errors += 1
         self.faults.failed(operation, error, detail)
 
+    # Work coming in ----------------------------------------------------------------------
+
     def wake(self) -> None:
+        """Work for the next pass that `wait_offloaded` waits for (it is not idle until then)."""
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         self._wanted.set()
 
     def queue(self, version: int) -> None:
+        """A sealed version to copy (eager offload, or fsync)."""
         if self.residency.queue(version):
             self.wake()
 
     def check_watermark(self) -> None:
+        """Watermark offload: past the high mark, queues DRAM-only bytes down to the low one."""
         settings = self.settings
         if self.residency.queue_for_watermark(self.dram.used, self.dram.capacity, settings.high_watermark,
                                               settings.low_watermark):
             self.wake()
-
-    def failing(self) -> bool:
-        """The SSD tier fails (until an offload or index write succeeds again)."""
-        return self.faults.failing("offload") or self.faults.failing("index")
 
     def queue_all_dram_only(self) -> int:
         """Queues every sealed version whose only copy is in DRAM; returns how many."""
@@ -96,6 +97,25 @@ class Offloader:
         if queued:
             self.wake()
         return queued
+
+    def retry_now(self) -> None:
+        """Retries failed offloads and record rewrites at once (a stop, fsync, sync or flush)."""
+        parked = self.residency.parked()
+        self.residency.retry_now()
+        if parked or self.residency.resettles() or self.residency.removals():
+            self.wake()
+
+    def remove_later(self, versions: list[int], error: BaseException) -> None:
+        """Records the index failed to delete (at start): the offloader retries them."""
+        self.residency.remove_later(versions)
+        self._count_failure("index", error, f"removing {len(versions)} records")
+        self.residency.failed()
+
+    # Writers and waiters -----------------------------------------------------------------
+
+    def failing(self) -> bool:
+        """The SSD tier fails (until an offload or index write succeeds again)."""
+        return self.faults.failing("offload") or self.faults.failing("index")
 
     async def wait_for_room(self) -> bool:
         """Backpressure: a writer waits (bounded) for the offloader to make DRAM copies demotable."""
@@ -107,7 +127,34 @@ class Offloader:
         self.stats.backpressure_seconds += self.clock() - started
         return event.is_set()
 
+    def offload_backlog(self) -> tuple[int, int]:
+        """Files, and their bytes, queued for or being copied to SSD (or waiting for a retry)."""
+        if self.ssd is None:
+            return 0, 0
+        return self.residency.backlog()
+
+    async def wait_offloaded(self) -> None:
+        """Returns once every version queued so far is on SSD (or could not be): the end of
+        the offloader's pass that takes them (later seals do not prolong the wait)."""
+        if self.ssd is not None and (self.residency.offload_pending() or not self._idle.is_set()):
+            await self._idle.wait()
+
+    async def wait_saved(self, version: int) -> None:
+        """fsync of a sealed version: returns once it is on SSD under its current name (a
+        failed copy is retried at once); EIO if it cannot be copied now."""
+        if self.ssd is None or version not in self.residency or self.is_saved(version):
+            return
+        self.queue(version)  # (unless it is being copied now)
+        self.retry_now()
+        await self.wait_offloaded()
+        if version in self.residency and not self.is_saved(version):
+            cause = self.faults.last_error() or "the SSD tier is full"
+            raise StorageError(errno.EIO, f"version {version} could not be copied to {self.ssd.directory}: {cause}")
+
+    # The loop ----------------------------------------------------------------------------
+
     async def run(self) -> None:
+        """Passes until cancelled; each pass ends with the offloader idle."""
         while True:
             await self._wait_for_work()
             self._wanted = trio.Event()
@@ -145,49 +192,6 @@ class Offloader:
         self.residency.backoff.succeeded()
         self.faults.succeeded("offload")  # (also when the files that failed went meanwhile)
 
-    def retry_now(self) -> None:
-        """Retries failed offloads and record rewrites at once (a stop, fsync, sync or flush)."""
-        parked = self.residency.parked()
-        self.residency.retry_now()
-        if parked or self.residency.resettles() or self.residency.removals():
-            self.wake()
-
-    def remove_later(self, versions: list[int], error: BaseException) -> None:
-        """Records the index failed to delete (at start): the offloader retries them."""
-        self.residency.remove_later(versions)
-        self._count_failure("index", error, f"removing {len(versions)} records")
-        self.residency.failed()
-
-    async def flush_removals_now(self) -> None:
-        """At a stop: removes the records of dropped files (a failure is counted and logged)."""
-        if self.ssd is not None:
-            await self._flush_removals_counted()
-
-    async def _flush_removals_counted(self) -> bool:
-        """Removes records of dropped files; False (counted, retried later) if the index fails."""
-        assert self.ssd is not None
-        writes = any(v in self.ssd for v in self.residency.removable())
-        try:
-            await self.flush_removals()
-        except STORAGE_ERRORS as error:
-            self._count_failure("index", error, f"removing {len(self.residency.removals())} records")
-            self.residency.failed()
-            return False
-        if writes:
-            self.faults.succeeded("index")
-        return True
-
-    async def flush_removals(self) -> None:
-        if self.ssd is not None and self.residency.removals():
-            # Versions still being read from SSD keep their extents until the reads are done.
-            versions = self.residency.take_removals()
-            try:
-                await self.ssd.remove(versions)
-            except BaseException:  # nothing was removed: the next pass tries again
-                self.residency.restore_removals(versions)
-                raise
-            self.residency.removed_from_ssd(versions)
-
     async def _yield_to_writers(self) -> None:
         deadline = self.clock() + OFFLOAD_MAX_DEFER_S
         while self.clock() < deadline and not self._space_wanted():
@@ -201,29 +205,7 @@ class Offloader:
         return (self.dram.used > self.settings.high_watermark * self.dram.capacity
                 or self._space_freed.statistics().tasks_waiting > 0)
 
-    def offload_backlog(self) -> tuple[int, int]:
-        """Files, and their bytes, queued for or being copied to SSD (or waiting for a retry)."""
-        if self.ssd is None:
-            return 0, 0
-        return self.residency.backlog()
-
-    async def wait_offloaded(self) -> None:
-        """Returns once every version queued so far is on SSD (or could not be): the end of
-        the offloader's pass that takes them (later seals do not prolong the wait)."""
-        if self.ssd is not None and (self.residency.offload_pending() or not self._idle.is_set()):
-            await self._idle.wait()
-
-    async def wait_saved(self, version: int) -> None:
-        """fsync of a sealed version: returns once it is on SSD under its current name (a
-        failed copy is retried at once); EIO if it cannot be copied now."""
-        if self.ssd is None or version not in self.residency or self.is_saved(version):
-            return
-        self.queue(version)  # (unless it is being copied now)
-        self.retry_now()
-        await self.wait_offloaded()
-        if version in self.residency and not self.is_saved(version):
-            cause = self.faults.last_error() or "the SSD tier is full"
-            raise StorageError(errno.EIO, f"version {version} could not be copied to {self.ssd.directory}: {cause}")
+    # Batches and their records -----------------------------------------------------------
 
     async def _offload_batch(self, batch: list[int]) -> bool:
         """Copies a batch to SSD; False after a storage failure (the batch is parked, in DRAM)."""
@@ -288,6 +270,24 @@ class Offloader:
         self._space_freed = trio.Event()
         return True
 
+    async def _allocate_disk(self, lengths: list[int]) -> list[int] | None:
+        assert self.ssd is not None
+        while True:
+            offsets = self.ssd.allocate(lengths)
+            if offsets is not None:
+                self.stuck = False
+                return offsets
+            if not await self._owner().reclaim("disk", sum(rounded(n) for n in lengths)):
+                if not self.stuck:
+                    log.warning("SSD tier full and nothing on it can be evicted; files stay in DRAM only")
+                self.stuck = True
+                return None
+            await self.flush_removals()
+
+    def _release_if_dropped(self, version: int) -> None:
+        if self.residency.release_if_dropped(version):
+            self.dram.drop(version)
+
     def _unsettle_dropped(self, version: int) -> None:
         if self.residency.unsettle_dropped(version):
             self.dram.drop(version)
@@ -350,24 +350,6 @@ class Offloader:
             self.faults.succeeded("index")
         return True
 
-    def _release_if_dropped(self, version: int) -> None:
-        if self.residency.release_if_dropped(version):
-            self.dram.drop(version)
-
-    async def _allocate_disk(self, lengths: list[int]) -> list[int] | None:
-        assert self.ssd is not None
-        while True:
-            offsets = self.ssd.allocate(lengths)
-            if offsets is not None:
-                self.stuck = False
-                return offsets
-            if not await self._owner().reclaim("disk", sum(rounded(n) for n in lengths)):
-                if not self.stuck:
-                    log.warning("SSD tier full and nothing on it can be evicted; files stay in DRAM only")
-                self.stuck = True
-                return None
-            await self.flush_removals()
-
     async def refresh_record(self, version: int) -> None:
         """Rewrites a version's index record after its path or attributes changed; if the
         index fails, the version counts as not on SSD until the offloader rewrites it."""
@@ -386,3 +368,36 @@ class Offloader:
             if version in self.residency:
                 self.residency.needs_resettle(version, False)
             self._wanted.set()
+
+    # Removals ----------------------------------------------------------------------------
+
+    async def flush_removals_now(self) -> None:
+        """At a stop: removes the records of dropped files (a failure is counted and logged)."""
+        if self.ssd is not None:
+            await self._flush_removals_counted()
+
+    async def _flush_removals_counted(self) -> bool:
+        """Removes records of dropped files; False (counted, retried later) if the index fails."""
+        assert self.ssd is not None
+        writes = any(v in self.ssd for v in self.residency.removable())
+        try:
+            await self.flush_removals()
+        except STORAGE_ERRORS as error:
+            self._count_failure("index", error, f"removing {len(self.residency.removals())} records")
+            self.residency.failed()
+            return False
+        if writes:
+            self.faults.succeeded("index")
+        return True
+
+    async def flush_removals(self) -> None:
+        """Removes the SSD records and extents of dropped files now (a failure raises)."""
+        if self.ssd is not None and self.residency.removals():
+            # Versions still being read from SSD keep their extents until the reads are done.
+            versions = self.residency.take_removals()
+            try:
+                await self.ssd.remove(versions)
+            except BaseException:  # nothing was removed: the next pass tries again
+                self.residency.restore_removals(versions)
+                raise
+            self.residency.removed_from_ssd(versions)

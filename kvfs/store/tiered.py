@@ -14,6 +14,11 @@ namespace and the index for good). A version read from SSD is verified chunk by
 chunk and served from a read buffer; on its second touch it is promoted back
 into DRAM. Whole-file eviction (the file leaves the namespace) is decided by the
 master and requested through the owner's `reclaim`.
+
+`TieredStore` composes the parts, each one concern: `Residency` (the books and every
+decision, pure), `Offloader` (DRAM to SSD in the background), `LocalReads` (serving this
+node's readers from DRAM or SSD), `PeerChunks` (chunks for and from other nodes). It keeps
+writing and making room in DRAM, and the public methods the node calls.
 """
 
 from __future__ import annotations
@@ -139,7 +144,7 @@ class TieredStore:
 
     # Room in DRAM ---------------------------------------------------------------------
 
-    async def _with_room(self, operation) -> None:
+    async def _with_room(self, operation: Callable[[], None]) -> None:
         while True:
             try:
                 return operation()
@@ -177,6 +182,13 @@ class TieredStore:
         self.dram.drop(version)
         self.stats.demoted_files += 1
         return True
+
+    def demote_all(self) -> int:
+        """Drops every DRAM copy that is safe on SSD (an operator's or a benchmark's request)."""
+        demoted = 0
+        while self._demote_one():
+            demoted += 1
+        return demoted
 
     def describe_extents(self, version: int) -> str:
         """'offset+length' of each chunk on SSD (tier offsets; segment = offset // 256 MiB)."""
@@ -250,13 +262,6 @@ class TieredStore:
             if self.ssd is None:
                 await trio.sleep_forever()
             await self.offloader.run()
-
-    def demote_all(self) -> int:
-        """Drops every DRAM copy that is safe on SSD (an operator's or a benchmark's request)."""
-        demoted = 0
-        while self._demote_one():
-            demoted += 1
-        return demoted
 
     # The offloader's, for the node --------------------------------------------------------
 
