@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import select
 import socket
 from typing import Any, Awaitable, Callable, Protocol, Union
@@ -28,8 +27,10 @@ from kvfs.checksum import chunk_checksum
 from kvfs.wire.protocol import ErrorReply, FrameKind, Head, HeaderDecoder, ProtocolError, encode_frame
 from kvfs.wire.rdma_messages import RDMA_REQUESTS, Unlease
 from kvfs.wire.text import printable
-from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, PEER_CLIENTS, REFUSALS, Gate, connect
-from kvfs.net.streams import BlockingFrames, FrameStream, peer_name, serve_tcp
+from kvfs.cluster.authority import PEER_CLIENTS, PEER_ROLE
+from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, REFUSALS, Gate, connect
+from kvfs.net.streams import BlockingFrames, FrameStream, TlsStream, peer_name, send_all_blocking, serve_tcp
+from kvfs.security.credentials import Tls
 from kvfs.concurrency import run_all
 from kvfs.config import split_address
 from kvfs.errors import KvfsError, StorageError
@@ -110,11 +111,11 @@ class PeerServer:
     """Serves chunk reads of this node's versions to authenticated peers, over TCP, and the
     control requests of the RDMA transport when this node has one."""
 
-    def __init__(self, store: ChunkSource, secret: bytes, rdma: RdmaService | None = None,
+    def __init__(self, store: ChunkSource, tls: Tls, rdma: RdmaService | None = None,
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
         self.store = store
         self.rdma = rdma
-        self.gate = Gate(secret, "peer", PEER_CLIENTS, "peer connection", handshake_timeout_s)
+        self.gate = Gate(tls, PEER_CLIENTS, "peer connection", handshake_timeout_s)
         self._requests = HeaderDecoder(Union[(FetchChunks, *RDMA_REQUESTS)])  # type: ignore[misc]
         self.served_bytes = 0
 
@@ -131,9 +132,10 @@ class PeerServer:
         _tune(stream.socket)
         async with stream:
             admitted = await self.gate.admit(stream)
-            if admitted is None:
-                return
-            frames, _ = admitted
+        if admitted is None:
+            return
+        frames, _ = admitted
+        async with frames.stream:
             session = None
             try:
                 while True:
@@ -184,10 +186,10 @@ class _Answer:
     PULSE_S passes without a frame while the store prepares the next chunk."""
 
     def __init__(self, frames: FrameStream, request_id: int, sent: Callable[[int], None]) -> None:
-        assert isinstance(frames.stream, trio.SocketStream)
+        assert isinstance(frames.stream, TlsStream)
         self.frames = frames
         self.request_id = request_id
-        self._fd = frames.stream.socket.fileno()
+        self._socket = frames.stream.socket
         self._sending = trio.Lock()  # one frame at a time
         self._finished = trio.Event()
         self._last_sent = trio.current_time()
@@ -197,11 +199,11 @@ class _Answer:
         header = encode_frame(FrameKind.RESPONSE, self.request_id, ChunkData(index, len(data)), len(data))
         # The header alone first, so that the reader's open returns while the payload is
         # still on its way (with a large send buffer the kernel would hold it back with
-        # the payload); the payload from a worker thread: the event loop would wake up
-        # for every socket buffer's worth.
+        # the payload); the payload from a worker thread, which encrypts it there: the
+        # event loop would wake up for every socket buffer's worth, and encrypt it itself.
         async with self._sending:
             await self.frames.send_encoded(header)
-            await trio.to_thread.run_sync(send_all_blocking, self._fd, [data])
+            await trio.to_thread.run_sync(send_all_blocking, self._socket, data, SEND_STALL_S)
             self._last_sent = trio.current_time()
         self._sent(len(data))
 
@@ -228,28 +230,6 @@ class _Answer:
                 self._last_sent = trio.current_time()
 
 
-def send_all_blocking(fd: int, buffers: list[bytes | memoryview]) -> None:
-    """Writes every buffer to a non-blocking socket, waiting in poll() when it is full
-    (for a worker thread: one writev per socket buffer's worth, no event-loop turns)."""
-    views = [memoryview(buffer).cast("B") for buffer in buffers if len(buffer)]
-    poller = select.poll()
-    poller.register(fd, select.POLLOUT)
-    while views:
-        try:
-            sent = os.writev(fd, views)
-        except BlockingIOError:
-            if not poller.poll(SEND_STALL_S * 1000):
-                raise TimeoutError(f"the peer took no data for {SEND_STALL_S:g} s") from None
-            continue
-        while sent and views:
-            if sent >= len(views[0]):
-                sent -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
-
-
 class MeasuredTransport:
     """A `Transport` whose fetches are timed and counted by outcome (`fetches`); subclasses
     implement `_fetch`."""
@@ -269,13 +249,13 @@ class MeasuredTransport:
 
 
 class TcpTransport(MeasuredTransport):
-    """Fetches chunks from peers over persistent, authenticated TCP connections."""
+    """Fetches chunks from peers over persistent TLS connections."""
 
     kind = "tcp"
 
-    def __init__(self, secret: bytes, streams_per_peer: int = STREAMS_PER_PEER) -> None:
+    def __init__(self, tls: Tls, streams_per_peer: int = STREAMS_PER_PEER) -> None:
         super().__init__()
-        self.secret = secret
+        self.tls = tls
         self.streams_per_peer = streams_per_peer
         self._idle: dict[str, list[BlockingFrames]] = {}
         self._chunks = HeaderDecoder(ChunkData)
@@ -294,7 +274,7 @@ class TcpTransport(MeasuredTransport):
             connection.close()  # the peer closed it (restarted, say): not worth a request
         host, port = split_address(address)
         with trio.move_on_after(CONNECT_TIMEOUT_S):
-            frames = await connect(host, port, self.secret, "node", "peer", tune=_tune)
+            frames = await connect(host, port, self.tls, PEER_ROLE, tune=_tune)
             try:
                 return BlockingFrames.detach(frames, PEER_SILENCE_S), False
             except BaseException:
