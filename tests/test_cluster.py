@@ -310,12 +310,11 @@ def test_eviction_across_the_cluster_under_pressure(cluster: Cluster) -> None:
 
 def test_status_and_config_file(cluster: Cluster, tmp_path: Path) -> None:
     config = tmp_path / "kvfs.toml"
-    config.write_text(f'[node]\nmaster = "{cluster.master.address}"\ndram = "64M"\nname = "from-toml"\n'
-                      f'tls-dir = "{tls_dir("from-toml")}"\n')
+    config.write_text(f'[node]\nmaster = "{cluster.master.address}"\ndram = "64M"\nname = "from-toml"\n')
     (tmp_path / "toml-node").mkdir()
     node = KvfsMount(tmp_path / "toml-node", "64M")
     node.args = [sys.executable, "-m", "kvfs", "node", "--config", str(config), "--mount", str(node.path),
-                 "--foreground", "--log-level", "debug"]
+                 "--tls-dir", tls_dir("from-toml"), "--foreground", "--log-level", "debug"]
     node.start()
     cluster.nodes.append(node)
     (node.path / "f").write_bytes(b"x" * 5000)
