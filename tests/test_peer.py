@@ -370,3 +370,57 @@ def test_a_reader_gone_mid_transfer_is_no_error_on_the_owner(caplog: pytest.LogC
 
     with_server(data, test)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_peers_that_stop_reading_hold_no_worker_and_are_dropped_while_a_fetch_succeeds(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Sixteen connections of one identity ask for 24 MiB each and never read: they take at
+    most their identity's share of fetches, no worker thread while their sockets are full, and
+    are dropped (logged) after the stall budget. Another node's 8 MiB fetch meanwhile succeeds
+    as usual."""
+    import socket
+
+    caplog.set_level(logging.WARNING)
+    data = os.urandom(24 * CHUNK)
+    checksums = [chunk_checksum(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)]
+    store = TieredStore(DramTier(32 * CHUNK, chunk_size=CHUNK), None, read_buffers=ReadBufferPool(8, CHUNK))
+    store.create(VERSION)
+    store.dram.write(VERSION, 0, data)
+    store.seal(VERSION, len(data))
+    server = PeerServer(store, OWNER, send_stall_s=3, fetches_per_peer=4)
+    mallory = load_tls("mallory")
+
+    def small_window(sock) -> None:  # the stalled readers' kernel buffers stay small
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(store.run)
+            port = await nursery.start(server.serve, "127.0.0.1", 0)
+            stalled = []
+            for request_id in range(16):
+                frames = await connect("127.0.0.1", port, mallory, "node", tune=small_window)
+                await frames.send(FrameKind.REQUEST, request_id + 1, FetchChunks(VERSION, 0, 24))
+                stalled.append(frames)
+            with trio.fail_after(30):  # generous: on an idle machine this takes milliseconds
+                got = await fetch_all(TcpTransport(READER), f"127.0.0.1:{port}", 8 * CHUNK, checksums[:8])
+            assert got == data[: 8 * CHUNK]
+            # Their sockets full, the four fetches of their share wait in the event loop, holding no thread.
+            shares, threads = server._peers["mallory"][0], server._send_threads
+            assert threads is not None
+            with trio.fail_after(30):
+                while threads.borrowed_tokens or shares.borrowed_tokens < 4:
+                    await trio.sleep(0.01)
+            assert server.stalled == 0 and shares.statistics().tasks_waiting == 12
+            with trio.fail_after(30):  # every stalled reader is dropped after the stall budget
+                while server.stalled < 16:
+                    await trio.sleep(0.05)
+            assert "mallory" not in server._peers  # nothing of theirs is held any more
+            for frames in stalled:
+                await frames.aclose()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    dropped = [r.getMessage() for r in caplog.records if "dropped peer connection" in r.getMessage()]
+    assert dropped and all("node 'mallory'" in line and "took no data for 3 s" in line for line in dropped)
+    assert len(dropped) == 10  # a budget of lines; the count has every one

@@ -13,8 +13,6 @@ requests, peer data, RDMA control) starts as one.
 
 from __future__ import annotations
 
-import select
-import socket
 import ssl
 from typing import Any, Callable
 
@@ -98,19 +96,15 @@ class TlsStream(trio.abc.Stream):
         await trio.lowlevel.checkpoint()
 
 
-def send_all_blocking(sock: ssl.SSLSocket, data: bytes | memoryview, stall_s: float) -> None:
-    """Writes DATA to a non-blocking TLS socket from a worker thread, waiting in poll() while it
-    is full; TimeoutError when the peer takes nothing for `stall_s`."""
-    view = memoryview(data).cast("B")
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLOUT)
-    while True:
-        try:
-            sock.send(view)  # all of it, or SSLWantWriteError and a retry with the same buffer
-            return
-        except ssl.SSLWantWriteError:
-            if not poller.poll(stall_s * 1000):
-                raise TimeoutError(f"the peer took no data for {stall_s:g} s") from None
+def send_some(sock: ssl.SSLSocket, view: memoryview) -> bool:
+    """One try at writing VIEW to a non-blocking TLS socket, from a worker thread: True once all
+    of it is written, False when the socket is full (call again with the same view once it is
+    writable: OpenSSL keeps its progress across retries of the same buffer)."""
+    try:
+        sock.send(view)
+    except ssl.SSLWantWriteError:
+        return False
+    return True
 
 
 class FrameStream:
