@@ -63,7 +63,8 @@ class TlsStream(trio.abc.Stream):
                 return result
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        return await self._retry(lambda: self.socket.recv(max_bytes or READ_SIZE))
+        # A TLS record holds at most 16 KiB: asking for more only allocates more per call.
+        return await self._retry(lambda: self.socket.recv(min(max_bytes or READ_SIZE, READ_SIZE)))
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data)
