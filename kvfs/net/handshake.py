@@ -175,7 +175,11 @@ class Gate:
                 del self._per_source[source]
 
     async def _admit(self, stream: trio.SocketStream, peer: Any) -> tuple[FrameStream, Identity] | None:
-        tls_stream = _wrap(stream, self.tls.server, server_side=True)
+        try:
+            tls_stream = _wrap(stream, self.tls.server, server_side=True)
+        except (OSError, ssl.SSLError) as error:  # gone already (reset before we got to it)
+            self._count("tls", peer, str(error) or type(error).__name__)
+            return None
         frames = _frames(tls_stream)
         try:
             with trio.fail_after(self.timeout_s):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import ssl
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -176,7 +177,12 @@ class MetadataServer:
                     await frames.send_encoded(frame)
         except ProtocolError as error:
             log.warning("closing connection from %s: %s", peer, printable(error))
-        except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
+        except trio.BrokenResourceError as error:
+            if isinstance(error.__cause__, ssl.SSLError):  # a forged or damaged record: tampering on the path
+                log.warning("closing connection from %s at %s: %s", identity, peer, printable(error))
+            else:
+                log.info("%s at %s disconnected", identity, peer)
+        except (EOFError, trio.ClosedResourceError):
             log.info("%s at %s disconnected", identity, peer)
 
 
