@@ -228,3 +228,38 @@ def test_a_status_command_with_a_foreign_certificate_says_so(cluster: Cluster, t
     assert status.stderr.startswith(f"kvfs: error: master {cluster.master.address} refused this client "
                                     f"(admin 'mallory' of {tmp_path / 'mallory'}; is it issued by the master's CA?)")
     assert "certificate verify failed" in status.stderr
+
+
+def test_new_connections_from_one_address_are_rate_limited() -> None:
+    from kvfs.net.handshake import SourceRate
+
+    rate = SourceRate(rate=10.0, burst=3, tracked=2)
+    assert [rate.take("a", 0.0) for _ in range(4)] == [True, True, True, False]  # the burst, then none
+    assert [rate.take("b", 0.0) for _ in range(3)] == [True] * 3  # another address has a bucket of its own
+    assert not rate.take("a", 0.05) and rate.take("a", 0.11)  # one token back per 0.1 s
+    assert rate.take("c", 0.2)  # a third address: "b" (idle longest) is forgotten, ...
+    assert [rate.take("b", 0.2) for _ in range(4)] == [True, True, True, False]  # ... and starts full again
+
+
+def test_a_flood_of_connections_from_one_address_is_cut_at_its_rate() -> None:
+    async def test(port: int, nursery: trio.Nursery) -> None:
+        for _ in range(8):
+            stream = await trio.open_tcp_stream("127.0.0.1", port, local_address="127.0.0.7")
+            await stream.aclose()
+        with trio.fail_after(5):
+            await _legitimate_client_works(port, nursery)  # from 127.0.0.1
+
+    service = MetadataService(ManualClock(), LruPolicy())
+    server = MetadataServer(service.handle, MASTER, service, handshake_timeout_s=0.5)
+    server.gate.source_rate.burst = 5
+    server.gate.source_rate.rate = 0.01
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve, "127.0.0.1", 0)
+            with trio.fail_after(30):
+                await test(port, nursery)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert server.gate.refusals["busy"] == 3  # 8 from one address, a burst of 5

@@ -10,7 +10,8 @@ kvfs.cluster.authority. After TLS the server checks the client's role and answer
 
 Before that, a connection costs little: the gate holds at most `max_handshakes` of them at
 once (and `max_per_source` per source address), each for at most `timeout_s`, with tiny
-frame limits; a connection beyond the limits is closed at once. Every refusal is counted
+frame limits, and takes new connections from one address at a bounded rate (each costs a
+TLS handshake's public-key operations); a connection beyond the limits is closed at once. Every refusal is counted
 (`refused`, by reason in `refusals`) and logged within a budget, peer text escaped.
 """
 
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 5.0
 MAX_HANDSHAKES = 256  # connections in setup at once, per server
 MAX_HANDSHAKES_PER_SOURCE = 32  # of those, from one source address
+SOURCE_RATE = 50.0  # new connections per second and source address, sustained ...
+SOURCE_BURST = 200  # ... and at once (a node's pool, a restart of many clients)
+SOURCES_TRACKED = 4096  # source addresses remembered for the rate (the longest idle forgotten first)
 REFUSAL_SEND_S = 0.5  # the refused peer gets this long to take our one-line reason
 REFUSALS_LOGGED = 10  # refusal lines per REFUSAL_WINDOW_S and gate; the rest are counted, then told
 REFUSAL_WINDOW_S = 10.0
@@ -133,6 +137,28 @@ class LogBudget:
         return True, held
 
 
+class SourceRate:
+    """A token bucket per source address: `rate` new connections a second, `burst` at once.
+    At most `tracked` sources are remembered; the one idle longest is forgotten first (a
+    forgotten source starts with a full bucket, which is what an idle one has anyway)."""
+
+    def __init__(self, rate: float = SOURCE_RATE, burst: int = SOURCE_BURST, tracked: int = SOURCES_TRACKED) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tracked = tracked
+        self._buckets: collections.OrderedDict[str, tuple[float, float]] = collections.OrderedDict()
+
+    def take(self, source: str, now: float) -> bool:
+        """Whether a new connection from SOURCE may go on now."""
+        tokens, last = self._buckets.pop(source, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - last) * self.rate)
+        allowed = tokens >= 1.0
+        self._buckets[source] = (tokens - 1.0 if allowed else tokens, now)
+        while len(self._buckets) > self.tracked:
+            self._buckets.popitem(last=False)
+        return allowed
+
+
 class Gate:
     """The accepting side, with TLS, for clients of CLIENT_ROLES: sets up each new connection;
     one that fails is refused, counted and logged with its reason."""
@@ -148,6 +174,7 @@ class Gate:
         self.max_per_source = max_per_source
         self.handshaking = 0
         self._per_source: collections.Counter[str] = collections.Counter()
+        self.source_rate = SourceRate()
         self.refusals: collections.Counter[str] = collections.Counter()  # by reason: tls, role, timeout, busy
         self.log_budget = LogBudget()
 
@@ -163,6 +190,10 @@ class Gate:
         if self.handshaking >= self.max_handshakes or self._per_source[source] >= self.max_per_source:
             self._count("busy", peer, f"{self.handshaking} connections in setup ({self._per_source[source]} from "
                                       f"this address): closed at once")
+            return None
+        if not self.source_rate.take(source, trio.current_time()):
+            self._count("busy", peer, f"more than {self.source_rate.rate:g} new connections a second from this "
+                                      f"address: closed at once")
             return None
         self.handshaking += 1
         self._per_source[source] += 1
