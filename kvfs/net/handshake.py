@@ -183,8 +183,9 @@ class Gate:
         return sum(self.refusals.values())
 
     async def admit(self, stream: trio.SocketStream) -> tuple[FrameStream, Identity] | None:
-        """(the admitted frames, the client's identity), or None: refused. The frames own the
-        connection from here (the caller closes them); `stream` itself is spent either way."""
+        """(the admitted frames, the client's identity), or None: refused. Admitted, the frames
+        own the connection (the caller closes them); the caller closes `stream` in any case
+        (a no-op once TLS took its socket)."""
         peer = peer_name(stream)
         source = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         if self.handshaking >= self.max_handshakes or self._per_source[source] >= self.max_per_source:
