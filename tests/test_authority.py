@@ -168,3 +168,18 @@ def test_a_client_certificate_is_read_only_and_an_admin_may_remove_a_node(cluste
     removed = kvfs("remove-node", "doomed", tls=tls_dir("operator", "admin"))
     assert removed.returncode == 0 and "removed node doomed" in removed.stdout, removed.stderr
     assert "doomed" not in kvfs("status", tls=client).stdout
+
+
+def test_a_node_whose_certificate_does_not_allow_its_address_says_so_and_exits(cluster: Cluster) -> None:
+    """Issued without --address, or advertising another: the master refuses the registration,
+    and the node exits with the reason and the command that fixes it instead of retrying."""
+    node = cluster.root / "unaddressed"
+    result = subprocess.run([sys.executable, "-m", "kvfs", "node", "--master", cluster.master.address,
+                             "--mount", str(node / "mnt"), "--dram", "64M", "--foreground",
+                             "--tls-dir", tls_dir("unaddressed", "node", ())],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"kvfs: error: master {cluster.master.address} refused this node: node 'unaddressed'")
+    assert "issue it again with `kvfs ca issue unaddressed --role node --address IP`" in line
+    assert "refused a request from node 'unaddressed'" in cluster.master.log_text()

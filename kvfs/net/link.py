@@ -90,6 +90,12 @@ class MasterLink:
                                               f"certificates issued by the same cluster CA?): {refused}") from None
             error = refused
         except (OSError, EOFError, trio.BrokenResourceError, trio.TooSlowError, KvfsError) as failed:
+            if first and isinstance(failed, KvfsError) and failed.errno == errno.EPERM:
+                # Its certificate does not allow this registration (another name, an address it
+                # does not list): retrying cannot help.
+                if remote is not None:
+                    await remote.aclose()
+                raise KvfsError(errno.EPERM, f"master {self.address} refused this node: {failed}") from None
             error = failed
         if trio.current_time() - self._warned_at >= WARN_EVERY_S:
             self._warned_at = trio.current_time()
