@@ -63,7 +63,7 @@ def default_log_file(mountpoint: str) -> str:
     return f"/var/log/kvfs/{name}.log"
 
 
-DEFAULT_SECRET_FILE = "/etc/kvfs/secret"
+DEFAULT_TLS_DIR = "/etc/kvfs/tls"
 DEFAULT_CA_DIR = "/etc/kvfs/ca"
 DEFAULT_MASTER_LISTEN = "0.0.0.0:7400"
 DEFAULT_MASTER_DATA = "/var/lib/kvfs/master"
@@ -127,12 +127,13 @@ def _add_metrics(command: argparse.ArgumentParser, default: str) -> None:
     command.add_argument("--no-metrics", dest="metrics", action="store_false", help="no metrics endpoint")
 
 
-def _add_common(command: argparse.ArgumentParser, secret: bool = True) -> None:
+def _add_common(command: argparse.ArgumentParser, tls: bool = True) -> None:
     command.add_argument("--config", default=None,
                          help="TOML file; the table named after this command sets defaults for its options")
-    if secret:
-        command.add_argument("--secret-file", default=DEFAULT_SECRET_FILE,
-                             help=f"the cluster secret's file (KVFS_SECRET overrides it; default {DEFAULT_SECRET_FILE})")
+    if tls:
+        command.add_argument("--tls-dir", default=DEFAULT_TLS_DIR,
+                             help=f"this machine's identity bundle: ca.crt, identity.crt, identity.key, from "
+                                  f"`kvfs ca issue` (default {DEFAULT_TLS_DIR})")
 
 
 def _add_status_source(command: argparse.ArgumentParser) -> None:
@@ -156,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument("mountpoint")
     _add_store_options(mount, ENTRY_TIMEOUT_S["mount"])
     _add_metrics(mount, DEFAULT_NODE_METRICS)
-    _add_common(mount, secret=False)
+    _add_common(mount, tls=False)
 
     node = commands.add_parser("node", help="run a cluster node: mount, contribute DRAM/SSD, serve peers")
     node.add_argument("--master", required=True, help="the master's HOST:PORT")
@@ -165,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="HOST:PORT of this node's peer server, for chunk reads by other nodes (default 127.0.0.1:0)")
     node.add_argument("--advertise", default=None, help="host other nodes reach this one at (default: the --listen host)")
     node.add_argument("--name", default=None,
-                      help="stable node name, kept across restarts (default: hostname:mountpoint)")
+                      help="stable node name, kept across restarts; must be its certificate's name "
+                           "(default: the certificate's name)")
     node.add_argument("--master-wait", type=float, default=10.0,
                       help="seconds a request waits for an unreachable master before failing with EIO")
     node.add_argument("--transport", default="auto", choices=["auto", "tcp", "rdma"],
@@ -263,14 +265,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _secret(args: argparse.Namespace) -> bytes:
-    from kvfs.wire.auth import AuthError, load_secret
+def _tls(args: argparse.Namespace, *roles: str):  # type: ignore[no-untyped-def]
+    """This process's identity bundle from --tls-dir, which must be of one of ROLES."""
+    from kvfs.security.credentials import Tls
 
-    preflight.refuse_on_failure([preflight.check_secret_file(args.secret_file)])
-    try:
-        return load_secret(args.secret_file)
-    except (AuthError, OSError) as error:
-        raise ConfigError(f"cluster secret: {error}") from None
+    tls = Tls.load(os.path.abspath(args.tls_dir), roles[0])
+    tls.require_role(*roles)
+    return tls
+
+
+def _node_tls(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """A node's bundle; its name is the node's name (--name, if given, must be the same)."""
+    tls = _tls(args, "node")
+    if args.name and args.name != tls.identity.name:
+        raise ConfigError(f"--name {args.name!r}: the certificate in {tls.directory} is for node "
+                          f"{tls.identity.name!r} (issue one for this name: `kvfs ca issue {args.name} --role node "
+                          f"--address IP`)")
+    return tls
 
 
 def _disk_bytes(args: argparse.Namespace) -> int:
@@ -337,8 +348,9 @@ def run_mount(args: argparse.Namespace) -> int:
 
 
 def run_node(args: argparse.Namespace) -> int:
+    tls = _node_tls(args)
     config = _mount_config(args, master=args.master, listen=args.listen, advertise=args.advertise,
-                           node_name=args.name or "", secret=_secret(args), master_wait_s=args.master_wait,
+                           node_name=tls.identity.name, tls=tls, master_wait_s=args.master_wait,
                            transport=args.transport, rdma_device=args.rdma_device)
     return _start(config, args)
 
@@ -354,7 +366,7 @@ def run_master(args: argparse.Namespace) -> int:
         check_address(args.metrics_listen, "metrics_listen")
         checks.append(preflight.check_port(args.metrics_listen, "metrics-listen"))
     preflight.refuse_on_failure(checks)
-    config = MasterConfig(args.listen, os.path.abspath(args.data), _secret(args), args.eviction_policy,
+    config = MasterConfig(args.listen, os.path.abspath(args.data), _tls(args, "master"), args.eviction_policy,
                           temp_grace_s=args.temp_grace, publish_grace_s=args.publish_grace,
                           dead_after_s=args.dead_after,
                           metrics_listen=args.metrics_listen if args.metrics else None)
@@ -363,19 +375,21 @@ def run_master(args: argparse.Namespace) -> int:
 
 
 def ask_master(args: argparse.Namespace, request):  # type: ignore[no-untyped-def]
-    """One request to the master named by --master, as an authenticated client."""
+    """One request to the master named by --master, as the client or admin of --tls-dir."""
+    import ssl
+
     import trio
 
     from kvfs.net.rpc import RemoteMaster
     from kvfs.config import split_address
 
     host, port = split_address(args.master)
-    secret = _secret(args)
+    tls = _tls(args, "admin", "client")
 
     async def call():  # type: ignore[no-untyped-def]
         async with trio.open_nursery() as nursery:
             with trio.fail_after(10):
-                master = await RemoteMaster.connect(host, port, secret, nursery, role="client")
+                master = await RemoteMaster.connect(host, port, tls, nursery)
                 try:
                     return await master.call(request)
                 finally:
@@ -385,7 +399,7 @@ def ask_master(args: argparse.Namespace, request):  # type: ignore[no-untyped-de
     from kvfs.wire.protocol import ProtocolError
     from kvfs.concurrency import single_error
 
-    refused = (AuthError, ProtocolError, EOFError, trio.BrokenResourceError)
+    refused = (AuthError, ProtocolError, ssl.SSLError, EOFError, trio.BrokenResourceError)
     try:
         return trio.run(call)
     except BaseExceptionGroup as group:
@@ -397,8 +411,9 @@ def ask_master(args: argparse.Namespace, request):  # type: ignore[no-untyped-de
     if isinstance(error, trio.TooSlowError):
         raise CommandError(errno.ETIMEDOUT, f"master {args.master}: no answer within 10 s")
     if isinstance(error, refused):
-        raise CommandError(errno.EACCES, f"master {args.master} refused this client (is the cluster secret "
-                                         f"the same as the master's?): {error or type(error).__name__}")
+        raise CommandError(errno.EACCES, f"master {args.master} refused this client ({tls.identity} of "
+                                         f"{tls.directory}; is it issued by the master's CA?): "
+                                         f"{error or type(error).__name__}")
     if isinstance(error, OSError):
         raise CommandError(error.errno or errno.EIO, f"master {args.master}: {reason_of(error)}")
     raise error
@@ -543,8 +558,8 @@ def run_check(args: argparse.Namespace) -> int:
         checks.append(preflight.check_port(args.metrics_listen, "metrics-listen"))
     if args.listen:
         checks.append(preflight.check_port(args.listen, "listen"))
-    if args.master or os.path.exists(args.secret_file) or os.environ.get("KVFS_SECRET"):
-        checks.append(preflight.check_secret_file(args.secret_file))
+    if args.master or os.path.exists(args.tls_dir):
+        checks.append(preflight.check_credentials(args.tls_dir))
     if args.master:
         checks.append(preflight.check_master(args.master))
     print(preflight.render(checks))

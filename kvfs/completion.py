@@ -7,8 +7,8 @@ import argparse
 import shlex
 
 # Options and positionals whose values are paths (the rest take values there is nothing to offer for).
-DIRECTORIES = {"disk", "data", "mountpoint"}
-FILES = {"config", "log_file", "secret_file", "path"}
+DIRECTORIES = {"disk", "data", "mountpoint", "tls_dir", "dir", "ca_dir", "out"}
+FILES = {"config", "log_file", "path"}
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from kvfs.errors import ConfigError
 from kvfs.policy import DEFAULT_POLICY
@@ -89,7 +90,7 @@ class MountConfig:
     listen: str = "127.0.0.1:0"  # the peer server (chunk reads by other nodes)
     advertise: str | None = None  # the host other nodes reach the peer server at (default: listen host)
     node_name: str = ""  # stable identity across restarts (default: hostname:mountpoint)
-    secret: bytes = b""
+    tls: Any = None  # kvfs.security.credentials.Tls: the node's identity bundle (cluster mode)
     master_wait_s: float = 10.0  # how long a request waits for an unreachable master
     metrics_listen: str | None = DEFAULT_NODE_METRICS  # the Prometheus endpoint; None: off
     transport: str = "auto"  # chunks between nodes: auto (RDMA where both have it), tcp, rdma

@@ -21,7 +21,7 @@ from kvfs.errors import ConfigError
 DEFAULT_CONFIG_FILE = "/etc/kvfs/kvfs.toml"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
-# Not settings: the file itself, and variables with another meaning (the secret's value).
+# Not settings: the file itself, and the help and version flags.
 _NOT_SETTINGS = {"config", "help", "version"}
 
 
@@ -111,7 +111,7 @@ def parse_with_sources(parser: argparse.ArgumentParser, argv: list[str],
         defaults[action.dest] = _coerce(action, value, f"{path}: [{command}] {key}")
     for name, action in settings.items():
         variable = "KVFS_" + name.replace("-", "_").upper()
-        if variable in environ and variable != "KVFS_SECRET":
+        if variable in environ:
             defaults[action.dest] = _coerce(action, environ[variable], variable)
     subparser.set_defaults(**defaults)
     for action in subparser._actions:  # a required option set in the file or environment no longer is

@@ -9,7 +9,6 @@ import errno
 import os
 import shutil
 import socket
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,19 +132,16 @@ def check_port(address: str, what: str) -> Check:
     return Check(name, OK, f"{address} is free")
 
 
-def check_secret_file(path: str, environ: dict[str, str] = os.environ) -> Check:  # type: ignore[assignment]
-    """The cluster secret must exist and be readable by its owner only."""
-    if environ.get("KVFS_SECRET"):
-        return Check("credentials", OK, "the secret from KVFS_SECRET")
+def check_credentials(directory: str, role: str = "ROLE") -> Check:
+    """The identity bundle (--tls-dir) must be complete, its key readable by its owner only,
+    and its certificate loadable."""
+    from kvfs.security.credentials import Tls
+
     try:
-        st = os.stat(path)
-    except OSError as error:
-        return Check("credentials", FAIL, f"secret file {path}: {error.strerror} (create it: see docs/operations.md)")
-    mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o077:
-        return Check("credentials", FAIL, f"secret file {path} has mode {mode:04o}: others can read it "
-                                          f"(chmod 600 {path})")
-    return Check("credentials", OK, f"secret file {path}, mode {mode:04o}")
+        tls = Tls.load(directory, role)
+    except ConfigError as error:
+        return Check("credentials", FAIL, str(error))
+    return Check("credentials", OK, f"{directory}: {tls.identity}")
 
 
 def check_mountpoint(mountpoint: str, nonempty: bool) -> Check:

@@ -6,7 +6,8 @@ dropped, so the bytes come from A's DRAM over TCP) with vLLM's load pattern (ope
 one read of the whole file, close). The baseline moves the same bytes, in the
 same per-file requests, from a Python sender process to a receiver that reads
 them with recv_into into a preallocated buffer: the best a Python TCP transfer
-does here. Also measured: distinct absent-name lookups per second through B's
+does here; and the same again over TLS 1.3 with the cluster's certificates (what
+kvfs's own connections are), so that the table shows what encryption costs. Also measured: distinct absent-name lookups per second through B's
 mount (the master answering from another process), next to the same lookups on a
 single-node mount with its embedded master, and present names written through
 A, looked up through B in vLLM's lookup pattern (every key once per scheduler
@@ -47,11 +48,31 @@ os.environ.setdefault("KVFS_METRICS_LISTEN", "127.0.0.1:0")
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent
 MOONCAKE_TCP_GBS = 0.7  # Mooncake Store's remote get over TCP measured on this machine class
-SECRET = "kvfs-benchmark-secret-0123456789"
 PARALLEL = 4  # readers (and raw TCP streams) in the parallel rows
 
 
-def raw_sender(port_holder: int, size: int, count: int, streams: int) -> None:
+def issue_bundles(base: Path) -> dict[str, Path]:
+    """A CA and the bundles of the master, both nodes and an admin (for --tls-dir)."""
+    from kvfs.security import ca
+
+    ca.init_ca(base / "ca")
+    bundles = {}
+    for name, role in (("master", "master"), ("a", "node"), ("b", "node"), ("bench", "admin")):
+        bundles[name] = base / f"tls-{name}"
+        ca.issue(base / "ca", name, role, bundles[name], ["127.0.0.1"] if role == "node" else [])
+    return bundles
+
+
+def _tls(bundle: Path | None, server: bool):  # type: ignore[no-untyped-def]
+    from kvfs.security.credentials import Tls
+
+    if bundle is None:
+        return None
+    tls = Tls.load(bundle)
+    return tls.server if server else tls.client
+
+
+def raw_sender(port_holder: int, size: int, count: int, streams: int, bundle: Path | None = None) -> None:
     """Serves `size`-byte replies to 8-byte requests on `streams` connections, each reply
     from the next of `count` distinct preallocated buffers: the same bytes kvfs sends
     (one file each), not one cache-hot buffer."""
@@ -59,9 +80,12 @@ def raw_sender(port_holder: int, size: int, count: int, streams: int) -> None:
     region.write(os.urandom(size) * count)
     payloads = [memoryview(region)[i * size : (i + 1) * size] for i in range(count)]
     listener = socket.create_server(("127.0.0.1", port_holder))
+    context = _tls(bundle, server=True)
 
     def serve(connection: socket.socket, first: int) -> None:
         connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        if context is not None:
+            connection = context.wrap_socket(connection, server_side=True)
         request = bytearray(8)
         sent = first
         while connection.recv_into(request):
@@ -75,26 +99,31 @@ def raw_sender(port_holder: int, size: int, count: int, streams: int) -> None:
         thread.join()
 
 
-def raw_tcp(size: int, count: int, streams: int = 1) -> float:
+def raw_tcp(size: int, count: int, streams: int = 1, bundle: Path | None = None) -> float:
     """GB/s of `count` request/reply transfers of `size` bytes received with recv_into,
-    spread over `streams` connections each served and read by its own thread."""
+    spread over `streams` connections each served and read by its own thread (over TLS 1.3
+    with BUNDLE's certificate on both sides, if given)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    sender = Process(target=raw_sender, args=(port, size, count, streams), daemon=True)
+    sender = Process(target=raw_sender, args=(port, size, count, streams, bundle), daemon=True)
     sender.start()
+    context = _tls(bundle, server=False)
     clients = []
     deadline = time.monotonic() + 10
     while len(clients) < streams:
         try:
-            clients.append(socket.create_connection(("127.0.0.1", port)))
+            client = socket.create_connection(("127.0.0.1", port))
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            # The handshake happens at the first send, in the transfer's thread (the sender
+            # accepts every connection before it serves any).
+            clients.append(client if context is None else context.wrap_socket(client, do_handshake_on_connect=False))
         except ConnectionRefusedError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.01)
 
     def transfer(client: socket.socket, transfers: int) -> None:
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         target = memoryview(mmap.mmap(-1, size))  # one buffer, as each kvfs reader below uses
         for _ in range(transfers):
             client.sendall(b"\0" * 8)
@@ -197,12 +226,12 @@ def present_cold(mount: Path, round_: int, keys: int = 2048) -> float:
     return rate
 
 
-def start_master(base: Path) -> tuple[subprocess.Popen, str]:
+def start_master(base: Path, bundle: Path) -> tuple[subprocess.Popen, str]:
     log_path = base / "master.log"
     log = open(log_path, "wb")
     process = subprocess.Popen([sys.executable, "-m", "kvfs", "master", "--listen", "127.0.0.1:0", "--data",
-                                str(base / "master-data"), "--log-level", "info"], stdout=log,
-                               stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "KVFS_SECRET": SECRET})
+                                str(base / "master-data"), "--tls-dir", str(bundle), "--log-level", "info"],
+                               stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     deadline = time.monotonic() + 30
     while not (found := re.search(r"master listening on (\S+)", log_path.read_text())):
         if process.poll() is not None or time.monotonic() > deadline:
@@ -211,9 +240,9 @@ def start_master(base: Path) -> tuple[subprocess.Popen, str]:
     return process, found.group(1)
 
 
-def node_command(name: str, master: str, mountpoint: Path, dram: str) -> list[str]:
+def node_command(name: str, master: str, mountpoint: Path, dram: str, bundle: Path) -> list[str]:
     return [sys.executable, "-m", "kvfs", "node", "--master", master, "--mount", str(mountpoint), "--name", name,
-            "-f", "--dram", dram, "--log-level", "warning"]
+            "--tls-dir", str(bundle), "-f", "--dram", dram, "--log-level", "warning"]
 
 
 def main() -> None:
@@ -225,7 +254,6 @@ def main() -> None:
     parser.add_argument("--lookups", type=int, default=20000, help="distinct absent names per round")
     args = parser.parse_args()
     prepare_machine()
-    os.environ["KVFS_SECRET"] = SECRET
     sizes = [int(s) * MiB for s in args.sizes.split(",")]
     total = parse_size(args.total)
     results: dict[str, list[float]] = {}
@@ -235,11 +263,13 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="kvfs-bench-cluster-") as scratch:
         base = Path(scratch)
-        master, address = start_master(base)
+        bundles = issue_bundles(base)
+        os.environ["KVFS_TLS_DIR"] = str(bundles["bench"])
+        master, address = start_master(base, bundles["master"])
         processes = [master]
         try:
-            a = start_daemon("node-a", node_command("a", address, base / "a", args.dram), base / "a")
-            b = start_daemon("node-b", node_command("b", address, base / "b", args.dram), base / "b")
+            a = start_daemon("node-a", node_command("a", address, base / "a", args.dram, bundles["a"]), base / "a")
+            b = start_daemon("node-b", node_command("b", address, base / "b", args.dram, bundles["b"]), base / "b")
             single = start_daemon("single", [sys.executable, "-m", "kvfs", "mount", str(base / "single"), "-f",
                                              "--dram", "256M", "--log-level", "warning"], base / "single")
             processes += [a.process, b.process, single.process]
@@ -256,6 +286,7 @@ def main() -> None:
                     store_files(single.path, prefix, local_count, buffer)
                     for streams in (1, PARALLEL):
                         record(f"raw TCP {label} x{streams}", raw_tcp(size, count, streams))
+                        record(f"raw TLS {label} x{streams}", raw_tcp(size, count, streams, bundles["a"]))
                         record(f"cross-node {label} x{streams}", cold_load(b.path, prefix, count, size, streams))
                         record(f"lookup first {label} x{streams}",
                                lookup_then_load(b.path, prefix, count, size, streams))
@@ -283,18 +314,19 @@ def main() -> None:
 
 
 def report(results: dict[str, list[float]], sizes: list[int]) -> None:
-    print(f"{'transfer':<24}{'raw TCP':>9}{'kvfs B<-A':>11}{'kvfs local':>12}{'kvfs/raw':>10}{'/Mooncake':>11}"
-          f"{'/local':>8}   (GB/s)")
+    print(f"{'transfer':<24}{'raw TCP':>9}{'raw TLS':>9}{'kvfs B<-A':>11}{'kvfs local':>12}{'kvfs/raw':>10}"
+          f"{'/rawTLS':>9}{'/Mooncake':>11}{'/local':>8}   (GB/s)")
     for size in sizes:
         for pattern, metric in (("open", "cross-node"), ("lookup, open", "lookup first")):
             for streams in (1, PARALLEL):
                 label = f"{size // MiB}MiB x{streams}"
                 raw = statistics.median(results[f"raw TCP {label}"])
+                raw_tls = statistics.median(results[f"raw TLS {label}"])
                 kvfs = statistics.median(results[f"{metric} {label}"])
                 local = statistics.median(results[f"local {label}"])
-                print(f"{label + ' ' + pattern:<24}{raw:>9.2f}{kvfs:>11.2f}{local:>12.2f}{kvfs / raw:>10.2f}"
-                      f"{kvfs / MOONCAKE_TCP_GBS:>11.2f}{kvfs / local:>8.2f}")
-    print("(xN: N readers at once, N connections for raw TCP; vLLM loads with 16 threads. 'open': open,")
+                print(f"{label + ' ' + pattern:<24}{raw:>9.2f}{raw_tls:>9.2f}{kvfs:>11.2f}{local:>12.2f}"
+                      f"{kvfs / raw:>10.2f}{kvfs / raw_tls:>9.2f}{kvfs / MOONCAKE_TCP_GBS:>11.2f}{kvfs / local:>8.2f}")
+    print("(xN: N readers at once, N connections for raw TCP and TLS; vLLM loads with 16 threads. 'open': open,")
     print(" read, close per file; 'lookup, open': vLLM's lookup thread checks 16 files exist, then they load)")
     print()
     for kind in ("absent", "repeated absent"):

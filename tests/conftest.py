@@ -6,9 +6,11 @@ it did not expect, and fails teardown if the daemon does not unmount cleanly.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,11 +26,64 @@ import pytest
 from kvfs.fuse.mount import find_mount
 
 UNEXPECTED = re.compile(r" (ERROR|CRITICAL) |Traceback")
-CLUSTER_SECRET = "kvfs-test-cluster-secret"
 # Daemons run side by side: each serves metrics on a port of its own (its log names it),
 # and none reads a configuration file of the machine running the tests.
 os.environ["KVFS_METRICS_LISTEN"] = "127.0.0.1:0"
 os.environ["KVFS_CONFIG"] = os.devnull
+
+# The test session's cluster CA (a temporary directory) and the bundles it issued, by
+# (name, role, addresses): the master's, each node's (named after its --name, with its
+# addresses) and an admin's, which every command of a test uses unless it says otherwise.
+_TLS_ROOT = Path(tempfile.mkdtemp(prefix="kvfs-test-tls-"))
+atexit.register(shutil.rmtree, _TLS_ROOT, True)
+_bundles: dict[tuple[str, str, tuple[str, ...]], str] = {}
+
+
+def session_ca() -> Path:
+    """The session's CA directory (ca.crt, ca.key), created on first use."""
+    from kvfs.security import ca
+
+    directory = _TLS_ROOT / "ca"
+    if not (directory / "ca.key").exists():
+        ca.init_ca(directory)
+    return directory
+
+
+def tls_dir(name: str, role: str = "node", addresses: tuple[str, ...] = ("127.0.0.1",)) -> str:
+    """A bundle of the session's CA for NAME in ROLE (a --tls-dir)."""
+    from kvfs.security import ca
+
+    key = (name, role, tuple(addresses) if role == "node" else ())
+    if key not in _bundles:
+        out = _TLS_ROOT / f"bundle-{len(_bundles)}"
+        ca.issue(session_ca(), name, role, out, list(key[2]))
+        _bundles[key] = str(out)
+    return _bundles[key]
+
+
+def load_tls(name: str, role: str = "node", addresses: tuple[str, ...] = ("127.0.0.1",)) -> Any:
+    """The `Tls` of such a bundle, for servers and clients run inside the test process."""
+    from kvfs.security.credentials import Tls
+
+    return Tls.load(tls_dir(name, role, addresses))
+
+
+def foreign_tls(name: str, role: str = "node", addresses: tuple[str, ...] = ("127.0.0.1",)) -> Any:
+    """A `Tls` for NAME in ROLE issued by another CA than the session's (a stranger's)."""
+    from kvfs.security import ca
+    from kvfs.security.credentials import Tls
+
+    other = _TLS_ROOT / "other-ca"
+    if not (other / "ca.key").exists():
+        ca.init_ca(other)
+    out = _TLS_ROOT / f"foreign-{name}-{role}"
+    if not out.exists():
+        ca.issue(other, name, role, out, list(addresses) if role == "node" else [])
+    return Tls.load(out)
+
+
+ADMIN_TLS = tls_dir("operator", "admin")
+os.environ["KVFS_TLS_DIR"] = ADMIN_TLS  # kvfs status, du, remove-node of the tests
 
 
 def metrics_url(log_text: str) -> str:
@@ -42,7 +97,7 @@ class KvfsMount:
     """A kvfs daemon running in the foreground in a child process."""
 
     def __init__(self, root: Path, dram: str, *extra: str, master: str | None = None,
-                 prefix: list[str] | None = None) -> None:
+                 prefix: list[str] | None = None, addresses: tuple[str, ...] = ("127.0.0.1",)) -> None:
         self.root = root
         self.path = root / "mnt"
         self.path.mkdir()
@@ -52,7 +107,8 @@ class KvfsMount:
                          "--dram", dram, "--log-level", "debug", *extra]
         else:
             self.args = [sys.executable, "-m", "kvfs", "node", "--master", master, "--mount", str(self.path),
-                         "--name", root.name, "--foreground", "--dram", dram, "--log-level", "debug", *extra]
+                         "--name", root.name, "--tls-dir", tls_dir(root.name, "node", addresses), "--foreground",
+                         "--dram", dram, "--log-level", "debug", *extra]
         self.args = [*(prefix or []), *self.args]  # e.g. nsenter into a network namespace (tests/netns.py)
         self.allowed_errors: list[str] = []
         self._log_offset = 0
@@ -63,8 +119,7 @@ class KvfsMount:
         start_offset = len(self.log_text())
         self.stop_status = None
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
-                                            env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
+            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
         self.wait_ready(start_offset)
 
     def wait_ready(self, start_offset: int, timeout: float = 30) -> None:
@@ -217,8 +272,8 @@ class MasterDaemon:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "kvfs", "master", "--listen", f"{host}:{port}", "--data", str(self.data),
-                 "--log-level", "debug"], stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
+                 "--tls-dir", tls_dir("master", "master"), "--log-level", "debug"],
+                stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while True:
             found = re.search(r"master listening on (\S+)", self.log_text()[offset:])
@@ -264,11 +319,13 @@ class Cluster:
         node_root = self.root / (name or f"node{len(self.nodes) + 1}")
         node_root.mkdir()
         prefix = None
+        addresses: tuple[str, ...] = ("127.0.0.1",)
         if self.network is not None:
             host = self.hosts[node_root.name] = self.network.add_host()
             prefix = host.prefix
+            addresses = (host.address, "127.0.0.1")
             extra = ("--listen", f"{host.address}:0", *extra)
-        node = KvfsMount(node_root, dram, *extra, master=self.master.address, prefix=prefix)
+        node = KvfsMount(node_root, dram, *extra, master=self.master.address, prefix=prefix, addresses=addresses)
         node.start()
         self.nodes.append(node)
         return node

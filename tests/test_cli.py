@@ -117,6 +117,14 @@ def test_settings_from_file_environment_and_flags(tmp_path: Path) -> None:
     args = parse(["node", "--mount", "/m"], KVFS_DRAM="2G", KVFS_METRICS="yes", KVFS_ENTRY_TIMEOUT="7.5")
     assert (args.dram, args.metrics, args.entry_timeout) == ("2G", True, 7.5)  # the environment beats the file
     assert parse(["node", "--mount", "/m", "--dram", "3G"], KVFS_DRAM="2G").dram == "3G"  # flags beat both
+    # The identity bundle's directory, like any setting: default, file, environment, flag.
+    assert parse(["status"]).tls_dir == "/etc/kvfs/tls"
+    config.write_text('[status]\ntls_dir = "/etc/kvfs/ops"\n')
+    assert parse(["status"]).tls_dir == "/etc/kvfs/ops"
+    assert parse(["status"], KVFS_TLS_DIR="/run/tls").tls_dir == "/run/tls"
+    assert parse(["status", "--tls-dir", "/x"], KVFS_TLS_DIR="/run/tls").tls_dir == "/x"
+    config.write_text('[node]\nmaster = "10.0.0.1:7400"\ndram = "1G"\nmetrics = false\neviction-policy = "lru"\n'
+                      'entry_timeout = 5\n')
     for env, message in ((dict(KVFS_EVICTION_POLICY="fifo"), "KVFS_EVICTION_POLICY: 'fifo' is not one of lru, reuse"),
                          (dict(KVFS_ENTRY_TIMEOUT="soon"), "KVFS_ENTRY_TIMEOUT: 'soon' is not valid"),
                          (dict(KVFS_METRICS="maybe"), "KVFS_METRICS: 'maybe' is not true or false")):

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CLUSTER_SECRET, Cluster, KvfsMount, is_stored, run_writers_then_readers
+from conftest import Cluster, KvfsMount, foreign_tls, is_stored, run_writers_then_readers, tls_dir
 from kvfs.node.service import PEER_BUDGET_S
 from test_consumers import MiB, fill, key_path, run_vllm_pattern, vllm_load, vllm_store
 
@@ -38,7 +38,7 @@ def wait_until(condition, timeout: float = 15.0, what: str = "condition") -> Non
 
 def kvfs_status(cluster: Cluster) -> dict:
     result = subprocess.run([sys.executable, "-m", "kvfs", "status", "--master", cluster.master.address, "--json"],
-                            capture_output=True, text=True, timeout=30, env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
+                            capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -314,22 +314,21 @@ def test_status_and_config_file(cluster: Cluster, tmp_path: Path) -> None:
     (tmp_path / "toml-node").mkdir()
     node = KvfsMount(tmp_path / "toml-node", "64M")
     node.args = [sys.executable, "-m", "kvfs", "node", "--config", str(config), "--mount", str(node.path),
-                 "--foreground", "--log-level", "debug"]
+                 "--tls-dir", tls_dir("from-toml"), "--foreground", "--log-level", "debug"]
     node.start()
     cluster.nodes.append(node)
     (node.path / "f").write_bytes(b"x" * 5000)
     result = subprocess.run([sys.executable, "-m", "kvfs", "status", "--master", cluster.master.address],
-                            capture_output=True, text=True, timeout=30, env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
+                            capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     assert "from-toml" in result.stdout and " up " in result.stdout and "64.0 MiB" in result.stdout
     wrong = subprocess.run([sys.executable, "-m", "kvfs", "status", "--master", cluster.master.address],
                            capture_output=True, text=True, timeout=30,
-                           env={**os.environ, "KVFS_SECRET": "not-the-cluster-secret"})
+                           env={**os.environ, "KVFS_TLS_DIR": str(foreign_tls("operator", "admin").directory)})
     assert wrong.returncode != 0
     for name, message in (("no-such-node", "no node named"), ("from-toml", "is up; stop it first")):
         refused = subprocess.run([sys.executable, "-m", "kvfs", "remove-node", name, "--master", cluster.master.address],
-                                 capture_output=True, text=True, timeout=30,
-                                 env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
+                                 capture_output=True, text=True, timeout=30)
         assert refused.returncode == 1 and message in refused.stderr and "Traceback" not in refused.stderr
     bad = tmp_path / "bad.toml"
     bad.write_text('[node]\nmaster = "127.0.0.1:1"\ndramm = "64M"\n')
@@ -409,11 +408,11 @@ def test_a_lookup_prefetches_and_the_open_adopts_only_the_same_version(cluster: 
     assert after["remote_reads"] == count
 
 
-def test_a_node_with_the_wrong_secret_says_so_and_exits(cluster: Cluster, tmp_path: Path) -> None:
+def test_a_node_with_a_certificate_of_another_ca_says_so_and_exits(cluster: Cluster, tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "kvfs", "node", "--master", cluster.master.address,
-                             "--mount", str(tmp_path / "mnt"), "--dram", "64M", "--foreground"],
-                            capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "KVFS_SECRET": "not-the-cluster-secret"})
+                             "--mount", str(tmp_path / "mnt"), "--dram", "64M", "--foreground",
+                             "--tls-dir", str(foreign_tls("stranger").directory)],
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert "cannot authenticate with master" in result.stderr and "Traceback" not in result.stderr
     assert "refused connection" in cluster.master.log_text()

@@ -9,14 +9,13 @@ import sys
 import threading
 from pathlib import Path
 
-from conftest import CLUSTER_SECRET, Cluster
+from conftest import Cluster
 
 MiB = 1 << 20
 
 
 def du(*args: str) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([sys.executable, "-m", "kvfs", "du", *args], capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
+    result = subprocess.run([sys.executable, "-m", "kvfs", "du", *args], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return result
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_tls
 from kvfs.cluster.master import MasterSettings, MetadataService
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.cluster.persist import MasterState
@@ -32,7 +33,7 @@ def names_on_disk(directory: Path) -> set[bytes]:
 def test_a_failed_save_keeps_the_changes_dirty_and_the_retry_writes_them(tmp_path: Path,
                                                                          caplog: pytest.LogCaptureFixture) -> None:
     data = tmp_path / "data"
-    process = MasterProcess(MasterConfig("127.0.0.1:0", str(data), b"secret", metrics_listen=None))
+    process = MasterProcess(MasterConfig("127.0.0.1:0", str(data), load_tls("master", "master"), metrics_listen=None))
     process.state.close()
     process.state = MasterState(data, map_size=SMALL_MAP)  # the same state, in a small map
     node = process.handle(m.Register("a", "a:1"), 0).node

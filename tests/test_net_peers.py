@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLUSTER_SECRET, Cluster, is_stored
+from conftest import Cluster, is_stored
 from kvfs.net.transport import PEER_SILENCE_S
 
 MiB = 1 << 20
@@ -28,8 +28,7 @@ def _free_port() -> int:
 
 def _live_nodes(cluster: Cluster) -> dict[str, bool]:
     status = subprocess.run([sys.executable, "-m", "kvfs", "status", "--master", cluster.master.address, "--json"],
-                            capture_output=True, text=True, timeout=30,
-                            env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
+                            capture_output=True, text=True, timeout=30)
     return {node["name"]: node["live"] for node in json.loads(status.stdout)["nodes"]}
 
 

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import xxhash
 
-from conftest import CLUSTER_SECRET, Cluster, KvfsMount, drop_page_cache
+from conftest import Cluster, KvfsMount, drop_page_cache
 from test_cluster import wait_until
 
 MiB = 1 << 20
 CHUNK = 4 * MiB
 
 
-def kvfs(*args: str, secret: bool = False) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "KVFS_SECRET": CLUSTER_SECRET} if secret else None
-    result = subprocess.run([sys.executable, "-m", "kvfs", *args], capture_output=True, text=True, timeout=60, env=env)
+def kvfs(*args: str) -> subprocess.CompletedProcess[str]:
+    """A command of the test; against a cluster, as the tests' admin (conftest sets KVFS_TLS_DIR)."""
+    result = subprocess.run([sys.executable, "-m", "kvfs", *args], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return result
 
@@ -92,11 +92,9 @@ def test_status_top_and_inspect_across_a_cluster(cluster: Cluster) -> None:
     loader = threading.Thread(target=load)
     loader.start()
     try:
-        wait_until(lambda: json.loads(kvfs("status", "--master", cluster.master.address, "--json",
-                                           secret=True).stdout)["nodes"][1]["activity"]["opens_peer"] > 0,
+        wait_until(lambda: json.loads(kvfs("status", "--master", cluster.master.address, "--json").stdout)["nodes"][1]["activity"]["opens_peer"] > 0,
                    what="the reader's opens in its heartbeats")
-        screens = kvfs("top", "--master", cluster.master.address, "--interval", "1.2", "--iterations", "2",
-                       secret=True).stdout
+        screens = kvfs("top", "--master", cluster.master.address, "--interval", "1.2", "--iterations", "2").stdout
     finally:
         stop.set()
         loader.join()
@@ -107,7 +105,7 @@ def test_status_top_and_inspect_across_a_cluster(cluster: Cluster) -> None:
     assert columns[8] == "100%", reader_row  # every open served by the peer
     assert "MiB/s" in reader_row, reader_row
 
-    status = kvfs("status", "--master", cluster.master.address, secret=True).stdout
+    status = kvfs("status", "--master", cluster.master.address).stdout
     assert "writer" in status and "reader" in status and "HIT" in status
     rows = [line for line in status.splitlines() if " writer " in line or " reader " in line]
     # TRANSPORT (no RDMA here), then SSD I/O (neither node has an SSD tier)

@@ -1,4 +1,4 @@
-"""Chunk transfer between nodes over real loopback TCP: a peer server on a real DRAM store."""
+"""Chunk transfer between nodes over real loopback TCP and TLS: a peer server on a real DRAM store."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import foreign_tls, load_tls
 from kvfs.checksum import chunk_checksum
 from kvfs.wire.protocol import PREFIX, VERSION, FrameKind, encode_frame
 from kvfs.net.handshake import PEER_CLIENTS, Gate, connect
@@ -21,7 +22,8 @@ from kvfs.store.buffers import ReadBufferPool
 from kvfs.store.dram import DramTier
 from kvfs.store.tiered import TieredStore
 
-SECRET = b"a-cluster-secret-for-tests"
+OWNER = load_tls("owner")
+READER = load_tls("reader")
 CHUNK = 1 << 20
 VERSION = 7
 
@@ -40,7 +42,7 @@ def lengths(size: int) -> list[int]:
 
 def with_server(data: bytes, test) -> PeerServer:
     store = make_store(data)
-    server = PeerServer(store, SECRET)
+    server = PeerServer(store, OWNER)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -68,7 +70,7 @@ def test_chunks_arrive_exact_and_connections_are_reused() -> None:
     checksums = [chunk_checksum(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)]
 
     async def test(address: str) -> None:
-        transport = TcpTransport(SECRET)
+        transport = TcpTransport(READER)
         for _ in range(3):
             assert await fetch_all(transport, address, len(data), checksums) == data
         targets = [memoryview(bytearray(CHUNK)) for _ in range(2)]  # a run in the middle
@@ -89,7 +91,7 @@ def test_a_wrong_checksum_is_eio_and_an_unreachable_peer_enoent() -> None:
     data = os.urandom(CHUNK)
 
     async def test(address: str) -> None:
-        transport = TcpTransport(SECRET)
+        transport = TcpTransport(READER)
         with pytest.raises(StorageError) as raised:
             await fetch_all(transport, address, len(data), [12345])
         assert raised.value.errno == errno.EIO and "checksum" in str(raised.value)
@@ -100,7 +102,7 @@ def test_a_wrong_checksum_is_eio_and_an_unreachable_peer_enoent() -> None:
         with pytest.raises(StorageError) as raised:
             await fetch_all(transport, f"127.0.0.1:{free_port}", len(data), [])
         assert raised.value.errno == errno.ENOENT and "unreachable" in str(raised.value)
-        wrong = TcpTransport(b"not-the-secret-at-all")
+        wrong = TcpTransport(foreign_tls("reader"))  # a certificate of another CA
         with pytest.raises(StorageError) as raised:
             await fetch_all(wrong, address, len(data), [])
         assert raised.value.errno == errno.ENOENT
@@ -109,9 +111,19 @@ def test_a_wrong_checksum_is_eio_and_an_unreachable_peer_enoent() -> None:
     assert server.refused == 1
 
 
-async def _handshaken(address: str) -> trio.SocketStream:
+async def _handshaken(address: str) -> trio.abc.Stream:
     host, port = address.rsplit(":", 1)
-    return (await connect(host, int(port), SECRET, "node", "peer")).stream
+    return (await connect(host, int(port), READER, "node")).stream
+
+
+async def _until_closed_or_quiet(stream: trio.abc.Stream) -> None:
+    """Reads what the server answers until it hangs up or says nothing for a moment."""
+    try:
+        with trio.move_on_after(0.5):
+            while await stream.receive_some(65536):
+                pass
+    except trio.BrokenResourceError:
+        pass
 
 
 BAD_FRAMES = [
@@ -133,12 +145,9 @@ def test_bad_frames_are_refused_and_the_server_keeps_serving(garbage: bytes, cap
     async def test(address: str) -> None:
         stream = await _handshaken(address)
         await stream.send_all(garbage)
-        await stream.send_eof()
-        with trio.fail_after(5):  # the server answers with an error or hangs up; it never stalls
-            while await stream.receive_some(65536):
-                pass
+        await _until_closed_or_quiet(stream)  # the server answers with an error or hangs up, or waits for more
         await stream.aclose()
-        assert await fetch_all(TcpTransport(SECRET), address, len(data), checksums) == data
+        assert await fetch_all(TcpTransport(READER), address, len(data), checksums) == data
 
     with_server(data, test)
 
@@ -149,21 +158,19 @@ def test_random_bytes_never_take_the_server_down(garbage: bytes, authenticate: b
     data = os.urandom(CHUNK)
 
     async def test(address: str) -> None:
+        stream: trio.abc.Stream
         if authenticate:
             stream = await _handshaken(address)
         else:
             host, port = address.rsplit(":", 1)
             stream = await trio.open_tcp_stream(host, int(port))
-        await stream.send_all(garbage)
-        await stream.send_eof()
-        with trio.fail_after(10):
-            try:
-                while await stream.receive_some(65536):
-                    pass
-            except trio.BrokenResourceError:
-                pass
+        try:
+            await stream.send_all(garbage)
+        except trio.BrokenResourceError:
+            pass  # refused at its first bytes
+        await _until_closed_or_quiet(stream)
         await stream.aclose()
-        assert await fetch_all(TcpTransport(SECRET), address, len(data), [chunk_checksum(data)]) == data
+        assert await fetch_all(TcpTransport(READER), address, len(data), [chunk_checksum(data)]) == data
 
     with_server(data, test)
 
@@ -172,7 +179,7 @@ def test_a_remote_open_returns_on_the_answer_and_a_transfer_cut_later_fails_read
     """A peer that starts sending a chunk and dies halfway: the open has succeeded (the
     peer had the version), the read of that chunk fails with EIO, nothing hangs."""
 
-    gate = Gate(SECRET, "peer", PEER_CLIENTS)
+    gate = Gate(OWNER, PEER_CLIENTS)
     opened = trio.Event()
 
     async def dying_peer(stream: trio.SocketStream) -> None:
@@ -180,16 +187,17 @@ def test_a_remote_open_returns_on_the_answer_and_a_transfer_cut_later_fails_read
         assert admitted is not None
         frames, _ = admitted
         request = await frames.receive()
-        await stream.send_all(encode_frame(FrameKind.RESPONSE, request.prefix.request_id, ChunkData(0, CHUNK), CHUNK))
-        await stream.send_all(b"\0" * (CHUNK // 2))
+        await frames.send_encoded(encode_frame(FrameKind.RESPONSE, request.prefix.request_id, ChunkData(0, CHUNK),
+                                               CHUNK))
+        await frames.send_encoded(b"\0" * (CHUNK // 2))
         # It dies once the open has returned: a death between the answer and the open's return
         # is a race in the store (remote_answered then fails the open), not what this test is about.
         await opened.wait()
-        await stream.aclose()
+        await frames.aclose()
 
     async def main() -> None:
         reader = TieredStore(DramTier(8 * CHUNK, chunk_size=CHUNK), None, read_buffers=ReadBufferPool(4, CHUNK))
-        transport = TcpTransport(SECRET)
+        transport = TcpTransport(READER)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reader.run)
             port = await nursery.start(serve_tcp, dying_peer, "127.0.0.1", 0)
@@ -222,7 +230,7 @@ def test_a_pooled_connection_to_a_restarted_peer_is_replaced_transparently() -> 
     store = make_store(data)
 
     async def main() -> None:
-        transport = TcpTransport(SECRET)
+        transport = TcpTransport(READER)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(store.run)
             with trio.fail_after(20):
@@ -230,14 +238,14 @@ def test_a_pooled_connection_to_a_restarted_peer_is_replaced_transparently() -> 
 
                 async def serve_until_stopped(task_status=trio.TASK_STATUS_IGNORED) -> None:
                     with first:
-                        await PeerServer(store, SECRET).serve("127.0.0.1", 0, task_status=task_status)
+                        await PeerServer(store, OWNER).serve("127.0.0.1", 0, task_status=task_status)
 
                 port = await nursery.start(serve_until_stopped)
                 address = f"127.0.0.1:{port}"
                 assert await fetch_all(transport, address, len(data), checksums) == data
                 (before,) = transport._idle[address]
                 first.cancel()  # the owner goes, closing its connections
-                await nursery.start(PeerServer(store, SECRET).serve, "127.0.0.1", port)  # and comes back
+                await nursery.start(PeerServer(store, OWNER).serve, "127.0.0.1", port)  # and comes back
                 assert await fetch_all(transport, address, len(data), checksums) == data
                 (after,) = transport._idle[address]
                 assert after is not before and before.sock.fileno() == -1  # the stale one was closed
@@ -250,7 +258,7 @@ def test_a_connection_dropped_as_the_request_arrives_is_retried_once_on_a_new_on
     """The race the pool's check cannot see: the peer closes the pooled connection just as the
     request goes out. Nothing of an answer came, so the fetch goes again on a new connection."""
     data = os.urandom(CHUNK)
-    gate = Gate(SECRET, "peer", PEER_CLIENTS)
+    gate = Gate(OWNER, PEER_CLIENTS)
     connections = 0
 
     async def owner(stream: trio.SocketStream) -> None:
@@ -263,12 +271,12 @@ def test_a_connection_dropped_as_the_request_arrives_is_retried_once_on_a_new_on
         for served in range(2):
             request = await frames.receive()
             if this == 1 and served == 1:
-                await stream.aclose()  # the second request on the first connection: gone
+                await frames.aclose()  # the second request on the first connection: gone
                 return
             await frames.send(FrameKind.RESPONSE, request.prefix.request_id, ChunkData(0, CHUNK), data)
 
     async def main() -> None:
-        transport = TcpTransport(SECRET)
+        transport = TcpTransport(READER)
         async with trio.open_nursery() as nursery:
             port = await nursery.start(serve_tcp, owner, "127.0.0.1", 0)
             with trio.fail_after(20):
@@ -287,7 +295,7 @@ def test_an_owner_gone_silent_is_detected_within_the_peer_budget(sent: str) -> N
     release = trio.Event()
 
     async def frozen_owner(stream: trio.SocketStream) -> None:
-        admitted = await Gate(SECRET, "peer", PEER_CLIENTS).admit(stream)
+        admitted = await Gate(OWNER, PEER_CLIENTS).admit(stream)
         assert admitted is not None
         frames, _ = admitted
         request = await frames.receive()
@@ -297,7 +305,7 @@ def test_an_owner_gone_silent_is_detected_within_the_peer_budget(sent: str) -> N
         await release.wait()  # holds the connection open, saying nothing
 
     async def main() -> None:
-        transport = TcpTransport(SECRET)
+        transport = TcpTransport(READER)
         async with trio.open_nursery() as nursery:
             port = await nursery.start(serve_tcp, frozen_owner, "127.0.0.1", 0)
             started = trio.current_time()
@@ -334,10 +342,10 @@ def test_an_owner_that_is_slow_but_alive_pulses_and_the_fetch_completes() -> Non
     store = make_store(data)
 
     async def main() -> None:
-        transport = TcpTransport(SECRET)
+        transport = TcpTransport(READER)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(store.run)
-            port = await nursery.start(PeerServer(SlowSource(store, PEER_SILENCE_S + 0.5), SECRET).serve,
+            port = await nursery.start(PeerServer(SlowSource(store, PEER_SILENCE_S + 0.5), OWNER).serve,
                                        "127.0.0.1", 0)
             started = trio.current_time()
             with trio.fail_after(30):
@@ -354,11 +362,65 @@ def test_a_reader_gone_mid_transfer_is_no_error_on_the_owner(caplog: pytest.LogC
 
     async def test(address: str) -> None:
         host, port = address.rsplit(":", 1)
-        frames = await connect(host, int(port), SECRET, "node", "peer")
+        frames = await connect(host, int(port), READER, "node")
         await frames.send(FrameKind.REQUEST, 1, FetchChunks(VERSION, 0, 3))
         await frames.stream.receive_some(1000)  # the answer has started
         await frames.aclose()  # and the reader is gone
-        assert await fetch_all(TcpTransport(SECRET), address, len(data), checksums) == data
+        assert await fetch_all(TcpTransport(READER), address, len(data), checksums) == data
 
     with_server(data, test)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_peers_that_stop_reading_hold_no_worker_and_are_dropped_while_a_fetch_succeeds(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Sixteen connections of one identity ask for 24 MiB each and never read: they take at
+    most their identity's share of fetches, no worker thread while their sockets are full, and
+    are dropped (logged) after the stall budget. Another node's 8 MiB fetch meanwhile succeeds
+    as usual."""
+    import socket
+
+    caplog.set_level(logging.WARNING)
+    data = os.urandom(24 * CHUNK)
+    checksums = [chunk_checksum(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)]
+    store = TieredStore(DramTier(32 * CHUNK, chunk_size=CHUNK), None, read_buffers=ReadBufferPool(8, CHUNK))
+    store.create(VERSION)
+    store.dram.write(VERSION, 0, data)
+    store.seal(VERSION, len(data))
+    server = PeerServer(store, OWNER, send_stall_s=3, fetches_per_peer=4)
+    mallory = load_tls("mallory")
+
+    def small_window(sock) -> None:  # the stalled readers' kernel buffers stay small
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(store.run)
+            port = await nursery.start(server.serve, "127.0.0.1", 0)
+            stalled = []
+            for request_id in range(16):
+                frames = await connect("127.0.0.1", port, mallory, "node", tune=small_window)
+                await frames.send(FrameKind.REQUEST, request_id + 1, FetchChunks(VERSION, 0, 24))
+                stalled.append(frames)
+            with trio.fail_after(30):  # generous: on an idle machine this takes milliseconds
+                got = await fetch_all(TcpTransport(READER), f"127.0.0.1:{port}", 8 * CHUNK, checksums[:8])
+            assert got == data[: 8 * CHUNK]
+            # Their sockets full, the four fetches of their share wait in the event loop, holding no thread.
+            shares, threads = server._peers["mallory"][0], server._send_threads
+            assert threads is not None
+            with trio.fail_after(30):
+                while threads.borrowed_tokens or shares.borrowed_tokens < 4:
+                    await trio.sleep(0.01)
+            assert server.stalled == 0 and shares.statistics().tasks_waiting == 12
+            with trio.fail_after(30):  # every stalled reader is dropped after the stall budget
+                while server.stalled < 16:
+                    await trio.sleep(0.05)
+            assert "mallory" not in server._peers  # nothing of theirs is held any more
+            for frames in stalled:
+                await frames.aclose()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    dropped = [r.getMessage() for r in caplog.records if "dropped peer connection" in r.getMessage()]
+    assert dropped and all("node 'mallory'" in line and "took no data for 3 s" in line for line in dropped)
+    assert len(dropped) == 10  # a budget of lines; the count has every one

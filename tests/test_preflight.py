@@ -7,6 +7,7 @@ import errno
 import os
 import pty
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,19 +18,21 @@ from typing import Iterator
 
 import pytest
 
-from conftest import CLUSTER_SECRET, KvfsMount, MasterDaemon, small_tmpfs
+from conftest import KvfsMount, MasterDaemon, foreign_tls, small_tmpfs, tls_dir
 from kvfs.fuse.mount import find_mount
 from kvfs.preflight import FAIL, OK, available_memory, check_memory
 
 KVFS = [sys.executable, "-m", "kvfs"]
 BOUND_S = 15  # a refusal comes within this, on a loaded machine
+NODE_TLS = tls_dir("preflight-node")
 
 
-def refused(*args: str, secret: str | None = CLUSTER_SECRET, bound: float = BOUND_S) -> str:
-    """Runs kvfs expecting a refusal; returns its one line of stderr."""
-    env = {key: value for key, value in os.environ.items() if key != "KVFS_SECRET"}
-    if secret is not None:
-        env["KVFS_SECRET"] = secret
+def refused(*args: str, tls: str | None = None, bound: float = BOUND_S) -> str:
+    """Runs kvfs expecting a refusal (with the bundle TLS, else the tests' admin bundle);
+    returns its one line of stderr."""
+    env = dict(os.environ)
+    if tls is not None:
+        env["KVFS_TLS_DIR"] = tls
     started = time.monotonic()
     result = subprocess.run([*KVFS, *args], capture_output=True, text=True, timeout=bound + 30, env=env)
     elapsed = time.monotonic() - started
@@ -71,7 +74,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 def test_unreachable_master_in_the_background_fails_after_the_stated_timeout(tmp_path: Path) -> None:
     mountpoint = tmp_path / "mnt"
     line = refused("node", "--master", "127.0.0.1:1", "--mount", str(mountpoint), "--dram", "64M",
-                   "--start-timeout", "3", "--log-file", str(tmp_path / "log"))
+                   "--start-timeout", "3", "--log-file", str(tmp_path / "log"), tls=NODE_TLS)
     assert f"{mountpoint}: the daemon was not up within 3 s" in line
     assert "master 127.0.0.1:1: cannot register (Connection refused)" in line and "--start-timeout" in line
     assert not daemons_of(mountpoint) and find_mount(str(mountpoint)) is None
@@ -83,7 +86,7 @@ def test_a_background_start_shows_its_progress_on_a_terminal(tmp_path: Path) -> 
     started = time.monotonic()
     process = subprocess.Popen([*KVFS, "node", "--master", "127.0.0.1:1", "--mount", str(mountpoint), "--dram", "64M",
                                 "--start-timeout", "7", "--log-file", str(tmp_path / "log")],
-                               stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
+                               stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, "KVFS_TLS_DIR": NODE_TLS})
     os.close(stderr)
     shown = b""
     deadline = time.monotonic() + 30
@@ -115,7 +118,7 @@ def test_unreachable_master_in_the_foreground_is_reported_every_few_seconds(tmp_
     mountpoint = tmp_path / "mnt"
     process = subprocess.Popen([*KVFS, "node", "--master", "127.0.0.1:1", "--mount", str(mountpoint), "-f",
                                 "--dram", "64M"], stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
+                               env={**os.environ, "KVFS_TLS_DIR": NODE_TLS})
     try:
         reports = []
         deadline = time.monotonic() + 30
@@ -137,19 +140,22 @@ def test_unreachable_master_in_the_foreground_is_reported_every_few_seconds(tmp_
     assert "Traceback" not in rest
 
 
-def test_wrong_secret_for_status(tmp_path: Path) -> None:
+def test_a_certificate_of_another_ca_for_status(tmp_path: Path) -> None:
     master = MasterDaemon(tmp_path)
     master.start()
+    stranger = str(foreign_tls("operator", "admin").directory)
     try:
-        line = refused("status", "--master", master.address, secret="not-the-cluster-secret")
+        line = refused("status", "--master", master.address, tls=stranger)
     finally:
         master.stop()
-    assert line.startswith(f"kvfs: error: master {master.address} refused this client (is the cluster secret")
+    assert line.startswith(f"kvfs: error: master {master.address} refused this client (admin 'operator' of "
+                           f"{stranger}; is it issued by the master's CA?)")
     assert refused("status", "--master", "127.0.0.1:1") == "kvfs: error: master 127.0.0.1:1: Connection refused"
 
 
 def test_master_on_a_port_in_use(tmp_path: Path, taken_port: int) -> None:
-    line = refused("master", "--listen", f"127.0.0.1:{taken_port}", "--data", str(tmp_path / "data"))
+    line = refused("master", "--listen", f"127.0.0.1:{taken_port}", "--data", str(tmp_path / "data"),
+                   tls=tls_dir("master", "master"))
     assert line == f"kvfs: error: --listen 127.0.0.1:{taken_port}: Address already in use"
 
 
@@ -187,15 +193,24 @@ def test_non_empty_mountpoint_needs_nonempty(tmp_path: Path) -> None:
     assert os.listdir(mount.path) == ["left-behind"]
 
 
-def test_world_readable_secret_file(tmp_path: Path) -> None:
-    secret = tmp_path / "secret"
-    secret.write_text(CLUSTER_SECRET + "\n")
-    secret.chmod(0o644)
-    line = refused("node", "--master", "127.0.0.1:1", "--mount", str(tmp_path / "mnt"), "--dram", "64M",
-                   "--secret-file", str(secret), secret=None)
-    assert line == f"kvfs: error: secret file {secret} has mode 0644: others can read it (chmod 600 {secret})"
-    line = refused("status", "--master", "127.0.0.1:1", "--secret-file", str(secret), secret=None)
-    assert "has mode 0644" in line
+def test_a_readable_key_a_missing_bundle_or_one_of_another_role_is_refused(tmp_path: Path) -> None:
+    bundle = tmp_path / "tls"
+    shutil.copytree(NODE_TLS, bundle)
+    key = bundle / "identity.key"
+    key.chmod(0o644)
+    node = ["node", "--master", "127.0.0.1:1", "--mount", str(tmp_path / "mnt"), "--dram", "64M"]
+    line = refused(*node, "--tls-dir", str(bundle))
+    assert line == (f"kvfs: error: {key}: mode 0644 is wider than 0600; a private key must be readable by its "
+                    f"owner only (chmod 600 {key})")
+    assert "mode 0644 is wider than 0600" in refused("status", "--master", "127.0.0.1:1", "--tls-dir", str(bundle))
+    line = refused(*node, "--tls-dir", str(tmp_path / "none"))
+    assert line == (f"kvfs: error: {tmp_path / 'none' / 'ca.crt'}: no such file (issue this process's credentials "
+                    f"with `kvfs ca issue NAME --role node --address IP --out {tmp_path / 'none'}` and copy them "
+                    f"here, or point --tls-dir at them)")
+    line = refused(*node)  # the tests' admin bundle is no node's
+    assert line.startswith("kvfs: error: ") and "is admin 'operator', this needs role node" in line
+    line = refused(*node, "--name", "someone-else", tls=NODE_TLS)
+    assert "--name 'someone-else': the certificate in" in line and "is for node 'preflight-node'" in line
 
 
 def test_disk_size_beyond_the_free_space(tmp_path: Path, small_disk: Path) -> None:
@@ -237,12 +252,12 @@ def test_check_prints_the_preflight_as_a_table(tmp_path: Path, small_disk: Path,
     full = tmp_path / "full"
     full.mkdir()
     (full / "x").write_text("x")
-    secret = tmp_path / "secret"
-    secret.write_text(CLUSTER_SECRET)
-    secret.chmod(0o640)
-    env = {key: value for key, value in os.environ.items() if key != "KVFS_SECRET"}
+    bundle = tmp_path / "tls"
+    shutil.copytree(NODE_TLS, bundle)
+    (bundle / "identity.key").chmod(0o640)
+    env = dict(os.environ)
     result = subprocess.run([*KVFS, "check", str(full), "--dram", "64M", "--disk", str(small_disk), "--disk-size",
-                             "1G", "--metrics-listen", f"127.0.0.1:{taken_port}", "--secret-file", str(secret),
+                             "1G", "--metrics-listen", f"127.0.0.1:{taken_port}", "--tls-dir", str(bundle),
                              "--io-engine", "threads", "--master", "127.0.0.1:1"],
                             capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 1, result.stderr
@@ -254,9 +269,9 @@ def test_check_prints_the_preflight_as_a_table(tmp_path: Path, small_disk: Path,
     assert rows["port metrics-listen"][0] == "fail" and "Address already in use" in rows["port metrics-listen"][1]
     assert rows["credentials"][0] == "fail" and "mode 0640" in rows["credentials"][1]
     assert rows["master"] == ["fail", "master 127.0.0.1:1: Connection refused"]
-    secret.chmod(0o600)
+    (bundle / "identity.key").chmod(0o600)
     result = subprocess.run([*KVFS, "check", str(tmp_path / "new"), "--dram", "64M", "--no-metrics",
-                             "--secret-file", str(secret)], capture_output=True, text=True, timeout=60, env=env)
+                             "--tls-dir", str(bundle)], capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 0 and result.stdout.count(" ok ") == 4, result.stdout
 
 

@@ -1,4 +1,4 @@
-"""The wire protocol and the handshake, driven with plain bytes (no sockets)."""
+"""The wire protocol and the setup's welcome, driven with plain bytes (no sockets)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfs.wire import messages as m
-from kvfs.wire.auth import (AuthError, ClientHandshake, HandshakeMessage, Hello, Proof, ServerHandshake, load_secret,
-                            new_nonce)
+from kvfs.wire.auth import HandshakeMessage, Welcome
 from kvfs.wire.protocol import (MAX_HEADER, MAX_PAYLOAD, PREFIX, PREFIX_SIZE, ErrorReply, FrameKind, FrameParser,
                                 VERSION, HeaderDecoder, ProtocolError, encode_frame, parse_prefix)
 from kvfs.wire.text import printable
@@ -136,79 +135,20 @@ def test_random_headers_behind_a_valid_prefix(header: bytes) -> None:
         pass
 
 
-def handshake(client_secret: bytes, server_secret: bytes) -> None:
-    """Both sides' state, the messages passed by hand in the order the wire carries them."""
-    client = ClientHandshake(client_secret, "node", frozenset({"master"}))
-    server = ServerHandshake(server_secret, "master", frozenset({"node", "client"}))
-    server_hello = server.greet(client.hello)
-    server_proof = server.verify(client.answer(server_hello))  # raises before the server proves anything
-    assert client.verify(server_proof) == "master"
-
-
-def test_handshake_with_the_same_secret() -> None:
-    handshake(b"s" * 32, b"s" * 32)
-
-
-def test_handshake_with_a_wrong_secret_fails_at_the_server_first() -> None:
-    with pytest.raises(AuthError, match="the node failed to prove"):
-        handshake(b"wrong" * 8, b"s" * 32)
-
-
-def test_a_server_proof_never_passes_for_a_client_proof() -> None:
-    """The reflection across two connections: an attacker relays a server's proof from one
-    connection as its own proof on another whose transcript mirrors the first (the worst case,
-    with the second server's nonce equal to the first client's). With the role of each proof
-    and the whole transcript inside the MAC, the mirrored proof is refused."""
-    secret = b"s" * 32
-    honest = ClientHandshake(secret, "node", frozenset({"master"}))
-    first = ServerHandshake(secret, "master", frozenset({"node"}))
-    server_hello = first.greet(honest.hello)
-    stolen = first.verify(honest.answer(server_hello))  # the proof an observer of the first connection sees
-    mirror = ServerHandshake(secret, "master", frozenset({"master", "node"}), nonce=honest.hello.nonce)
-    mirror.greet(Hello(server_hello.role, server_hello.nonce))
-    with pytest.raises(AuthError, match="failed to prove"):
-        mirror.verify(stolen)
-    # The other direction: a client's own proof echoed back to it is no server proof.
-    client = ClientHandshake(secret, "node", frozenset({"master"}))
-    own = client.answer(Hello("master", new_nonce()))
-    with pytest.raises(AuthError, match="failed to prove"):
-        client.verify(own)
-
-
-def test_echoed_nonces_unknown_roles_and_early_proofs_are_refused() -> None:
-    secret = b"s" * 32
-    server = ServerHandshake(secret, "master", frozenset({"node", "client"}))
-    with pytest.raises(AuthError, match="reflection"):
-        server.greet(Hello("node", server.hello.nonce))
-    with pytest.raises(AuthError, match="claims role 'peer'"):
-        server.greet(Hello("peer", new_nonce()))
-    with pytest.raises(AuthError, match="before the client's hello"):
-        ServerHandshake(secret, "master", frozenset({"node"})).verify(Proof(bytes(32)))
-    client = ClientHandshake(secret, "node", frozenset({"master"}))
-    with pytest.raises(AuthError, match="claims role 'peer'"):  # a peer port is not the master
-        client.answer(Hello("peer", new_nonce()))
+def test_a_welcome_round_trips() -> None:
+    frame = encode_frame(FrameKind.HELLO, 0, Welcome("master", "master"))
+    (parsed,) = FrameParser().frames(frame)
+    assert HeaderDecoder(HandshakeMessage).decode(parsed.header) == Welcome("master", "master")
 
 
 @pytest.mark.parametrize("message", [
-    {"type": "Hello", "role": "n" * 33, "nonce": bytes(32)},
-    {"type": "Hello", "role": "", "nonce": bytes(32)},
-    {"type": "Hello", "role": "node", "nonce": bytes(31)},
-    {"type": "Proof", "mac": bytes(64)},
+    {"type": "Welcome", "name": "n" * 256, "role": "master"},
+    {"type": "Welcome", "name": "master", "role": "r" * 17},
+    {"type": "Hello", "role": "node", "nonce": bytes(32)},  # the secret's handshake is gone
 ])
-def test_handshake_messages_out_of_bounds_are_protocol_errors(message: dict) -> None:
+def test_welcome_messages_out_of_bounds_are_protocol_errors(message: dict) -> None:
     with pytest.raises(ProtocolError, match="invalid header"):
         HeaderDecoder(HandshakeMessage).decode(msgspec.msgpack.encode(message))
-
-
-def test_secret_sources(tmp_path) -> None:
-    path = tmp_path / "secret"
-    path.write_text("a-long-enough-secret-value\n")
-    assert load_secret(str(path), {}) == b"a-long-enough-secret-value"
-    assert load_secret(None, {"KVFS_SECRET": "x" * 20}) == b"x" * 20
-    with pytest.raises(AuthError, match="shorter than"):
-        load_secret(None, {"KVFS_SECRET": "short"})
-    with pytest.raises(AuthError, match="no cluster secret"):
-        load_secret(None, {})
 
 
 def test_peer_text_is_escaped_and_cut_for_the_log() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import re
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from conftest import CLUSTER_SECRET, Cluster
+from conftest import Cluster, load_tls, tls_dir
 from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder
 from kvfs.wire.rdma_messages import Locate, RdmaConnect
 from kvfs.net.handshake import connect
@@ -33,8 +32,9 @@ def test_auto_uses_tcp_here_and_says_why(cluster: Cluster) -> None:
 
 def test_rdma_without_rdma_fails_at_start_with_the_reason(cluster: Cluster, tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "kvfs", "node", "--master", cluster.master.address, "--mount",
-                             str(tmp_path / "mnt"), "--transport", "rdma", "--foreground", "--dram", "64M"],
-                            capture_output=True, text=True, timeout=60, env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
+                             str(tmp_path / "mnt"), "--transport", "rdma", "--foreground", "--dram", "64M",
+                             "--tls-dir", tls_dir("rdma-less")],
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert "transport rdma: RDMA is unavailable here" in result.stderr and "Traceback" not in result.stderr
 
@@ -42,13 +42,13 @@ def test_rdma_without_rdma_fails_at_start_with_the_reason(cluster: Cluster, tmp_
 def test_a_node_without_rdma_answers_the_rdma_handshake_with_enotsup(cluster: Cluster) -> None:
     node = cluster.add_node("64M", "--transport", "tcp")
     status = subprocess.run([sys.executable, "-m", "kvfs", "status", "--master", cluster.master.address, "--json"],
-                            capture_output=True, text=True, timeout=30, env={**os.environ, "KVFS_SECRET": CLUSTER_SECRET})
+                            capture_output=True, text=True, timeout=30)
     address = next(n["address"] for n in json.loads(status.stdout)["nodes"] if n["live"])
     errors = HeaderDecoder(ErrorReply)
 
     async def ask() -> list[tuple[FrameKind, int]]:
         host, port = split_address(address)
-        frames = await connect(host, port, CLUSTER_SECRET.encode(), "node", "peer")
+        frames = await connect(host, port, load_tls("asker"), "node")
         answers = []
         for request_id, request in ((1, RdmaConnect(1, 2, "fe80::1")), (2, Locate(1, 0, 1))):
             await frames.send(FrameKind.REQUEST, request_id, request)

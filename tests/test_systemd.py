@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLUSTER_SECRET
+from conftest import tls_dir
 from kvfs.fuse.mount import find_mount
 
 UNITS = Path(__file__).resolve().parent.parent / "scripts" / "systemd"
@@ -92,7 +92,7 @@ def test_a_mount_is_ready_only_when_it_answers_and_says_stopping_on_sigterm(tmp_
 def test_the_master_is_ready_when_it_accepts_nodes(tmp_path: Path) -> None:
     notify = NotifySocket(tmp_path / "notify")
     master = start(["master", "--listen", "127.0.0.1:0", "--data", str(tmp_path / "data")], notify,
-                   tmp_path / "master.log", KVFS_SECRET=CLUSTER_SECRET)
+                   tmp_path / "master.log", KVFS_TLS_DIR=tls_dir("master", "master"))
     try:
         messages = notify.wait_for("READY=1")
         status = next(line for line in messages[-1].split("\n") if line.startswith("STATUS="))

@@ -30,6 +30,7 @@ from kvfs.histogram import OperationStats
 from kvfs.metrics.master import MasterMetrics
 from kvfs.policy import DEFAULT_POLICY, make_policy
 from kvfs.progress import Every
+from kvfs.security.credentials import Tls
 
 log = logging.getLogger("kvfs.master")
 
@@ -41,7 +42,7 @@ SLOW_SAVE_S = 0.05  # a save (on the request loop) slower than this is logged
 class MasterConfig:
     listen: str  # HOST:PORT
     data_dir: str
-    secret: bytes
+    tls: Tls  # the master's identity bundle (role master)
     eviction_policy: str = DEFAULT_POLICY
     temp_suffix: str = ".tmp"
     temp_grace_s: float = 300.0
@@ -65,7 +66,12 @@ class MasterProcess:
         self.save_failures = 0  # failed saves in a row; the changes stay dirty meanwhile
         self.slow_saves = 0
         self._slow_save_log = Every(10.0)
-        self.server = MetadataServer(self.handle, config.secret, self.service)
+        self.server = MetadataServer(self.handle, config.tls, self.service, owner_of=self._owner_of)
+
+    def _owner_of(self, version_id: int) -> int | None:
+        """The node storing a version, for the authority's checks (None: not known here)."""
+        version = self.service.objects.versions.get(version_id)
+        return None if version is None else version.node
 
     def handle(self, request: m.Request, caller: int) -> Any:
         return self.requests.timed(type(request).__name__, lambda: self._handle_and_save(request, caller))

@@ -84,10 +84,10 @@ class Daemon:
         self.rdma: RdmaDevice | None = None
         if config.master is not None:
             assert read_buffers is not None
-            transport = TcpTransport(config.secret)
+            transport = TcpTransport(config.tls)
             self.rdma = open_rdma(config.transport, config.rdma_device)
             if self.rdma is not None:
-                transport = RdmaTransport(self.rdma, config.secret, transport, read_buffers)
+                transport = RdmaTransport(self.rdma, config.tls, transport, read_buffers)
         self.node = Node(EmbeddedMaster(self.service), self.store, clock, forget_entries=self._forget_entries,
                          transport=transport,
                          invalidate_attrs=self._invalidate_attrs if config.master is not None else None,
@@ -202,13 +202,13 @@ class Daemon:
             exporter = RdmaExporter(self.rdma, self.store)
             nursery.start_soon(self.rdma.run_completions)
             nursery.start_soon(exporter.expire_leases)
-        self.peer_server = PeerServer(self.store, config.secret, exporter)
+        self.peer_server = PeerServer(self.store, config.tls, exporter)
         bound = await nursery.start(self.peer_server.serve, host, port)
         advertised = config.advertise or (host if host not in ("0.0.0.0", "::", "") else socket.gethostname())
         address = f"{advertised}:{bound}"
         name = self._node_name()
         self.node.membership.adopt_disk()
-        self.link = MasterLink(config.master, config.secret, lambda remote: self.node.membership.join(remote, name, address),
+        self.link = MasterLink(config.master, config.tls, lambda remote: self.node.membership.join(remote, name, address),
                                config.master_wait_s, on_notify=self.node.membership.names_changed)
         self.node.use_master(self.link)
         log.info("peer server on %s; joining master %s as %r", address, config.master, name)

@@ -1,89 +1,116 @@
-"""The handshake, once for every connection: `connect` (the connecting side) and `Gate` (the
-accepting side, which refuses with a counted, logged reason).
+"""Connection setup, once for every connection: `connect` (the connecting side) and `Gate`
+(the accepting side, which refuses with a counted, logged reason).
 
-The master's server and client, the peer server and both chunk transports open and accept
-connections only through here, so that this is the one place that touches a new raw stream
-before it is authenticated. The proofs and their order are pure (`kvfs.wire.auth`): the
-client proves first, and the server sends nothing that depends on the secret before it has
-checked the client's proof. Until then a connection is held to tiny frames (a hello or a
-proof, no payload) and to `HANDSHAKE_TIMEOUT_S`.
+Every connection is TLS 1.3 with a certificate on each side, issued by the cluster's CA
+(kvfs.security): TLS authenticates both ends and protects every frame (encrypted, with
+per-record integrity and sequence numbers, so nothing can be injected or replayed). The
+identity is the certificate's name and role; the rules of who may connect to whom are in
+kvfs.cluster.authority. After TLS the server checks the client's role and answers with a
+`Welcome` or an ERROR frame that says why not.
+
+Before that, a connection costs little: the gate holds at most `max_handshakes` of them at
+once (and `max_per_source` per source address), each for at most `timeout_s`, with tiny
+frame limits, and takes new connections from one address at a bounded rate (each costs a
+TLS handshake's public-key operations); a connection beyond the limits is closed at once. Every refusal is counted
+(`refused`, by reason in `refusals`) and logged within a budget, peer text escaped.
 """
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
+import socket
+import ssl
 from typing import Any, Callable
 
 import trio
 
-from kvfs.wire.auth import (HANDSHAKE_MAX_HEADER, HANDSHAKE_MAX_PAYLOAD, AuthError, ClientHandshake,
-                            HandshakeMessage, Hello, Proof, ServerHandshake)
+from kvfs.cluster.authority import MASTER_CLIENTS, PEER_CLIENTS, may_connect
+from kvfs.security.credentials import Identity, Tls, identity_of_peer
+from kvfs.wire.auth import HANDSHAKE_MAX_HEADER, HANDSHAKE_MAX_PAYLOAD, AuthError, Welcome
 from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder, ProtocolError
 from kvfs.wire.text import printable
-from kvfs.net.streams import FrameStream, peer_name
+from kvfs.net.streams import FrameStream, TlsStream, peer_name
+
+__all__ = ["MASTER_CLIENTS", "PEER_CLIENTS", "REFUSALS", "Gate", "LogBudget", "connect"]
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
+MAX_HANDSHAKES = 256  # connections in setup at once, per server
+MAX_HANDSHAKES_PER_SOURCE = 32  # of those, from one source address
+SOURCE_RATE = 50.0  # new connections per second and source address, sustained ...
+SOURCE_BURST = 200  # ... and at once (a node's pool, a restart of many clients)
+SOURCES_TRACKED = 4096  # source addresses remembered for the rate (the longest idle forgotten first)
 REFUSAL_SEND_S = 0.5  # the refused peer gets this long to take our one-line reason
 REFUSALS_LOGGED = 10  # refusal lines per REFUSAL_WINDOW_S and gate; the rest are counted, then told
 REFUSAL_WINDOW_S = 10.0
 
-# Who may connect to whom: a master serves nodes and command-line clients, a peer server nodes.
-MASTER_CLIENTS = frozenset({"node", "client"})
-PEER_CLIENTS = frozenset({"node"})
-
-_messages = HeaderDecoder(HandshakeMessage)
+_welcomes = HeaderDecoder(Welcome)
 _errors = HeaderDecoder(ErrorReply)
 
-# What a failed handshake raises, on either side.
-REFUSALS = (AuthError, ProtocolError, trio.TooSlowError, EOFError, trio.BrokenResourceError)
+# What a failed setup raises, on either side.
+REFUSALS = (AuthError, ProtocolError, ssl.SSLError, trio.TooSlowError, EOFError, trio.BrokenResourceError)
 
 
-def _frames(stream: trio.abc.Stream) -> FrameStream:
-    """A new connection's frames: a hello or a proof, nothing larger, until authenticated."""
+def _frames(stream: TlsStream) -> FrameStream:
+    """A new connection's frames: a welcome or a refusal, nothing larger, until admitted."""
     return FrameStream(stream, HANDSHAKE_MAX_HEADER, HANDSHAKE_MAX_PAYLOAD)
 
 
-async def _receive(frames: FrameStream, kind: type) -> Any:
-    frame = await frames.receive()
-    if frame.prefix.kind == FrameKind.ERROR:  # the other side refused us, and said why
-        raise AuthError(f"refused: {printable(_errors.decode(frame.header).message)}")
-    if frame.prefix.kind != FrameKind.HELLO:
-        raise ProtocolError(f"expected a {kind.__name__.lower()}, got a {frame.prefix.kind.name} frame")
-    message = _messages.decode(frame.header)
-    if not isinstance(message, kind):
-        raise ProtocolError(f"expected a {kind.__name__.lower()}, got a {type(message).__name__.lower()}")
-    return message
+def _wrap(stream: trio.SocketStream, context: ssl.SSLContext, server_side: bool) -> TlsStream:
+    """The TCP connection's socket under TLS (the trio stream is spent; the TlsStream owns it)."""
+    sock = socket.socket(fileno=stream.socket.detach())
+    sock.setblocking(False)
+    try:
+        return TlsStream(context.wrap_socket(sock, server_side=server_side, do_handshake_on_connect=False))
+    except BaseException:
+        sock.close()
+        raise
 
 
-async def authenticate(frames: FrameStream, secret: bytes, role: str, server_role: str,
-                       timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
-    """The connecting side's handshake, as ROLE, with a server that must be SERVER_ROLE."""
-    side = ClientHandshake(secret, role, frozenset({server_role}))
-    with trio.fail_after(timeout_s):
-        await frames.send(FrameKind.HELLO, 0, side.hello)
-        await frames.send(FrameKind.HELLO, 0, side.answer(await _receive(frames, Hello)))
-        side.verify(await _receive(frames, Proof))
-    frames.authenticated()
-
-
-async def connect(host: str, port: int, secret: bytes, role: str, server_role: str,
-                  tune: Callable[[Any], None] | None = None) -> FrameStream:
-    """An authenticated connection to the SERVER_ROLE ("master" or "peer") at HOST:PORT, as
-    ROLE. `tune(socket)` runs before the handshake. Raises OSError, or one of REFUSALS;
-    nothing is left open then."""
+async def connect(host: str, port: int, tls: Tls, server_role: str,
+                  tune: Callable[[Any], None] | None = None,
+                  timeout_s: float = HANDSHAKE_TIMEOUT_S) -> FrameStream:
+    """An admitted connection to the server at HOST:PORT, whose certificate must have
+    SERVER_ROLE ("master", or "node" for a peer). `tune(socket)` runs before TLS. Raises
+    OSError, or one of REFUSALS; nothing is left open then. The server's identity is the
+    returned stream's `peer`."""
     stream = await trio.open_tcp_stream(host, port)
     try:
         if tune is not None:
             tune(stream.socket)
-        frames = _frames(stream)
-        await authenticate(frames, secret, role, server_role)
+        tls_stream = _wrap(stream, tls.client, server_side=False)
     except BaseException:
         with trio.CancelScope(shield=True):
             await stream.aclose()
         raise
+    try:
+        with trio.fail_after(timeout_s):
+            await tls_stream.handshake()
+            server = identity_of_peer(tls_stream.peer_certificate())
+            if server.role != server_role:
+                raise AuthError(f"{host}:{port} is {server}, not a {server_role}")
+            frames = _frames(tls_stream)
+            frame = await frames.receive()
+            if frame.prefix.kind == FrameKind.ERROR:  # the server refused us, and said why
+                raise AuthError(f"refused: {printable(_errors.decode(frame.header).message)}")
+            if frame.prefix.kind != FrameKind.HELLO:
+                raise ProtocolError(f"expected a welcome, got a {frame.prefix.kind.name} frame")
+            _welcomes.decode(frame.header)
+    except trio.BrokenResourceError as error:
+        with trio.CancelScope(shield=True):
+            await tls_stream.aclose()
+        if isinstance(error.__cause__, ssl.SSLError):  # a certificate the other side does not accept
+            raise AuthError(f"{host}:{port}: {error}") from None
+        raise
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await tls_stream.aclose()
+        raise
+    frames.authenticated()
+    frames.peer = server
     return frames
 
 
@@ -110,50 +137,118 @@ class LogBudget:
         return True, held
 
 
-class Gate:
-    """The accepting side, as ROLE, for clients of CLIENT_ROLES: authenticates each new
-    connection; one that fails is refused, counted (`refused`) and logged with its reason,
-    peer-supplied text escaped and cut short."""
+class SourceRate:
+    """A token bucket per source address: `rate` new connections a second, `burst` at once.
+    At most `tracked` sources are remembered; the one idle longest is forgotten first (a
+    forgotten source starts with a full bucket, which is what an idle one has anyway)."""
 
-    def __init__(self, secret: bytes, role: str, client_roles: frozenset[str], what: str = "connection",
-                 timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
-        self.secret = secret
-        self.role = role
+    def __init__(self, rate: float = SOURCE_RATE, burst: int = SOURCE_BURST, tracked: int = SOURCES_TRACKED) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tracked = tracked
+        self._buckets: collections.OrderedDict[str, tuple[float, float]] = collections.OrderedDict()
+
+    def take(self, source: str, now: float) -> bool:
+        """Whether a new connection from SOURCE may go on now."""
+        tokens, last = self._buckets.pop(source, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - last) * self.rate)
+        allowed = tokens >= 1.0
+        self._buckets[source] = (tokens - 1.0 if allowed else tokens, now)
+        while len(self._buckets) > self.tracked:
+            self._buckets.popitem(last=False)
+        return allowed
+
+
+class Gate:
+    """The accepting side, with TLS, for clients of CLIENT_ROLES: sets up each new connection;
+    one that fails is refused, counted and logged with its reason."""
+
+    def __init__(self, tls: Tls, client_roles: frozenset[str], what: str = "connection",
+                 timeout_s: float = HANDSHAKE_TIMEOUT_S, max_handshakes: int = MAX_HANDSHAKES,
+                 max_per_source: int = MAX_HANDSHAKES_PER_SOURCE) -> None:
+        self.tls = tls
         self.client_roles = client_roles
         self.what = what
         self.timeout_s = timeout_s
-        self.refused = 0
+        self.max_handshakes = max_handshakes
+        self.max_per_source = max_per_source
+        self.handshaking = 0
+        self._per_source: collections.Counter[str] = collections.Counter()
+        self.source_rate = SourceRate()
+        self.refusals: collections.Counter[str] = collections.Counter()  # by reason: tls, role, timeout, busy
         self.log_budget = LogBudget()
 
-    async def admit(self, stream: trio.SocketStream) -> tuple[FrameStream, str] | None:
-        """(the authenticated frames, the client's role), or None: refused, the caller closes."""
-        frames = _frames(stream)
-        side = ServerHandshake(self.secret, self.role, self.client_roles)
+    @property
+    def refused(self) -> int:
+        return sum(self.refusals.values())
+
+    async def admit(self, stream: trio.SocketStream) -> tuple[FrameStream, Identity] | None:
+        """(the admitted frames, the client's identity), or None: refused. Admitted, the frames
+        own the connection (the caller closes them); the caller closes `stream` in any case
+        (a no-op once TLS took its socket)."""
+        peer = peer_name(stream)
+        source = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        if self.handshaking >= self.max_handshakes or self._per_source[source] >= self.max_per_source:
+            self._count("busy", peer, f"{self.handshaking} connections in setup ({self._per_source[source]} from "
+                                      f"this address): closed at once")
+            return None
+        if not self.source_rate.take(source, trio.current_time()):
+            self._count("busy", peer, f"more than {self.source_rate.rate:g} new connections a second from this "
+                                      f"address: closed at once")
+            return None
+        self.handshaking += 1
+        self._per_source[source] += 1
+        try:
+            return await self._admit(stream, peer)
+        finally:
+            self.handshaking -= 1
+            self._per_source[source] -= 1
+            if not self._per_source[source]:
+                del self._per_source[source]
+
+    async def _admit(self, stream: trio.SocketStream, peer: Any) -> tuple[FrameStream, Identity] | None:
+        try:
+            tls_stream = _wrap(stream, self.tls.server, server_side=True)
+        except (OSError, ssl.SSLError) as error:  # gone already (reset before we got to it)
+            self._count("tls", peer, str(error) or type(error).__name__)
+            return None
+        frames = _frames(tls_stream)
         try:
             with trio.fail_after(self.timeout_s):
-                hello = await _receive(frames, Hello)
-                await frames.send(FrameKind.HELLO, 0, side.greet(hello))
-                proof = side.verify(await _receive(frames, Proof))  # nothing secret-bound goes out before
-                await frames.send(FrameKind.HELLO, 0, proof)
+                await tls_stream.handshake()
+                client = identity_of_peer(tls_stream.peer_certificate())
+                if not may_connect(client.role, self.client_roles):
+                    await self._refuse_role(frames, peer, client)
+                    await tls_stream.aclose()
+                    return None
+                await frames.send(FrameKind.HELLO, 0, Welcome(self.tls.identity.name, self.tls.identity.role))
         except REFUSALS as error:
-            await self._refuse(frames, stream, error)
+            if isinstance(error, trio.TooSlowError):
+                self._count("timeout", peer, f"no TLS handshake within {self.timeout_s:g} s")
+            else:
+                self._count("tls", peer, str(error) or type(error).__name__)
+            await tls_stream.aclose()
             return None
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await tls_stream.aclose()
+            raise
         frames.authenticated()
-        return frames, hello.role
+        frames.peer = client
+        return frames, client
 
-    async def _refuse(self, frames: FrameStream, stream: trio.SocketStream, error: BaseException) -> None:
-        self.refused += 1
-        if isinstance(error, trio.TooSlowError):
-            reason = f"no handshake within {self.timeout_s:g} s"
-        else:
-            reason = str(error) or type(error).__name__
+    async def _refuse_role(self, frames: FrameStream, peer: Any, client: Identity) -> None:
+        reason = f"this {self.what} does not serve {client} (only {', '.join(sorted(self.client_roles))})"
+        self._count("role", peer, reason)
+        with trio.move_on_after(REFUSAL_SEND_S):  # tell an honest client with the wrong bundle why
+            try:
+                await frames.send(FrameKind.ERROR, 0, ErrorReply(errno.EACCES, reason))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+
+    def _count(self, kind: str, peer: Any, reason: str) -> None:
+        self.refusals[kind] += 1
         logged, held = self.log_budget.take(trio.current_time())
         if logged:
-            log.warning("refused %s from %s: %s%s", self.what, peer_name(stream), printable(reason),
+            log.warning("refused %s from %s: %s%s", self.what, peer, printable(reason),
                         f" ({held} more refused before this one, not logged one by one)" if held else "")
-        if isinstance(error, (AuthError, ProtocolError)):  # tell an honest client with the wrong secret why
-            with trio.move_on_after(REFUSAL_SEND_S):
-                try:
-                    await frames.send(FrameKind.ERROR, 0, ErrorReply(errno.EACCES, "authentication failed"))
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    pass

@@ -22,6 +22,7 @@ from kvfs.net.rpc import MasterUnavailable, RemoteMaster
 from kvfs.config import split_address
 from kvfs.errors import KvfsError, reason_of
 from kvfs.histogram import OperationStats
+from kvfs.security.credentials import Tls
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +37,11 @@ class MasterLink:
     `join(remote)` runs on every new connection before any other request is let
     through: the node registers and reports what it holds."""
 
-    def __init__(self, address: str, secret: bytes, join: Callable[[RemoteMaster], Awaitable[None]],
+    def __init__(self, address: str, tls: Tls, join: Callable[[RemoteMaster], Awaitable[None]],
                  wait_s: float = 10.0, on_notify: Callable[[m.NameChanges], None] | None = None) -> None:
         self.host, self.port = split_address(address)
         self.address = address
-        self.secret = secret
+        self.tls = tls
         self.join = join
         self.on_notify = on_notify
         self.wait_s = wait_s
@@ -78,18 +79,23 @@ class MasterLink:
         """A registered connection, or None (logged) to try again later."""
         remote = None
         try:
-            remote = await RemoteMaster.connect(self.host, self.port, self.secret, nursery, role="node",
-                                                on_notify=self.on_notify)
+            remote = await RemoteMaster.connect(self.host, self.port, self.tls, nursery, on_notify=self.on_notify)
             await self.join(remote)
             if remote.broken is None:
                 return remote
             error: BaseException = remote.broken
         except (AuthError, ProtocolError) as refused:
-            if first:  # a wrong secret or an incompatible master: say so rather than retry forever
-                raise KvfsError(errno.EACCES, f"cannot authenticate with master {self.address} (is the cluster "
-                                              f"secret the same on both?): {refused}") from None
+            if first:  # a wrong certificate or an incompatible master: say so rather than retry forever
+                raise KvfsError(errno.EACCES, f"cannot authenticate with master {self.address} (are both "
+                                              f"certificates issued by the same cluster CA?): {refused}") from None
             error = refused
         except (OSError, EOFError, trio.BrokenResourceError, trio.TooSlowError, KvfsError) as failed:
+            if first and isinstance(failed, KvfsError) and failed.errno == errno.EPERM:
+                # Its certificate does not allow this registration (another name, an address it
+                # does not list): retrying cannot help.
+                if remote is not None:
+                    await remote.aclose()
+                raise KvfsError(errno.EPERM, f"master {self.address} refused this node: {failed}") from None
             error = failed
         if trio.current_time() - self._warned_at >= WARN_EVERY_S:
             self._warned_at = trio.current_time()

@@ -40,6 +40,7 @@ from kvfs.wire.auth import AuthError
 from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder, ProtocolError
 from kvfs.wire.rdma_messages import (NOT_IN_DRAM, Locate, Located, RdmaAccepted, RdmaConnect, RevokeForTest,
                                          Unlease)
+from kvfs.cluster.authority import PEER_ROLE
 from kvfs.net.handshake import connect
 from kvfs.net.streams import FrameStream
 from kvfs.net.transport import MeasuredTransport, TcpTransport
@@ -47,6 +48,7 @@ from kvfs.net.verbs import (Endpoint, QueuePair, RdmaDevice, RdmaError, RdmaUnav
                                 probe)
 from kvfs.config import split_address
 from kvfs.errors import ConfigError, KvfsError, StorageError
+from kvfs.security.credentials import Tls
 from kvfs.store.buffers import ReadBufferPool
 
 log = logging.getLogger(__name__)
@@ -264,10 +266,10 @@ class RdmaTransport(MeasuredTransport):
 
     kind = "rdma"
 
-    def __init__(self, device: RdmaDevice, secret: bytes, tcp: TcpTransport, read_buffers: ReadBufferPool) -> None:
+    def __init__(self, device: RdmaDevice, tls: Tls, tcp: TcpTransport, read_buffers: ReadBufferPool) -> None:
         super().__init__()
         self.device = device
-        self.secret = secret
+        self.tls = tls
         self.tcp = tcp
         self.read_buffers = read_buffers
         self.landing = device.register(read_buffers.view)
@@ -410,7 +412,7 @@ class RdmaTransport(MeasuredTransport):
     async def _connect(self, address: str) -> _RdmaPeer:
         host, port = split_address(address)
         with trio.fail_after(CONNECT_TIMEOUT_S):
-            frames = await connect(host, port, self.secret, "node", "peer")
+            frames = await connect(host, port, self.tls, PEER_ROLE)
         try:
             qp = self.device.create_queue_pair()
         except BaseException:

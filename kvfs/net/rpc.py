@@ -3,15 +3,18 @@
 `MetadataServer` serves a request handler (the master's `MetadataService.handle`)
 to authenticated peers; `RemoteMaster` is the node's `MasterClient` for a master
 in another process. Connections are opened and accepted by `kvfs.net.handshake`
-and carry frames through `kvfs.net.streams`. A peer that fails the handshake or
-sends an invalid frame is disconnected with a logged reason; other connections
-are not affected.
+(TLS 1.3, a certificate on each side) and carry frames through `kvfs.net.streams`.
+Each request is checked against the connection's identity (kvfs.cluster.authority)
+before it is handled: a refusal answers EPERM and is logged. A peer that fails the
+handshake or sends an invalid frame is disconnected with a logged reason; other
+connections are not affected.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import ssl
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -22,9 +25,11 @@ import trio
 from kvfs.wire import messages as m
 from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame
 from kvfs.wire.text import printable
-from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, MASTER_CLIENTS, Gate, connect
+from kvfs.cluster.authority import MASTER_CLIENTS, MASTER_ROLE, Caller, Refused, check_request
+from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, Gate, LogBudget, connect
 from kvfs.net.streams import FrameStream, peer_name, serve_tcp
 from kvfs.errors import KvfsError, MetadataError
+from kvfs.security.credentials import Identity, Tls
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +70,19 @@ class MetadataServer:
     changes to the nodes that watch directories.
 
     `handle(request, caller)` answers one request; `caller` is the node id that
-    registered on this connection (0 for a client that did not register)."""
+    registered on this connection (0 for a client that did not register).
+    `owner_of(version)` is the node storing a version (None if unknown), for the
+    authority's checks of requests that name versions."""
 
-    def __init__(self, handle: Callable[[m.Request, int], Any], secret: bytes, notifier: Notifier | None = None,
-                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
+    def __init__(self, handle: Callable[[m.Request, int], Any], tls: Tls, notifier: Notifier | None = None,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+                 owner_of: Callable[[int], int | None] = lambda version: None) -> None:
         self.handle = handle
         self.notifier = notifier
-        self.gate = Gate(secret, "master", MASTER_CLIENTS, "connection", handshake_timeout_s)
+        self.owner_of = owner_of
+        self.gate = Gate(tls, MASTER_CLIENTS, "connection", handshake_timeout_s)
+        self.denied = 0  # requests refused by the authority
+        self._denied_log = LogBudget()
         self._requests = HeaderDecoder(_ANY_REQUEST)
         self._wake: dict[int, trio.Event] = {}  # node -> its pusher's wake-up
 
@@ -110,31 +121,47 @@ class MetadataServer:
         peer = peer_name(stream)
         async with stream:
             admitted = await self.gate.admit(stream)
-            if admitted is None:
-                return
-            frames, role = admitted
-            log.info("%s connected from %s", role, peer)
-            try:
-                async with trio.open_nursery() as nursery:  # the request loop and, once registered, the pusher
-                    await self._requests_until_closed(frames, nursery, role, peer)
-                    nursery.cancel_scope.cancel()
-            except Exception:  # never let one connection take the server down
-                log.exception("connection from %s failed", peer)
+        if admitted is None:
+            return
+        frames, identity = admitted
+        log.info("%s connected from %s", identity, peer)
+        try:
+            async with trio.open_nursery() as nursery:  # the request loop and, once registered, the pusher
+                await self._requests_until_closed(frames, nursery, identity, peer)
+                nursery.cancel_scope.cancel()
+        except Exception:  # never let one connection take the server down
+            log.exception("connection from %s failed", peer)
+        finally:
+            with trio.CancelScope(shield=True):
+                await frames.aclose()
 
-    async def _requests_until_closed(self, frames: FrameStream, nursery: trio.Nursery, role: str, peer: Any) -> None:
-        caller = 0
+    def _refuse(self, caller: Caller, peer: Any, error: Refused) -> None:
+        self.denied += 1
+        logged, held = self._denied_log.take(trio.current_time())
+        if logged:
+            log.warning("refused a request from %s at %s: %s%s", caller, peer, printable(error),
+                        f" ({held} more refused before this one)" if held else "")
+
+    async def _requests_until_closed(self, frames: FrameStream, nursery: trio.Nursery, identity: Identity,
+                                     peer: Any) -> None:
+        caller = Caller(identity.name, identity.role, identity.addresses)
         send_lock = trio.Lock()
         try:
             while True:
                 request_id, request = await frames.receive_request(self._requests)
                 try:
-                    response = self.handle(request, caller)
+                    try:
+                        check_request(caller, request, self.owner_of)
+                    except Refused as refused:
+                        self._refuse(caller, peer, refused)
+                        raise
+                    response = self.handle(request, caller.node)
                     if isinstance(response, m.Registered):  # this connection now speaks for that node
-                        caller = response.node
-                        log.info("%s at %s registered as node %d", role, peer, caller)
+                        caller = Caller(identity.name, identity.role, identity.addresses, response.node)
+                        log.info("%s at %s registered as node %d", identity, peer, caller.node)
                         if self.notifier is not None:
-                            self._wake[caller] = trio.Event()
-                            nursery.start_soon(self._push_forever, frames, send_lock, caller)
+                            self._wake[caller.node] = trio.Event()
+                            nursery.start_soon(self._push_forever, frames, send_lock, caller.node)
                     reply: tuple[FrameKind, Any] = (FrameKind.RESPONSE, response)
                 except KvfsError as error:
                     reply = (FrameKind.ERROR, ErrorReply(error.errno, str(error)))
@@ -151,8 +178,13 @@ class MetadataServer:
                     await frames.send_encoded(frame)
         except ProtocolError as error:
             log.warning("closing connection from %s: %s", peer, printable(error))
-        except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
-            log.info("%s at %s disconnected", role, peer)
+        except trio.BrokenResourceError as error:
+            if isinstance(error.__cause__, ssl.SSLError):  # a forged or damaged record: tampering on the path
+                log.warning("closing connection from %s at %s: %s", identity, peer, printable(error))
+            else:
+                log.info("%s at %s disconnected", identity, peer)
+        except (EOFError, trio.ClosedResourceError):
+            log.info("%s at %s disconnected", identity, peer)
 
 
 class MasterUnavailable(MetadataError):
@@ -188,10 +220,11 @@ class RemoteMaster:
         self.closed = trio.Event()
 
     @classmethod
-    async def connect(cls, host: str, port: int, secret: bytes, nursery: trio.Nursery, role: str = "node",
+    async def connect(cls, host: str, port: int, tls: Tls, nursery: trio.Nursery,
                       on_notify: Callable[[m.NameChanges], None] | None = None) -> "RemoteMaster":
-        """Connects, authenticates, and starts the receiver task in `nursery`."""
-        frames = await connect(host, port, secret, role, "master")
+        """Connects (TLS, the master's certificate must have role master) and starts the
+        receiver task in `nursery`."""
+        frames = await connect(host, port, tls, MASTER_ROLE)
         master = cls(frames, on_notify)
         nursery.start_soon(master._receive_forever)
         return master

@@ -1,14 +1,19 @@
 """Frames on a connection: the I/O shell around the one parser (`kvfs.wire.protocol.FrameParser`).
 
+Every connection is TLS 1.3 (`kvfs.net.handshake` sets it up). `TlsStream` is a trio stream
+over a non-blocking `ssl.SSLSocket`, rather than trio's SSLStream over memory buffers, so
+that the same socket can be handed to a worker thread for bulk chunk bytes: the owner
+encrypts a chunk's payload there (`send_all_blocking`), and the reader switches the socket
+to blocking mode and decrypts each payload straight into its buffer (`BlockingFrames`).
+OpenSSL releases the GIL while it encrypts and decrypts, so neither stalls the event loop.
+
 `FrameStream` reads and writes whole frames on a trio stream; every connection (master
-requests, peer data, RDMA control) starts as one, and the handshake (`kvfs.net.handshake`)
-runs on it. `BlockingFrames` is the same parser on a plain socket for a worker thread: the
-chunk reader takes each payload with one blocking `recv_into` straight into its buffer.
+requests, peer data, RDMA control) starts as one.
 """
 
 from __future__ import annotations
 
-import socket
+import ssl
 from typing import Any, Callable
 
 import trio
@@ -19,6 +24,90 @@ from kvfs.wire.protocol import (MAX_HEADER, MAX_PAYLOAD, Frame, FrameKind, Frame
 READ_SIZE = 65536  # bytes asked of the stream at a time once authenticated
 
 
+class TlsStream(trio.abc.Stream):
+    """A trio stream over a non-blocking TLS socket (handshake done by `handshake()`).
+
+    TLS keeps state across a write that could not finish: a send cut short (cancelled) leaves
+    the stream broken, and every later use raises BrokenResourceError."""
+
+    def __init__(self, sock: ssl.SSLSocket) -> None:
+        sock.setblocking(False)
+        self.socket = sock
+        self._broken: str | None = None
+        self._closed = False
+
+    async def handshake(self) -> None:
+        """The TLS handshake (the caller bounds it in time)."""
+        if await self._retry(self.socket.do_handshake) == b"":
+            raise trio.BrokenResourceError("the peer closed the connection during the TLS handshake")
+
+    async def _retry(self, call: Callable[[], Any]) -> Any:
+        if self._closed:
+            raise trio.ClosedResourceError("the connection is closed")
+        if self._broken is not None:
+            raise trio.BrokenResourceError(self._broken)
+        while True:
+            try:
+                result = call()
+            except ssl.SSLWantReadError:
+                await trio.lowlevel.wait_readable(self.socket)
+            except ssl.SSLWantWriteError:
+                await trio.lowlevel.wait_writable(self.socket)
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                return b""
+            except (ssl.SSLError, OSError) as error:
+                self._broken = f"TLS connection failed: {error}"
+                raise trio.BrokenResourceError(self._broken) from error
+            else:
+                await trio.lowlevel.checkpoint()  # a peer that always has data must not starve the others
+                return result
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        # A TLS record holds at most 16 KiB: asking for more only allocates more per call.
+        return await self._retry(lambda: self.socket.recv(min(max_bytes or READ_SIZE, READ_SIZE)))
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data)
+        if not len(view):
+            return await trio.lowlevel.checkpoint()
+        try:  # one write: OpenSSL keeps its progress across retries of the same buffer
+            await self._retry(lambda: self.socket.send(view))
+        except trio.Cancelled:
+            self._broken = "a send was cut short"
+            raise
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await trio.lowlevel.wait_writable(self.socket)
+
+    def peer_certificate(self) -> dict[str, Any] | None:
+        return self.socket.getpeercert()
+
+    def detach(self) -> ssl.SSLSocket:
+        """The socket, for a worker thread; this stream is spent."""
+        if self._broken is not None:
+            raise trio.BrokenResourceError(self._broken)
+        self._closed = True
+        return self.socket
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            trio.lowlevel.notify_closing(self.socket)
+            self.socket.close()
+        await trio.lowlevel.checkpoint()
+
+
+def send_some(sock: ssl.SSLSocket, view: memoryview) -> bool:
+    """One try at writing VIEW to a non-blocking TLS socket, from a worker thread: True once all
+    of it is written, False when the socket is full (call again with the same view once it is
+    writable: OpenSSL keeps its progress across retries of the same buffer)."""
+    try:
+        sock.send(view)
+    except ssl.SSLWantWriteError:
+        return False
+    return True
+
+
 class FrameStream:
     """Reads and writes whole frames on a trio stream.
 
@@ -27,6 +116,7 @@ class FrameStream:
 
     def __init__(self, stream: trio.abc.Stream, max_header: int = MAX_HEADER, max_payload: int = MAX_PAYLOAD) -> None:
         self.stream = stream
+        self.peer: Any = None  # the other side's identity (kvfs.security.credentials.Identity), once admitted
         self.parser = FrameParser(max_header, max_payload)
         self._read_size = min(READ_SIZE, max_header + max_payload + 64)
 
@@ -65,11 +155,11 @@ class FrameStream:
 
 
 class BlockingFrames:
-    """Frames on a blocking socket, for a worker thread: the head is read exactly (so nothing
-    of the payload is buffered), the payload straight into the caller's buffer with one
-    `recv_into(MSG_WAITALL)`. A peer silent for `timeout_s` raises TimeoutError (an OSError)."""
+    """Frames on a blocking TLS socket, for a worker thread: the head is read exactly (so
+    nothing of the payload is buffered), the payload decrypted straight into the caller's
+    buffer. A peer silent for `timeout_s` raises TimeoutError (an OSError)."""
 
-    def __init__(self, sock: socket.socket, parser: FrameParser, timeout_s: float) -> None:
+    def __init__(self, sock: ssl.SSLSocket, parser: FrameParser, timeout_s: float) -> None:
         sock.setblocking(True)
         sock.settimeout(timeout_s)
         self.sock = sock
@@ -77,11 +167,11 @@ class BlockingFrames:
 
     @classmethod
     def detach(cls, frames: FrameStream, timeout_s: float) -> BlockingFrames:
-        """Takes over an authenticated `FrameStream` on a TCP socket; the trio stream is spent."""
+        """Takes over an authenticated `FrameStream` on a TLS socket; the trio stream is spent."""
         if frames.parser.buffered:
             raise ProtocolError(f"{frames.parser.buffered} unexpected bytes after the handshake")
-        assert isinstance(frames.stream, trio.SocketStream)
-        return cls(socket.socket(fileno=frames.stream.socket.detach()), frames.parser, timeout_s)
+        assert isinstance(frames.stream, TlsStream)
+        return cls(frames.stream.detach(), frames.parser, timeout_s)
 
     def send(self, kind: FrameKind, request_id: int, header: Any) -> None:
         self.sock.sendall(encode_frame(kind, request_id, header))
@@ -102,7 +192,10 @@ class BlockingFrames:
     def _receive_exactly(self, target: memoryview) -> None:
         got = 0
         while got < len(target):
-            count = self.sock.recv_into(target[got:], len(target) - got, socket.MSG_WAITALL)
+            try:
+                count = self.sock.recv_into(target[got:], len(target) - got)  # a TLS record at most
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                count = 0
             if count == 0:
                 raise EOFError("the peer closed the connection")
             got += count
@@ -119,7 +212,8 @@ async def serve_tcp(handler: Callable[[trio.SocketStream], Any], host: str, port
     await trio.serve_listeners(handler, listeners)
 
 
-def peer_name(stream: trio.SocketStream) -> Any:
+def peer_name(stream: Any) -> Any:
+    """The address of a trio SocketStream's or a TlsStream's peer, for log lines."""
     try:
         return stream.socket.getpeername()
     except OSError:

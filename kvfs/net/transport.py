@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import select
 import socket
 from typing import Any, Awaitable, Callable, Protocol, Union
@@ -28,8 +27,10 @@ from kvfs.checksum import chunk_checksum
 from kvfs.wire.protocol import ErrorReply, FrameKind, Head, HeaderDecoder, ProtocolError, encode_frame
 from kvfs.wire.rdma_messages import RDMA_REQUESTS, Unlease
 from kvfs.wire.text import printable
-from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, PEER_CLIENTS, REFUSALS, Gate, connect
-from kvfs.net.streams import BlockingFrames, FrameStream, peer_name, serve_tcp
+from kvfs.cluster.authority import PEER_CLIENTS, PEER_ROLE
+from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, REFUSALS, Gate, LogBudget, connect
+from kvfs.net.streams import BlockingFrames, FrameStream, TlsStream, peer_name, send_some, serve_tcp
+from kvfs.security.credentials import Tls
 from kvfs.concurrency import run_all
 from kvfs.config import split_address
 from kvfs.errors import KvfsError, StorageError
@@ -47,6 +48,11 @@ CONNECT_TIMEOUT_S = PEER_SILENCE_S
 PULSE_S = 1.0
 SEND_STALL_S = 10.0  # the owner drops a reader that takes no data this long
 STREAMS_PER_PEER = 8
+# The owner's bounds on its readers: fetches served at once to one identity (more wait their
+# turn, as tasks), and worker threads encrypting payloads at once. A thread only ever runs
+# while the socket takes data: a reader that stops reading holds a task, never a thread.
+FETCHES_PER_PEER = STREAMS_PER_PEER
+SEND_THREADS = 8
 
 
 class FetchChunks(msgspec.Struct, tag=True):
@@ -110,13 +116,20 @@ class PeerServer:
     """Serves chunk reads of this node's versions to authenticated peers, over TCP, and the
     control requests of the RDMA transport when this node has one."""
 
-    def __init__(self, store: ChunkSource, secret: bytes, rdma: RdmaService | None = None,
-                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
+    def __init__(self, store: ChunkSource, tls: Tls, rdma: RdmaService | None = None,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, send_stall_s: float = SEND_STALL_S,
+                 fetches_per_peer: int = FETCHES_PER_PEER) -> None:
         self.store = store
         self.rdma = rdma
-        self.gate = Gate(secret, "peer", PEER_CLIENTS, "peer connection", handshake_timeout_s)
+        self.gate = Gate(tls, PEER_CLIENTS, "peer connection", handshake_timeout_s)
         self._requests = HeaderDecoder(Union[(FetchChunks, *RDMA_REQUESTS)])  # type: ignore[misc]
         self.served_bytes = 0
+        self.send_stall_s = send_stall_s
+        self.fetches_per_peer = fetches_per_peer
+        self.stalled = 0  # readers dropped for taking no data for send_stall_s
+        self._stall_log = LogBudget()
+        self._send_threads: trio.CapacityLimiter | None = None  # made in the event loop
+        self._peers: dict[str, tuple[trio.CapacityLimiter, int]] = {}  # identity -> (its fetches, connections)
 
     @property
     def refused(self) -> int:
@@ -131,26 +144,49 @@ class PeerServer:
         _tune(stream.socket)
         async with stream:
             admitted = await self.gate.admit(stream)
-            if admitted is None:
-                return
-            frames, _ = admitted
+        if admitted is None:
+            return
+        frames, identity = admitted
+        fetches = self._join(identity.name)
+        async with frames.stream:
             session = None
             try:
                 while True:
                     request_id, request = await frames.receive_request(self._requests)
                     if isinstance(request, FetchChunks):
-                        await self._fetch(frames, request_id, request)
+                        async with fetches:  # a peer's fetches beyond its share wait here, holding nothing
+                            await self._fetch(frames, request_id, request)
                     else:
                         session = await self._rdma_request(frames, request_id, session, request)
             except ProtocolError as error:
                 log.warning("closing peer connection from %s: %s", peer, printable(error))
+            except TimeoutError as error:  # a reader that stopped reading: what it held is freed
+                self.stalled += 1
+                logged, held = self._stall_log.take(trio.current_time())
+                if logged:
+                    log.warning("dropped peer connection from %s (%s): %s%s", peer, identity, error,
+                                f" ({held} more dropped before this one)" if held else "")
             except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
             except Exception:  # never let one connection take the server down
                 log.exception("peer connection from %s failed", peer)
             finally:
+                self._leave(identity.name)
                 if session is not None and self.rdma is not None:
                     await self.rdma.close_session(session)
+
+    def _join(self, name: str) -> trio.CapacityLimiter:
+        """The identity's share of fetches, shared by all its connections."""
+        limiter, connections = self._peers.get(name) or (trio.CapacityLimiter(self.fetches_per_peer), 0)
+        self._peers[name] = (limiter, connections + 1)
+        return limiter
+
+    def _leave(self, name: str) -> None:
+        limiter, connections = self._peers[name]
+        if connections == 1:
+            del self._peers[name]
+        else:
+            self._peers[name] = (limiter, connections - 1)
 
     async def _rdma_request(self, frames: FrameStream, request_id: int, session: Any, request: Any) -> Any:
         async def reply(kind: FrameKind, header: Any) -> None:
@@ -163,7 +199,9 @@ class PeerServer:
         return None
 
     async def _fetch(self, frames: FrameStream, request_id: int, request: FetchChunks) -> None:
-        answer = _Answer(frames, request_id, self._count_served)
+        if self._send_threads is None:
+            self._send_threads = trio.CapacityLimiter(SEND_THREADS)
+        answer = _Answer(frames, request_id, self._count_served, self._send_threads, self.send_stall_s)
 
         async def serve() -> None:
             try:  # the store checks the chunk range, for this path and the RDMA one
@@ -183,11 +221,14 @@ class _Answer:
     """The owner's answer to one fetch: a frame per chunk (or an error), and a pulse whenever
     PULSE_S passes without a frame while the store prepares the next chunk."""
 
-    def __init__(self, frames: FrameStream, request_id: int, sent: Callable[[int], None]) -> None:
-        assert isinstance(frames.stream, trio.SocketStream)
+    def __init__(self, frames: FrameStream, request_id: int, sent: Callable[[int], None],
+                 threads: trio.CapacityLimiter, stall_s: float = SEND_STALL_S) -> None:
+        assert isinstance(frames.stream, TlsStream)
         self.frames = frames
         self.request_id = request_id
-        self._fd = frames.stream.socket.fileno()
+        self._socket = frames.stream.socket
+        self._threads = threads
+        self.stall_s = stall_s
         self._sending = trio.Lock()  # one frame at a time
         self._finished = trio.Event()
         self._last_sent = trio.current_time()
@@ -197,13 +238,25 @@ class _Answer:
         header = encode_frame(FrameKind.RESPONSE, self.request_id, ChunkData(index, len(data)), len(data))
         # The header alone first, so that the reader's open returns while the payload is
         # still on its way (with a large send buffer the kernel would hold it back with
-        # the payload); the payload from a worker thread: the event loop would wake up
-        # for every socket buffer's worth.
+        # the payload); the payload from a worker thread, which encrypts it there: the
+        # event loop would wake up for every socket buffer's worth, and encrypt it itself.
         async with self._sending:
-            await self.frames.send_encoded(header)
-            await trio.to_thread.run_sync(send_all_blocking, self._fd, [data])
+            with trio.move_on_after(self.stall_s) as stalled:
+                await self.frames.send_encoded(header)
+            if stalled.cancelled_caught:  # a frame may be cut: the connection is done
+                raise TimeoutError(f"the peer took no data for {self.stall_s:g} s")
+            await self._payload(memoryview(data).cast("B"))
             self._last_sent = trio.current_time()
         self._sent(len(data))
+
+    async def _payload(self, view: memoryview) -> None:
+        """The payload, encrypted in a worker thread for as long as the socket takes data; while
+        it is full, this waits in the event loop (a reader that stops reading holds no thread)."""
+        while not await trio.to_thread.run_sync(send_some, self._socket, view, limiter=self._threads):
+            with trio.move_on_after(self.stall_s) as stalled:
+                await trio.lowlevel.wait_writable(self._socket)
+            if stalled.cancelled_caught:
+                raise TimeoutError(f"the peer took no data for {self.stall_s:g} s")
 
     async def error(self, error: KvfsError) -> None:
         async with self._sending:
@@ -221,33 +274,11 @@ class _Answer:
                     return
                 if trio.current_time() - self._last_sent < PULSE_S:
                     continue  # a chunk went out meanwhile
-                with trio.move_on_after(SEND_STALL_S) as stalled:
+                with trio.move_on_after(self.stall_s) as stalled:
                     await self.frames.send(FrameKind.PULSE, self.request_id, Pulse())
                 if stalled.cancelled_caught:  # a frame may be cut: the connection is done
-                    raise TimeoutError(f"the peer took no data for {SEND_STALL_S:g} s")
+                    raise TimeoutError(f"the peer took no data for {self.stall_s:g} s")
                 self._last_sent = trio.current_time()
-
-
-def send_all_blocking(fd: int, buffers: list[bytes | memoryview]) -> None:
-    """Writes every buffer to a non-blocking socket, waiting in poll() when it is full
-    (for a worker thread: one writev per socket buffer's worth, no event-loop turns)."""
-    views = [memoryview(buffer).cast("B") for buffer in buffers if len(buffer)]
-    poller = select.poll()
-    poller.register(fd, select.POLLOUT)
-    while views:
-        try:
-            sent = os.writev(fd, views)
-        except BlockingIOError:
-            if not poller.poll(SEND_STALL_S * 1000):
-                raise TimeoutError(f"the peer took no data for {SEND_STALL_S:g} s") from None
-            continue
-        while sent and views:
-            if sent >= len(views[0]):
-                sent -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
 
 
 class MeasuredTransport:
@@ -269,13 +300,13 @@ class MeasuredTransport:
 
 
 class TcpTransport(MeasuredTransport):
-    """Fetches chunks from peers over persistent, authenticated TCP connections."""
+    """Fetches chunks from peers over persistent TLS connections."""
 
     kind = "tcp"
 
-    def __init__(self, secret: bytes, streams_per_peer: int = STREAMS_PER_PEER) -> None:
+    def __init__(self, tls: Tls, streams_per_peer: int = STREAMS_PER_PEER) -> None:
         super().__init__()
-        self.secret = secret
+        self.tls = tls
         self.streams_per_peer = streams_per_peer
         self._idle: dict[str, list[BlockingFrames]] = {}
         self._chunks = HeaderDecoder(ChunkData)
@@ -294,7 +325,7 @@ class TcpTransport(MeasuredTransport):
             connection.close()  # the peer closed it (restarted, say): not worth a request
         host, port = split_address(address)
         with trio.move_on_after(CONNECT_TIMEOUT_S):
-            frames = await connect(host, port, self.secret, "node", "peer", tune=_tune)
+            frames = await connect(host, port, self.tls, PEER_ROLE, tune=_tune)
             try:
                 return BlockingFrames.detach(frames, PEER_SILENCE_S), False
             except BaseException:

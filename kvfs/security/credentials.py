@@ -40,21 +40,27 @@ class Credentials:
     key: Path
 
     @classmethod
-    def from_directory(cls, directory: str | Path) -> Credentials:
+    def from_directory(cls, directory: str | Path, role: str = "ROLE") -> Credentials:
+        """The bundle in DIRECTORY; ROLE only shapes the hint of the error for a missing file."""
         root = Path(directory)
         creds = cls(root / CA_CERT, root / IDENTITY_CERT, root / IDENTITY_KEY)
         for path in (creds.ca, creds.cert, creds.key):
             if not path.exists():
+                address = " --address IP" if role == "node" else ""
                 raise ConfigError(f"{path}: no such file (issue this process's credentials with "
-                                  f"`kvfs ca issue NAME --role ROLE --out {root}`)")
+                                  f"`kvfs ca issue NAME --role {role}{address} --out {root}` and copy them here, "
+                                  f"or point --tls-dir at them)")
         check_private_file(creds.key)
         return creds
 
     def _context(self, purpose: ssl.Purpose) -> ssl.SSLContext:
-        context = ssl.create_default_context(purpose, cafile=str(self.ca))
+        try:
+            context = ssl.create_default_context(purpose, cafile=str(self.ca))
+        except (ssl.SSLError, OSError) as error:
+            raise ConfigError(f"{self.ca}: cannot load the CA certificate ({error})") from None
         context.minimum_version = ssl.TLSVersion.TLSv1_3
-        context.verify_mode = ssl.CERT_REQUIRED  # both sides show a certificate of this CA
         context.check_hostname = False  # identities are names and roles, checked by the caller
+        context.verify_mode = ssl.CERT_REQUIRED  # both sides show a certificate of this CA
         try:
             context.load_cert_chain(str(self.cert), str(self.key))
         except (ssl.SSLError, OSError) as error:
@@ -62,7 +68,9 @@ class Credentials:
         return context
 
     def server_context(self) -> ssl.SSLContext:
-        return self._context(ssl.Purpose.CLIENT_AUTH)
+        context = self._context(ssl.Purpose.CLIENT_AUTH)
+        context.num_tickets = 0  # no resumption: connections are few and long-lived, and tickets are state
+        return context
 
     def client_context(self) -> ssl.SSLContext:
         return self._context(ssl.Purpose.SERVER_AUTH)
@@ -108,3 +116,30 @@ def _checked(name: str, role: str, addresses: tuple[str, ...]) -> Identity:
     if not name or role not in ROLES:
         raise ssl.SSLError(f"the certificate names no kvfs identity (name {name[:64]!r}, role {role[:16]!r})")
     return Identity(name, role, addresses)
+
+
+@dataclass(frozen=True)
+class Tls:
+    """What a process needs for its cluster connections: its identity and both TLS contexts
+    (built once from its bundle)."""
+
+    identity: Identity
+    client: ssl.SSLContext
+    server: ssl.SSLContext
+    directory: Path
+
+    @classmethod
+    def load(cls, directory: str | Path, role: str = "ROLE") -> Tls:
+        """The bundle in DIRECTORY; a ConfigError names the file and the command that makes it."""
+        credentials = Credentials.from_directory(directory, role)
+        try:
+            identity = credentials.identity()
+        except (ValueError, ssl.SSLError) as error:
+            raise ConfigError(f"{credentials.cert}: not a kvfs identity certificate ({error})") from None
+        return cls(identity, credentials.client_context(), credentials.server_context(), Path(directory))
+
+    def require_role(self, *roles: str) -> None:
+        """Refuses a bundle of another role (a client's bundle given to a node, say)."""
+        if self.identity.role not in roles:
+            raise ConfigError(f"{self.directory}: the certificate is {self.identity}, this needs role "
+                              f"{' or '.join(roles)} (`kvfs ca issue NAME --role {roles[0]} --out {self.directory}`)")

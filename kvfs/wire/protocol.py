@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 MAGIC = b"KV"
-VERSION = 2  # 2: the client proves first, proofs bound to direction and transcript
+VERSION = 3  # 3: TLS 1.3 with certificates; the setup ends with a Welcome (2: a shared secret's proofs)
 PREFIX = struct.Struct(">2sBBIIQ")
 PREFIX_SIZE = PREFIX.size
 MAX_HEADER = 1 << 20  # control messages are small; a listing of 256 entries is ~40 KiB
@@ -30,7 +30,7 @@ MAX_PAYLOAD = 8 << 20  # one chunk (4 MiB) with room to spare
 
 
 class FrameKind(enum.IntEnum):
-    HELLO = 1  # authentication handshake
+    HELLO = 1  # connection setup: the server's Welcome
     REQUEST = 2
     RESPONSE = 3
     ERROR = 4

@@ -22,10 +22,21 @@ from pathlib import Path
 import trio
 
 HOST = os.environ.get("KVFS_RDMA_HOST", "10.77.0.1")
-SECRET = "kvfs-rdma-vm-secret-0123456789"
 MiB = 1 << 20
 ROOT = Path("/tmp/kvfs-vm")
-ENV = {**os.environ, "KVFS_SECRET": SECRET, "KVFS_METRICS_LISTEN": "127.0.0.1:0", "KVFS_CONFIG": os.devnull}
+TLS = ROOT / "tls"  # the checks' CA and a bundle per identity
+ENV = {**os.environ, "KVFS_TLS_DIR": str(TLS / "admin"), "KVFS_METRICS_LISTEN": "127.0.0.1:0",
+       "KVFS_CONFIG": os.devnull}
+
+
+def issue_bundles() -> None:
+    """The CA and the bundles of the master, both nodes (at HOST) and the admin."""
+    from kvfs.security import ca
+
+    if not (TLS / "ca" / "ca.key").exists():
+        ca.init_ca(TLS / "ca")
+    for name, role in (("master", "master"), ("owner", "node"), ("reader", "node"), ("admin", "admin")):
+        ca.issue(TLS / "ca", name, role, TLS / name, [HOST] if role == "node" else [], overwrite=True)
 
 
 class Daemon:
@@ -71,7 +82,8 @@ class Daemon:
 
 def node(name: str, master: str, *extra: str) -> tuple[Daemon, Path]:
     mountpoint = ROOT / name
-    daemon = Daemon(name, ["node", "--master", master, "--mount", str(mountpoint), "--name", name, "--foreground",
+    daemon = Daemon(name, ["node", "--master", master, "--mount", str(mountpoint), "--name", name,
+                           "--tls-dir", str(TLS / name), "--foreground",
                            "--listen", f"{HOST}:0", "--dram", "96M", "--log-level", "debug", *extra])
     daemon.wait_for(r"is ready")
     return daemon, mountpoint
@@ -102,7 +114,9 @@ def check(name: str):
 
 def main() -> None:
     ROOT.mkdir(parents=True, exist_ok=True)
-    master = Daemon("master", ["master", "--listen", f"{HOST}:0", "--data", str(ROOT / "master-data")])
+    issue_bundles()
+    master = Daemon("master", ["master", "--listen", f"{HOST}:0", "--data", str(ROOT / "master-data"),
+                               "--tls-dir", str(TLS / "master")])
     master_address = master.wait_for(r"master listening on (\S+)").group(1)
     owner, owner_path = node("owner", master_address, "--transport", "rdma")
     reader, reader_path = node("reader", master_address, "--transport", "auto")
@@ -175,7 +189,10 @@ def main() -> None:
         lengths = [chunk["length"] for chunk in info["chunks"]]
         device = open_rdma("rdma")
         buffers = ReadBufferPool(4, 4 * MiB)
-        transport = RdmaTransport(device, SECRET.encode(), TcpTransport(SECRET.encode()), buffers)
+        from kvfs.security.credentials import Tls
+
+        tls = Tls.load(TLS / "reader")
+        transport = RdmaTransport(device, tls, TcpTransport(tls), buffers)
         revoked = []
 
         async def revoke_between_grant_and_read(address: str) -> None:
