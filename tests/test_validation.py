@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import trio
 
-from conftest import CLUSTER_SECRET, UNEXPECTED, Cluster
+from conftest import UNEXPECTED, Cluster, load_tls
 from kvfs.clock import ManualClock
 from kvfs.cluster.embedded import EmbeddedMaster
 from kvfs.cluster.master import XATTRS_MAX_BYTES, MasterSettings, MetadataService
@@ -102,16 +102,15 @@ def test_a_live_master_refuses_a_version_out_of_range_and_keeps_its_state(tmp_pa
     nothing above 2^64 - 1). Decoding refuses it: that connection is closed with the reason
     logged; the master saves every later change, and has them after a restart."""
     cluster = Cluster(tmp_path)
-    secret = CLUSTER_SECRET.encode()
     host, port = cluster.master.address.rsplit(":", 1)
 
     async def attack_then_work() -> None:
         async with trio.open_nursery() as nursery:
-            attacker = await RemoteMaster.connect(host, int(port), secret, nursery)
+            attacker = await RemoteMaster.connect(host, int(port), load_tls("n0"), nursery)
             with pytest.raises(MasterUnavailable):
                 with trio.fail_after(10):
                     await attacker.call(m.Restore(-1, 1, record([b"evil.bin"]), [1]))
-            client = await RemoteMaster.connect(host, int(port), secret, nursery)
+            client = await RemoteMaster.connect(host, int(port), load_tls("n1"), nursery)
             node = (await client.call(m.Register("n1", "127.0.0.1:1"))).node
             await client.call(m.Report([]))
             await client.call(m.FinishRegistration())
@@ -122,7 +121,7 @@ def test_a_live_master_refuses_a_version_out_of_range_and_keeps_its_state(tmp_pa
 
     async def look_up(name: bytes) -> m.Entry:
         async with trio.open_nursery() as nursery:
-            client = await RemoteMaster.connect(host, int(port), secret, nursery)
+            client = await RemoteMaster.connect(host, int(port), load_tls("n1"), nursery)
             entry = await client.call(m.Lookup(ROOT_INO, name))
             await client.aclose()
             nursery.cancel_scope.cancel()
