@@ -416,6 +416,8 @@ def run_mount(tmp_path: Path, engine_kind: str, scenario: MountScenario, setting
                 nursery.start_soon(member.ops.run_forgetter)
                 await scenario(member)
                 await quiesce([member])
+                if ssd is not None and settings.offload == "eager" and not store.faults.failing("offload"):
+                    assert store.unsaved() == (0, 0)  # every sealed file is saved by now
                 check_consistency(service, [member])
                 nursery.cancel_scope.cancel()
         finally:

@@ -10,6 +10,7 @@ import errno
 import os
 import stat
 from pathlib import Path
+from typing import Awaitable
 
 import pyfuse3
 import pytest
@@ -19,13 +20,12 @@ from kvfs.cluster.master import MasterSettings
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.store.residency import State
 from kvfs.store.tiered import TierSettings
-from inprocess import (CHUNK, DRAM, ROOT, Context, Fields, Member, content, engine_kind, fail_ssd_writes, lookup,
-                       read_file, run_mount, until, write_file)
+from inprocess import engine_kind  # noqa: F401 (a fixture)
+from inprocess import (CHUNK, DRAM, ROOT, Context, Fields, Member, content, fail_ssd_writes, lookup, read_file,
+                       run_mount, until, write_file)
 
-__all__ = ["engine_kind"]  # the fixture, imported for pytest
 
-
-async def fails(errno_: int, request) -> None:  # type: ignore[no-untyped-def]
+async def fails(errno_: int, request: Awaitable[object]) -> None:
     """Awaits a handler call that must fail with `errno_` (and not take the node down)."""
     with pytest.raises(pyfuse3.FUSEError) as failed:
         await request
