@@ -37,6 +37,7 @@ from kvfs.disk.probe import probe_io_uring
 from kvfs.disk.tier import SsdTier
 from kvfs.errors import StorageError
 from kvfs.fuse.operations import KvfsOperations
+from kvfs.net.rpc import MasterUnavailable
 from kvfs.net.transport import PEER_SILENCE_S
 from kvfs.node.membership import HEARTBEAT_S
 from kvfs.node.service import Node
@@ -245,6 +246,7 @@ class Member:
     link: MasterClient
     kernel: Kernel
     transport: InMemoryTransport | None = None
+    client: MasterClient | None = None  # the registered client under `link` (a cluster node)
     heartbeating: bool = True
     rejoined: int = 0  # registrations after the master declared it dead
 
@@ -253,12 +255,14 @@ class Member:
         return self.node.node_id
 
     async def join(self) -> None:
-        await self.node.membership.join(self.link, self.name, self.address)
+        """Registers the node through its client, as a link does on every new connection."""
+        assert self.client is not None, "a node with an embedded master does not register"
+        await self.node.membership.join(self.client, self.name, self.address)
 
 
 def build_member(name: str, link: MasterClient, store: TieredStore, mountpoint: Path,
                  transport: InMemoryTransport | None = None, address: str = "",
-                 unsealed_per_user: int = 0) -> Member:
+                 unsealed_per_user: int = 0, client: MasterClient | None = None) -> Member:
     """A node's parts wired as kvfs.daemons.node wires them."""
     kernel = Kernel()
     node = Node(link, store, TrioClock(), forget_entries=kernel.forget_entries, transport=transport,
@@ -266,7 +270,7 @@ def build_member(name: str, link: MasterClient, store: TieredStore, mountpoint: 
                 unsealed_per_user=unsealed_per_user)
     ops = KvfsOperations(node, MountConfig(str(mountpoint), 16 << 20))
     kernel.operations = ops
-    return Member(name, address, ops, node, store, link, kernel, transport)
+    return Member(name, address, ops, node, store, link, kernel, transport, client)
 
 
 # The kernel's requests ---------------------------------------------------------------------
@@ -436,7 +440,7 @@ class Cluster:
     """A master and its nodes connected in memory, with the timers their daemons run: each
     node's heartbeat every HEARTBEAT_S (registering again when the master no longer knows
     it), the master's expiry pass every `expire_interval_s`, and pushes of name changes
-    after each request."""
+    after each request. A node's link can be cut and restored (`Link`)."""
 
     def __init__(self, service: MetadataService, tmp_path: Path, nursery: trio.Nursery) -> None:
         self.service = service
@@ -458,9 +462,9 @@ class Cluster:
         address = f"{name}.test:7070"
         store = TieredStore(DramTier(dram, CHUNK), None, TierSettings(), ReadBufferPool(READ_BUFFERS, CHUNK),
                             clock=trio.current_time)
-        link = StallingLink(self, self.hub.connect())
+        link = Link(self, self.hub.connect())
         transport = InMemoryTransport(self.network)
-        member = build_member(name, link, store, self.tmp_path / name, transport, address)
+        member = build_member(name, link, store, self.tmp_path / name, transport, address, client=link.client)
         link.client.on_notify = member.node.membership.names_changed
         self.nursery.start_soon(store.run)
         self.nursery.start_soon(member.ops.run_forgetter)
@@ -506,14 +510,38 @@ class Cluster:
                 member.rejoined += 1
 
 
-class StallingLink:
-    """A node's link to the in-process master: its requests wait while the master stalls."""
+class Link:
+    """A node's link to the in-process master, behaving as kvfs.net.link.MasterLink does:
+    requests wait while the master stalls; while the link is cut they wait up to `wait_s`
+    (the node's --master-wait) for it to come back, then fail with MasterUnavailable; a
+    link that comes back registers its node again before any other request goes through."""
 
-    def __init__(self, cluster: Cluster, client: EmbeddedMember) -> None:
+    def __init__(self, cluster: Cluster, client: EmbeddedMember, wait_s: float = 10.0) -> None:
         self.cluster = cluster
         self.client = client
+        self.wait_s = wait_s
+        self._up = trio.Event()
+        self._up.set()
+
+    @property
+    def connected(self) -> bool:
+        return self._up.is_set()
+
+    def cut(self) -> None:
+        self._up = trio.Event()
+
+    async def restore(self, member: Member) -> None:
+        await self.cluster.running()
+        await member.join()
+        self._up.set()
 
     async def call(self, request: m.Request, wait_s: float | None = None) -> object:
+        timeout = self.wait_s if wait_s is None else wait_s
+        if not self._up.is_set():
+            with trio.move_on_after(timeout):
+                await self._up.wait()
+            if not self._up.is_set():
+                raise MasterUnavailable("the link to the master is cut")
         await self.cluster.running()
         return await self.client.call(request, wait_s)
 

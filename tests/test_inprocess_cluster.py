@@ -22,7 +22,7 @@ from kvfs.cluster.master import MasterSettings
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.node.prefetch import TTL_S
 from kvfs.node.service import PEER_BUDGET_S, SEAL_WAIT_S
-from inprocess import (CHUNK, ROOT, Cluster, check_consistency, content, lookup, read_file, run_cluster,
+from inprocess import (CHUNK, ROOT, Cluster, Link, check_consistency, content, lookup, read_file, run_cluster,
                        write_file)
 
 DEAD_AFTER_S = MasterSettings().dead_after_s
@@ -209,5 +209,50 @@ def test_the_consistency_check_finds_an_orphan_and_a_disagreement(tmp_path: Path
             check_consistency(cluster.service, cluster.members)
         version.size -= 1
         check_consistency(cluster.service, cluster.members)
+
+    run_cluster(tmp_path, scenario)
+
+
+def test_a_dead_nodes_readers_no_longer_pin_the_owners_files(tmp_path: Path) -> None:
+    async def scenario(cluster: Cluster) -> None:
+        a, b = cluster.members
+        pinned = await write_file(a, b"pinned", content(6, 8 * CHUNK))
+        reader = await b.ops.open(await lookup(b, b"pinned"), os.O_RDONLY, ROOT)  # B reads it
+        await write_file(a, b"other", content(7, 8 * CHUNK))  # A's tier is full
+        await write_file(a, b"more", content(8, 4 * CHUNK))  # room made: not from the file B reads
+        assert await lookup(a, b"pinned") == pinned and await lookup(a, b"other") == 0
+        b.heartbeating = False
+        while cluster.is_live(b):
+            await trio.sleep(0.05)
+        await write_file(a, b"last", content(9, 8 * CHUNK))  # B's read went with B: evictable now
+        assert await lookup(a, b"pinned") == 0
+        b.heartbeating = True
+        while not cluster.is_live(b):
+            await trio.sleep(0.05)
+        await b.ops.release(reader.fh)  # its reference died with the old registration: nothing to release
+
+    run_cluster(tmp_path, scenario)
+
+
+def test_a_node_cut_off_from_the_master_serves_its_files_and_reports_what_it_sealed_meanwhile(
+        tmp_path: Path) -> None:
+    async def scenario(cluster: Cluster) -> None:
+        a, b = cluster.members
+        link = a.link
+        assert isinstance(link, Link)
+        kept = await write_file(a, b"kept", content(10, CHUNK))
+        info, entry = await a.ops.create(ROOT_INO, b"late", stat.S_IFREG | 0o644, os.O_CREAT, ROOT)
+        await a.ops.write(info.fh, 0, content(11, 2 * CHUNK))
+        link.cut()
+        assert await read_file(a, kept) == content(10, CHUNK)  # from its own tier, without the master
+        assert a.node.degraded_reads == 1
+        await a.ops.release(info.fh)  # sealed here; the master cannot hear of it (after --master-wait)
+        assert list(a.node.membership.unreported_seals) == [version_of(cluster, entry.st_ino)]
+        assert not cluster.is_live(a)  # declared dead meanwhile: its files are hidden from B
+        assert await lookup(b, b"kept") == 0
+        await link.restore(a)  # registers again, reporting the seal
+        assert a.node.membership.unreported_seals == {} and cluster.is_live(a)
+        assert await read_file(b, await lookup(b, b"late")) == content(11, 2 * CHUNK)
+        assert await read_file(b, await lookup(b, b"kept")) == content(10, CHUNK)
 
     run_cluster(tmp_path, scenario)
