@@ -305,6 +305,11 @@ async def read_file(member: Member, ino: int, ctx: Context = ROOT) -> bytes:
         await ops.release(info.fh)
 
 
+async def version_of(member: Member, ino: int) -> int:
+    """The version a file's name shows now (GETATTR)."""
+    return (await member.node.getattr(ino)).version
+
+
 async def lookup(member: Member, name: bytes, parent: int = ROOT_INO, ctx: Context = ROOT) -> int:
     """The inode a LOOKUP finds, 0 for a negative entry."""
     return (await member.ops.lookup(parent, name, ctx)).st_ino
@@ -334,7 +339,8 @@ def check_consistency(service: MetadataService, members: Iterable[Member]) -> No
               if inode.is_file and inode.linked and inode.version}
     for member in members:
         store, node, who = member.store, member.node, f"node {member.node_id} ({member.name})"
-        writing = set(node._writing)
+        writing = {held.version for held in node.writing()}
+        opens = sum(count for _, _, count in node.open_counts())
         problems += [f"{who}: {problem}" for problem in audit(store, writing)]
         placed = {version.version: version for version in service.objects.versions.values()
                   if version.node == member.node_id}
@@ -370,16 +376,18 @@ def check_consistency(service: MetadataService, members: Iterable[Member]) -> No
                 problems.append(f"{who}: version {number}: the SSD index names it "
                                 f"{record.file.path if record else None}, not {path_of(service, inode.ino)}")
         # With no file open, nothing holds a DRAM copy, a read buffer or a quota charge.
-        if not node._opens:
+        if not opens:
             if books.busy_versions():
                 problems.append(f"{who}: copies still in use: {sorted(books.busy_versions())}")
             free, total = store.read_buffers.available, len(store.read_buffers.view) // store.chunk_size
-            if free != total and not (node.prefetches and node.prefetches._pending):
+            prefetching = node.prefetches is not None and node.prefetches.started > (node.prefetches.claimed
+                                                                                   + node.prefetches.wasted)
+            if free != total and not prefetching:
                 problems.append(f"{who}: {total - free} read buffers not given back")
             if node.unsealed.by_uid:
                 problems.append(f"{who}: unsealed bytes still charged: {node.unsealed.by_uid}")
-        if len(member.ops.files) != sum(node._opens.values()):
-            problems.append(f"{who}: {len(member.ops.files)} FUSE handles, {sum(node._opens.values())} opens")
+        if len(member.ops.files) != opens:
+            problems.append(f"{who}: {len(member.ops.files)} FUSE handles, {opens} open files")
     assert problems == [], "\n".join(problems)
 
 

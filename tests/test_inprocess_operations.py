@@ -22,7 +22,7 @@ from kvfs.store.residency import State
 from kvfs.store.tiered import TierSettings
 from inprocess import engine_kind  # noqa: F401 (a fixture)
 from inprocess import (CHUNK, DRAM, ROOT, Context, Fields, Member, content, fail_ssd_writes, lookup, read_file,
-                       run_mount, until, write_file)
+                       run_mount, until, version_of, write_file)
 
 
 async def fails(errno_: int, request: Awaitable[object]) -> None:
@@ -44,7 +44,7 @@ def test_a_file_written_renamed_read_and_removed_through_the_handlers(tmp_path: 
         assert (attr.st_size, stat.S_IMODE(attr.st_mode)) == (len(data), 0o644)  # umask 022 applied
         assert await read_file(mount, ino) == data
         await mount.store.wait_offloaded()
-        assert mount.store.tier_of(mount.node._local[ino][0]) == "dram+ssd"
+        assert mount.store.tier_of(await version_of(mount, ino)) == "dram+ssd"
         # Truncating through a handle-less setattr is a short write session: a new version.
         truncated = pyfuse3.EntryAttributes()
         truncated.st_size = CHUNK
@@ -101,7 +101,7 @@ def test_a_full_ssd_evicts_the_oldest_files_whole_and_the_kernel_forgets_their_n
         assert mount.node.evicted_files == len(evicted)
         assert sorted(mount.kernel.invalidated_entries) == sorted((ROOT_INO, name) for name in evicted)
         for name in kept:
-            assert mount.store.is_saved(mount.node._local[inos[name]][0])
+            assert mount.store.is_saved(await version_of(mount, inos[name]))
             assert await read_file(mount, inos[name]) == content(int(name[1:]), CHUNK)
 
     run_mount(tmp_path, engine_kind, scenario, disk=8 * CHUNK)
@@ -158,7 +158,7 @@ def test_a_files_second_read_from_ssd_promotes_it(tmp_path: Path, engine_kind: s
         ino = await write_file(mount, b"block", data)
         await mount.store.wait_offloaded()
         assert mount.store.demote_all() == 1
-        version = mount.node._local[ino][0]
+        version = await version_of(mount, ino)
         assert await read_file(mount, ino) == data  # the first touch, from SSD
         assert mount.store.residency.state(version) is State.DEMOTED
         assert await read_file(mount, ino) == data  # the second: promoted into DRAM
