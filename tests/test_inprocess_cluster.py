@@ -20,6 +20,8 @@ import trio
 
 from kvfs.cluster.master import MasterSettings
 from kvfs.cluster.namespace import ROOT_INO
+from kvfs.errors import MetadataError
+from kvfs.wire import messages as m
 from kvfs.node.prefetch import TTL_S
 from kvfs.node.service import PEER_BUDGET_S, SEAL_WAIT_S
 from inprocess import (CHUNK, ROOT, Cluster, Link, check_consistency, content, lookup, read_file, run_cluster,
@@ -254,5 +256,21 @@ def test_a_node_cut_off_from_the_master_serves_its_files_and_reports_what_it_sea
         assert a.node.membership.unreported_seals == {} and cluster.is_live(a)
         assert await read_file(b, await lookup(b, b"late")) == content(11, 2 * CHUNK)
         assert await read_file(b, await lookup(b, b"kept")) == content(10, CHUNK)
+
+    run_cluster(tmp_path, scenario)
+
+
+def test_a_request_the_wire_cannot_carry_fails_with_einval_and_changes_nothing(tmp_path: Path) -> None:
+    async def scenario(cluster: Cluster) -> None:
+        a, _ = cluster.members
+        assert a.client is not None
+        inodes = len(cluster.service.ns.inodes)
+        with pytest.raises(MetadataError) as refused:  # an inode past 64 bits: never sent
+            await a.client.call(m.MkDir(2**64, b"d", 0o755, 0, 0))
+        assert refused.value.errno == errno.EINVAL and "cannot carry" in str(refused.value)
+        with pytest.raises(pyfuse3.FUSEError) as failed:  # a mode the protocol bounds: its errno through FUSE
+            await a.ops.mkdir(ROOT_INO, b"d", 0o1000000, ROOT)
+        assert failed.value.errno == errno.EINVAL
+        assert len(cluster.service.ns.inodes) == inodes
 
     run_cluster(tmp_path, scenario)

@@ -129,6 +129,24 @@ def test_a_dram_only_node_evicts_closed_files_and_refuses_when_everything_is_ope
     run_mount(tmp_path, "threads", scenario, disk=0)
 
 
+def test_watermark_offload_copies_the_oldest_files_once_past_the_high_watermark_and_tells_the_master(
+        tmp_path: Path) -> None:
+    async def scenario(mount: Member) -> None:
+        inos = [await write_file(mount, f"f{index}".encode(), content(index, CHUNK)) for index in range(7)]
+        await trio.sleep(60)  # 7 of 16 chunks, below the high watermark (0.5): nothing is copied
+        assert [mount.store.tier_of(await version_of(mount, ino)) for ino in inos] == ["dram"] * 7
+        inos += [await write_file(mount, f"f{index}".encode(), content(index, CHUNK)) for index in (7, 8)]
+        await mount.store.wait_offloaded()
+        # Past it: the oldest until DRAM-only bytes are down to the low watermark (0.25: 4 chunks),
+        # each reported to the master (the final check compares its view with the store's).
+        tiers = [mount.store.tier_of(await version_of(mount, ino)) for ino in inos]
+        assert tiers == ["dram+ssd"] * 5 + ["dram"] * 4
+        assert mount.store.residency.dram_only_bytes == 4 * CHUNK
+
+    run_mount(tmp_path, "threads", scenario,
+              TierSettings(offload="watermark", high_watermark=0.5, low_watermark=0.25, eviction_policy="lru"))
+
+
 def test_backpressure_waits_its_timeout_in_virtual_time_then_the_write_gets_enospc(
         tmp_path: Path, engine_kind: str) -> None:
     async def scenario(mount: Member) -> None:
