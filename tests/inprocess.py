@@ -319,6 +319,7 @@ async def lookup(member: Member, name: bytes, parent: int = ROOT_INO, ctx: Conte
 
 
 def path_of(service: MetadataService, ino: int) -> list[bytes]:
+    """A linked inode's path from the root, as an SSD index record names it."""
     path = []
     inode = service.ns.inodes[ino]
     while inode.ino != ROOT_INO:
@@ -332,8 +333,10 @@ def check_consistency(service: MetadataService, members: Iterable[Member]) -> No
     master's namespace against each node's store: every sealed file of a node is in its DRAM
     or on its SSD with the master's size and checksums, saved exactly when the master thinks
     so, under its current path in the SSD index; a node stores nothing the master does not
-    place on it (no orphan versions or extents); and the store's own books agree with its
-    tiers, its index and the bytes its allocators account for (kvfs.store.audit)."""
+    place on it (no orphan versions or extents); with nothing open, no copy, read buffer or
+    quota charge is held; and the store's own books agree with its tiers, its index and the
+    bytes both allocators account for (kvfs.store.audit: the DRAM arena's bytes used are the
+    blocks of the versions it holds, each sealed, being written or in use)."""
     problems: list[str] = []
     linked = {inode.version: inode for inode in service.ns.inodes.values()
               if inode.is_file and inode.linked and inode.version}
