@@ -139,12 +139,22 @@ class Fields:
 
 class Kernel:
     """What a node's daemon tells the kernel behind its back, recorded: names to drop from
-    its dentry cache (only those it references, as the daemon does), attributes to re-read."""
+    its dentry cache (only those it references, as the daemon does), attributes to re-read.
+    It also keeps the inodes the harness's requests got entries for, to forget them all as
+    a kernel dropping its caches does (`drop_caches`)."""
 
     def __init__(self) -> None:
         self.operations: KvfsOperations | None = None
         self.invalidated_entries: list[tuple[int, bytes]] = []
         self.invalidated_attrs: list[int] = []
+        self.referenced: set[int] = set()
+
+    def drop_caches(self) -> None:
+        """FORGET of every inode referenced through the harness (echo 2 > drop_caches, with no
+        file open): unlinked or replaced files the kernel still showed can go now."""
+        assert self.operations is not None
+        self.operations.forget([(ino, 1 << 30) for ino in self.referenced])
+        self.referenced.clear()
 
     def forget_entries(self, entries: list[tuple[int, bytes, int]]) -> None:
         assert self.operations is not None
@@ -282,9 +292,12 @@ async def write_file(member: Member, name: bytes, data: bytes, parent: int = ROO
     rename to publish it when `rename_to` is given; returns the inode."""
     ops = member.ops
     info, entry = await ops.create(parent, name, stat.S_IFREG | 0o666, os.O_WRONLY | os.O_CREAT | os.O_EXCL, ctx)
-    for start in range(0, len(data), CHUNK):
-        assert await ops.write(info.fh, start, data[start:start + CHUNK]) == len(data[start:start + CHUNK])
-    await ops.release(info.fh)
+    member.kernel.referenced.add(entry.st_ino)
+    try:
+        for start in range(0, len(data), CHUNK):
+            assert await ops.write(info.fh, start, data[start:start + CHUNK]) == len(data[start:start + CHUNK])
+    finally:  # close() after a failed write too
+        await ops.release(info.fh)
     if rename_to is not None:
         await ops.rename(parent, name, parent, rename_to, 0, ctx)
     return entry.st_ino
@@ -312,7 +325,10 @@ async def version_of(member: Member, ino: int) -> int:
 
 async def lookup(member: Member, name: bytes, parent: int = ROOT_INO, ctx: Context = ROOT) -> int:
     """The inode a LOOKUP finds, 0 for a negative entry."""
-    return (await member.ops.lookup(parent, name, ctx)).st_ino
+    ino = (await member.ops.lookup(parent, name, ctx)).st_ino
+    if ino:
+        member.kernel.referenced.add(ino)
+    return ino
 
 
 # The consistency check ---------------------------------------------------------------------
@@ -349,7 +365,9 @@ def check_consistency(service: MetadataService, members: Iterable[Member]) -> No
                   if version.node == member.node_id}
         books = store.residency
         held = set(books) | set(store.dram.versions()) | set(store.ssd.extents if store.ssd is not None else ())
-        for version in sorted(held - set(placed)):
+        record = service.registry.nodes.get(member.node_id)
+        on_their_way = set(record.outbox_dropped) if record is not None else set()  # the next heartbeat's drops
+        for version in sorted(held - set(placed) - on_their_way):
             problems.append(f"{who}: stores version {version}, which the master does not place there")
         for version in sorted(writing - set(placed)):
             problems.append(f"{who}: writes version {version}, which the master does not know")

@@ -81,7 +81,7 @@ def test_failures_answer_their_errno_and_the_node_keeps_serving(tmp_path: Path) 
         assert await read_file(mount, ino) == content(2, CHUNK)  # still serving
         counts = ops.operation_stats.counts
         assert counts[("lookup", "ENAMETOOLONG")] == 1 and counts[("rmdir", "ENOTEMPTY")] == 1
-        await ops.unlink(ROOT_INO, b"huge", ROOT)  # its writer was released when the write failed
+        await ops.unlink(ROOT_INO, b"huge", ROOT)  # (its writer closed it after the failed write)
 
     run_mount(tmp_path, "threads", scenario)
 
