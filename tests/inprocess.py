@@ -507,11 +507,14 @@ class Cluster:
     async def running(self) -> None:
         await self._running.wait()
 
-    async def stall(self, seconds: float) -> None:
+    async def stall(self, seconds: float, expire_first: bool = False) -> None:
         """The master stops for `seconds` (SIGSTOP, a slow save): no request is answered and no
-        expiry pass runs meanwhile; requests sent meanwhile are answered after it."""
+        expiry pass runs meanwhile; requests sent meanwhile are answered after it, after one
+        expiry pass if `expire_first` (its timer fires before it reads the queued heartbeats)."""
         self._running = trio.Event()
         await trio.sleep(seconds)
+        if expire_first:
+            self._expire()
         self._running.set()
 
     def is_live(self, member: Member) -> bool:
@@ -528,8 +531,11 @@ class Cluster:
         while True:
             await trio.sleep(self.service.settings.expire_interval_s)
             await self.running()
-            for node_id in self.hub.expire_nodes():
-                self.declared_dead.append((trio.current_time(), node_id))
+            self._expire()
+
+    def _expire(self) -> None:
+        for node_id in self.hub.expire_nodes():
+            self.declared_dead.append((trio.current_time(), node_id))
 
     async def _heartbeat_forever(self, member: Member) -> None:
         while True:
