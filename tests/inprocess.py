@@ -482,7 +482,7 @@ class Cluster:
         self._running = trio.Event()  # cleared while the master stalls
         self._running.set()
         self._pushes = trio.Event()
-        self.hub.wake = self._pushes.set
+        self.hub.wake = lambda: self._pushes.set()  # a push follows the reply, as over the network
         nursery.start_soon(self._push_forever)
         nursery.start_soon(self._expire_forever)
 
@@ -524,7 +524,6 @@ class Cluster:
         while True:
             await self._pushes.wait()
             self._pushes = trio.Event()
-            self.hub.wake = self._pushes.set
             self.hub.push()
 
     async def _expire_forever(self) -> None:
@@ -541,6 +540,7 @@ class Cluster:
         while True:
             await trio.sleep(HEARTBEAT_S)
             if member.heartbeating and not await member.node.membership.heartbeat():
+                await self.running()
                 await member.join()
                 member.rejoined += 1
 
