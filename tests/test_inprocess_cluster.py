@@ -24,7 +24,7 @@ from kvfs.cluster.namespace import ROOT_INO
 from kvfs.errors import MetadataError
 from kvfs.wire import messages as m
 from kvfs.node.membership import HEARTBEAT_S
-from kvfs.node.prefetch import TTL_S
+from kvfs.node.prefetch import PAUSE_S, TTL_S, WINDOW
 from kvfs.node.service import PEER_BUDGET_S, SEAL_WAIT_S
 from inprocess import (CHUNK, ROOT, Cluster, Link, check_consistency, content, lookup, read_file, run_cluster,
                        write_file)
@@ -170,6 +170,29 @@ def test_a_prefetch_started_by_a_lookup_is_claimed_within_its_ttl_and_dropped_af
         assert await read_file(b, files[b"g"]) == content(1, 2 * CHUNK)
         assert await read_file(b, files[b"h"]) == content(2, 2 * CHUNK)
         assert (fetches(b"g"), fetches(b"h"), prefetches.claimed) == (2, 1, 2)
+
+    run_cluster(tmp_path, scenario)
+
+
+def test_names_looked_up_and_never_opened_shut_the_prefetch_gate_for_its_pause(tmp_path: Path) -> None:
+    async def scenario(cluster: Cluster) -> None:
+        a, b = cluster.members
+        names = [f"n{index}".encode() for index in range(WINDOW + 3)]
+        inos = [await write_file(a, name, content(index, 100)) for index, name in enumerate(names)]
+        assert b.node.prefetches is not None
+        prefetches = b.node.prefetches
+        for name in names[:WINDOW]:  # `ls -l`: each name looked up, none opened within TTL_S
+            assert await lookup(b, name)
+            await trio.sleep(TTL_S + 0.1)
+        assert (prefetches.started, prefetches.wasted, prefetches.gate.pauses) == (WINDOW, WINDOW - 1, 0)
+        assert await lookup(b, names[WINDOW])  # drops the last one: all of the window unclaimed
+        assert (prefetches.started, prefetches.gate.pauses) == (WINDOW, 1)  # shut: this one not fetched
+        await trio.sleep(PAUSE_S - 0.5)
+        assert await lookup(b, names[WINDOW + 1]) and prefetches.started == WINDOW  # still shut
+        await trio.sleep(0.5)
+        assert await lookup(b, names[WINDOW + 2]) and prefetches.started == WINDOW + 1  # open again
+        assert await read_file(b, inos[-1]) == content(WINDOW + 2, 100)
+        assert prefetches.claimed == 1
 
     run_cluster(tmp_path, scenario)
 
