@@ -59,6 +59,27 @@ def test_a_file_written_on_one_node_is_read_on_the_other_and_rewritten_there(tmp
     run_cluster(tmp_path, scenario)
 
 
+def test_a_reader_on_one_node_keeps_the_version_it_opened_while_the_other_node_rewrites_it(tmp_path: Path) -> None:
+    async def scenario(cluster: Cluster) -> None:
+        a, b = cluster.members
+        old, new = content(20, 3 * CHUNK), content(21, 2 * CHUNK)
+        ino = await write_file(a, b"shared", old)
+        first = version_of(cluster, ino)
+        reader = await b.ops.open(await lookup(b, b"shared"), os.O_RDONLY, ROOT)
+        writer = await a.ops.open(ino, os.O_WRONLY | os.O_TRUNC, ROOT)  # copy-on-write: a new version
+        await a.ops.write(writer.fh, 0, new)
+        await a.ops.release(writer.fh)
+        assert version_of(cluster, ino) != first and first in a.store  # retired, kept for B's reader
+        assert bytes(await b.ops.read(reader.fh, 0, len(old))) == old  # the bytes it opened
+        await b.ops.release(reader.fh)
+        await trio.sleep(1)  # the drop reaches A with its heartbeat
+        assert first not in a.store
+        assert await read_file(b, ino) == new
+        assert ino in b.kernel.invalidated_attrs  # B's kernel re-reads the size of the new version
+
+    run_cluster(tmp_path, scenario)
+
+
 def test_a_node_that_stops_heartbeating_is_declared_dead_after_dead_after_and_comes_back(tmp_path: Path) -> None:
     async def scenario(cluster: Cluster) -> None:
         a, b = cluster.members
