@@ -15,12 +15,14 @@ DRAM accounting.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import math
 import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable, Iterator
 
 import pytest
 import trio
@@ -52,9 +54,9 @@ CHUNK = 64 << 10
 DRAM = 16 * CHUNK  # 1 MiB
 DISK = 64 * CHUNK  # 4 MiB
 READ_BUFFERS = 32  # more than the prefetcher's reserve (16) plus a file
-# MockClock jumps to the next timer once every task has been blocked this long in real time;
-# long enough that an SSD write in a worker thread (or the kernel) never looks like idleness.
-# Runs without an SSD tier do no I/O outside the event loop and jump at once.
+# With the io_uring engine, MockClock jumps to the next timer once every task has been blocked
+# this long in real time: long enough that an SSD request in the kernel never looks like
+# idleness. Runs with the threads engine or no SSD tier jump at once (`run_virtual`).
 AUTOJUMP_S = 0.2
 
 
@@ -64,8 +66,8 @@ def content(seed: int, size: int) -> bytes:
 
 
 async def until(condition: Callable[[], bool], within_s: float) -> None:
-    """A bounded poll in the store's (virtual) time, in 20 steps (each idle step costs
-    AUTOJUMP_S of real time)."""
+    """A bounded poll in the store's (virtual) time, in 20 steps (with io_uring, each idle
+    step costs AUTOJUMP_S of real time)."""
     deadline = trio.current_time() + within_s
     while not condition():
         assert trio.current_time() < deadline, "the condition did not come true in time"
@@ -99,6 +101,45 @@ def fail_ssd_writes(store: TieredStore) -> Callable[[], None]:
         os.close(segments.fds[0])
         segments.fds[0] = writable
     return repair
+
+
+@contextlib.contextmanager
+def jumping_between_threads() -> Iterator[trio.testing.MockClock]:
+    """A MockClock that jumps to the next timer as soon as every task waits, except while a
+    worker thread runs (an SSD read or write, an index update: work the event loop cannot
+    see), so that time never jumps past I/O in flight. For runs whose I/O all goes through
+    `trio.to_thread` (the threads engine): while the context lasts, its calls are counted."""
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    original = trio.to_thread.run_sync
+    in_flight = 0
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal in_flight
+        in_flight += 1
+        clock.autojump_threshold = math.inf
+        try:
+            return await original(*args, **kwargs)
+        finally:
+            in_flight -= 1
+            if not in_flight:
+                clock.autojump_threshold = 0
+
+    trio.to_thread.run_sync = counted  # type: ignore[assignment]
+    try:
+        yield clock
+    finally:
+        trio.to_thread.run_sync = original  # type: ignore[assignment]
+
+
+def run_virtual(main: Callable[[], Awaitable[None]], engine_kind: str) -> None:
+    """Runs `main` under a MockClock: one that jumps at once between worker threads for the
+    threads engine (or no SSD), else one that waits AUTOJUMP_S of real idleness (io_uring's
+    completions are not worker threads)."""
+    if engine_kind == "threads":
+        with jumping_between_threads() as clock:
+            trio.run(main, clock=clock)
+    else:
+        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=AUTOJUMP_S))
 
 
 class TrioClock:
@@ -459,7 +500,7 @@ def run_mount(tmp_path: Path, engine_kind: str, scenario: MountScenario, setting
             if engine is not None:
                 engine.close()
 
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=AUTOJUMP_S if disk else 0))
+    run_virtual(main, engine_kind if disk else "threads")
 
 
 # A master and nodes in one process ---------------------------------------------------------

@@ -19,7 +19,6 @@ from typing import Awaitable, Callable
 
 import pytest
 import trio
-import trio.testing
 
 from kvfs.cluster.embedded import EmbeddedMaster
 from kvfs.cluster.master import MasterSettings, MetadataService
@@ -35,8 +34,8 @@ from kvfs.store.dram import DramTier
 from kvfs.store.residency import RETRY_MIN_S, State
 from kvfs.store.tiered import TieredStore, TierSettings
 from inprocess import engine_kind  # noqa: F401 (a fixture)
-from inprocess import (AUTOJUMP_S, CHUNK, DISK, DRAM, TrioClock, build_member, check_consistency, content,
-                       fail_ssd_writes, make_engine, quiesce, until)
+from inprocess import (CHUNK, DISK, DRAM, TrioClock, build_member, check_consistency, content, fail_ssd_writes,
+                       make_engine, quiesce, run_virtual, until)
 
 
 class Files:
@@ -123,7 +122,7 @@ def run_store(tmp_path: Path, engine_kind: str, scenario: Scenario, settings: Ti
             ssd.close()
             engine.close()
 
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=AUTOJUMP_S))
+    run_virtual(main, engine_kind)
 
 
 def test_eager_offload_then_demotion_then_promotion_on_the_second_touch(tmp_path: Path, engine_kind: str) -> None:
@@ -295,7 +294,7 @@ def run_node(tmp_path: Path, engine_kind: str, scenario: NodeScenario) -> None:
             ssd.close()
             engine.close()
 
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=AUTOJUMP_S))
+    run_virtual(main, engine_kind)
 
 
 async def node_write(node: Node, name: bytes, data: bytes) -> int:
