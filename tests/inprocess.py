@@ -54,9 +54,8 @@ CHUNK = 64 << 10
 DRAM = 16 * CHUNK  # 1 MiB
 DISK = 64 * CHUNK  # 4 MiB
 READ_BUFFERS = 32  # more than the prefetcher's reserve (16) plus a file
-# With the io_uring engine, MockClock jumps to the next timer once every task has been blocked
-# this long in real time: long enough that an SSD request in the kernel never looks like
-# idleness. Runs with the threads engine or no SSD tier jump at once (`run_virtual`).
+# While an io_uring request is in the kernel, the clock jumps to the next timer only once every
+# task has been blocked this long in real time (`virtual_time`); otherwise it jumps at once.
 AUTOJUMP_S = 0.2
 
 
@@ -66,8 +65,7 @@ def content(seed: int, size: int) -> bytes:
 
 
 async def until(condition: Callable[[], bool], within_s: float) -> None:
-    """A bounded poll in the store's (virtual) time, in 20 steps (with io_uring, each idle
-    step costs AUTOJUMP_S of real time)."""
+    """A bounded poll in the store's (virtual) time, in 20 steps."""
     deadline = trio.current_time() + within_s
     while not condition():
         assert trio.current_time() < deadline, "the condition did not come true in time"
@@ -104,42 +102,44 @@ def fail_ssd_writes(store: TieredStore) -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def jumping_between_threads() -> Iterator[trio.testing.MockClock]:
-    """A MockClock that jumps to the next timer as soon as every task waits, except while a
-    worker thread runs (an SSD read or write, an index update: work the event loop cannot
-    see), so that time never jumps past I/O in flight. For runs whose I/O all goes through
-    `trio.to_thread` (the threads engine): while the context lasts, its calls are counted."""
+def virtual_time() -> Iterator[trio.testing.MockClock]:
+    """A MockClock that jumps to the next timer as soon as every task waits, but not past
+    I/O in flight outside the event loop: never while a worker thread runs (an SSD request
+    of the threads engine, an index update), and only after AUTOJUMP_S of real idleness
+    while an io_uring request is in the kernel (whose rare retry paths sleep on a timer).
+    While the context lasts, `trio.to_thread.run_sync` and the io_uring engine's requests
+    are counted."""
+    from kvfs.disk.engine import UringEngine
+
     clock = trio.testing.MockClock(autojump_threshold=0)
-    original = trio.to_thread.run_sync
-    in_flight = 0
+    in_flight = {"threads": 0, "kernel": 0}
 
-    async def counted(*args: Any, **kwargs: Any) -> Any:
-        nonlocal in_flight
-        in_flight += 1
-        clock.autojump_threshold = math.inf
-        try:
-            return await original(*args, **kwargs)
-        finally:
-            in_flight -= 1
-            if not in_flight:
-                clock.autojump_threshold = 0
+    def counted(kind: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            in_flight[kind] += 1
+            clock.autojump_threshold = math.inf if in_flight["threads"] else AUTOJUMP_S
+            try:
+                return await call(*args, **kwargs)
+            finally:
+                in_flight[kind] -= 1
+                clock.autojump_threshold = (math.inf if in_flight["threads"] else
+                                            AUTOJUMP_S if in_flight["kernel"] else 0)
+        return wrapper
 
-    trio.to_thread.run_sync = counted  # type: ignore[assignment]
+    run_sync, submit = trio.to_thread.run_sync, UringEngine._submit
+    trio.to_thread.run_sync = counted("threads", run_sync)  # type: ignore[assignment]
+    UringEngine._submit = counted("kernel", submit)  # type: ignore[method-assign]
     try:
         yield clock
     finally:
-        trio.to_thread.run_sync = original  # type: ignore[assignment]
+        trio.to_thread.run_sync = run_sync  # type: ignore[assignment]
+        UringEngine._submit = submit  # type: ignore[method-assign]
 
 
-def run_virtual(main: Callable[[], Awaitable[None]], engine_kind: str) -> None:
-    """Runs `main` under a MockClock: one that jumps at once between worker threads for the
-    threads engine (or no SSD), else one that waits AUTOJUMP_S of real idleness (io_uring's
-    completions are not worker threads)."""
-    if engine_kind == "threads":
-        with jumping_between_threads() as clock:
-            trio.run(main, clock=clock)
-    else:
-        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=AUTOJUMP_S))
+def run_virtual(main: Callable[[], Awaitable[None]]) -> None:
+    """Runs `main` in virtual time (`virtual_time`)."""
+    with virtual_time() as clock:
+        trio.run(main, clock=clock)
 
 
 class TrioClock:
@@ -500,7 +500,7 @@ def run_mount(tmp_path: Path, engine_kind: str, scenario: MountScenario, setting
             if engine is not None:
                 engine.close()
 
-    run_virtual(main, engine_kind if disk else "threads")
+    run_virtual(main)
 
 
 # A master and nodes in one process ---------------------------------------------------------

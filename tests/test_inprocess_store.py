@@ -122,7 +122,7 @@ def run_store(tmp_path: Path, engine_kind: str, scenario: Scenario, settings: Ti
             ssd.close()
             engine.close()
 
-    run_virtual(main, engine_kind)
+    run_virtual(main)
 
 
 def test_eager_offload_then_demotion_then_promotion_on_the_second_touch(tmp_path: Path, engine_kind: str) -> None:
@@ -294,7 +294,7 @@ def run_node(tmp_path: Path, engine_kind: str, scenario: NodeScenario) -> None:
             ssd.close()
             engine.close()
 
-    run_virtual(main, engine_kind)
+    run_virtual(main)
 
 
 async def node_write(node: Node, name: bytes, data: bytes) -> int:
