@@ -288,6 +288,19 @@ class Cluster:
 
 
 @pytest.fixture
+def cpu_hog() -> Iterator[None]:
+    """Busy processes on every core for the test's length: a loaded machine, where the kernel's
+    asynchronous requests (RELEASE, invalidations) and the daemons' tasks come late."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+@pytest.fixture
 def netns_cluster(tmp_path: Path) -> Iterator[Cluster]:
     """A master on a bridge and nodes each in a network namespace of their own
     (cluster.hosts[name].cut() partitions one silently; .heal() ends it)."""

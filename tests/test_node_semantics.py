@@ -168,3 +168,19 @@ def test_a_stopped_owner_is_an_io_error_elsewhere_then_serves_again(patient_clus
     print(f"\nopen of a stopped owner's file: EIO after {took:.2f} s")
     wait_until(lambda: reads(reader.path / "g.bin", data[::-1]), timeout=30, what="the owner's bytes again")
     assert (reader.path / "f.bin").read_bytes() == data
+
+
+def test_a_file_closed_on_one_node_opens_for_writing_at_once_on_another(two_nodes, cpu_hog) -> None:
+    """Close-to-open across nodes for a writer too: the seal travels with the kernel's RELEASE,
+    after close() returned, so the other node's open waits for it (bounded) instead of EBUSY."""
+    a, b = two_nodes
+    for round_ in range(30):
+        path = f"rw{round_}.bin"
+        (a.path / path).write_bytes(b"a" * 65536)
+        # As soon as B sees the name (A's create reaches B's directory copy by a push), A's
+        # RELEASE may still be on its way.
+        wait_until(lambda: os.path.exists(b.path / path), what=f"{path} on node B")
+        with open(b.path / path, "r+b") as f:
+            f.seek(10)
+            f.write(b"B")
+        assert (a.path / path).read_bytes() == b"a" * 10 + b"B" + b"a" * 65525

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 
 from kvfs.clock import ManualClock
+from kvfs.errors import StorageError
 from kvfs.policy import LruPolicy
 from kvfs.store.residency import RETRY_MAX_S, RETRY_MIN_S, Backoff, IllegalTransition, Residency, State
 
@@ -254,6 +257,14 @@ def test_a_record_that_could_not_be_rewritten_is_unsaved_until_resettled(books: 
     books.saved(1)
     assert books.is_saved(1) and books.resettles() == {}
     consistent(books)
+
+
+def test_a_version_not_stored_here_is_enoent(books: Residency) -> None:
+    books.seal(1, 100, [7])
+    assert books.stored(1).size == 100
+    with pytest.raises(StorageError) as raised:
+        books.stored(2)
+    assert raised.value.errno == errno.ENOENT and "version 2" in str(raised.value)
 
 
 def test_quarantine_is_reported_once(books: Residency) -> None:

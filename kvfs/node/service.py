@@ -35,7 +35,7 @@ from kvfs.net.rpc import MasterUnavailable
 from kvfs.net.transport import Transport
 from kvfs.config import format_size
 from kvfs.disk.records import DiskRecord
-from kvfs.errors import KvfsError, StorageError
+from kvfs.errors import KvfsError, MetadataError, StorageError
 from kvfs.node.membership import Membership, to_disk_file, to_file_record
 from kvfs.node.xattrs import NodeXattrs
 from kvfs.node.xattrs import ROOT_USAGE, ROOT_USAGE_COUNTERS  # noqa: F401 (kvfs du reads them from here)
@@ -377,15 +377,21 @@ class Node:
         if opened.attr.sealed or not opened.node or opened.node == self.node_id:
             return opened
         self.drop((await self.master.call(m.Release(opened.version, writer=False))).dropped)
+        await self._wait_for_seal(ino, opened.version)
+        return await self.master.call(m.OpenRead(ino))
+
+    async def _wait_for_seal(self, ino: int, version: int | None) -> None:
+        """Until the file is sealed or has a newer version than `version` (None: the current
+        one), for at most SEAL_WAIT_S."""
         deadline = trio.current_time() + SEAL_WAIT_S
         pause = 0.002
         while trio.current_time() < deadline:
             await trio.sleep(pause)
             pause = min(2 * pause, 0.05)
             attr = await self.master.call(m.GetAttr(ino))
-            if attr.sealed or attr.version != opened.version:
-                break
-        return await self.master.call(m.OpenRead(ino))
+            version = attr.version if version is None else version
+            if attr.sealed or attr.version != version:
+                return
 
     async def _open_source(self, opened: m.Opened, deadline: float) -> ReadSource:
         """Where a reader's bytes come from: this node's tiers, or the node that stores them
@@ -471,8 +477,16 @@ class Node:
             self._opens.pop(key, None)
 
     async def _open_version(self, ino: int, truncate: bool, uid: int = 0) -> OpenFile:
-        return await self._start_writing(await self.master.call(m.OpenWrite(ino, self.node_id, truncate)), truncate,
-                                         uid)
+        try:
+            opened = await self.master.call(m.OpenWrite(ino, self.node_id, truncate))
+        except MetadataError as error:
+            if error.errno != errno.EBUSY:
+                raise
+            # Being written on another node: maybe a file closed there a moment ago, whose
+            # RELEASE (the seal) is still on its way, as for readers (_open_read).
+            await self._wait_for_seal(ino, None)
+            opened = await self.master.call(m.OpenWrite(ino, self.node_id, truncate))
+        return await self._start_writing(opened, truncate, uid)
 
     async def _start_writing(self, opened: m.Opened, truncate: bool, uid: int = 0) -> OpenFile:
         self.drop(opened.dropped)

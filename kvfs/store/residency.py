@@ -15,12 +15,14 @@ must wait for readers. It does no I/O and reads time only through the injected c
 from __future__ import annotations
 
 import enum
+import errno
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from kvfs.chunks import chunk_count
+from kvfs.errors import StorageError
 from kvfs.policy.base import EvictionPolicy
 
 # After a storage failure the offloader retries after RETRY_MIN_S, doubling up to
@@ -157,6 +159,14 @@ class Residency:
 
     def entry(self, version: int) -> Entry | None:
         return self._files.get(version)
+
+    def stored(self, version: int) -> Entry:
+        """A sealed version's entry; ENOENT when this node does not store it (a caller's
+        request for a version that is gone fails like any missing file)."""
+        entry = self._files.get(version)
+        if entry is None:
+            raise StorageError(errno.ENOENT, f"version {version} is not stored on this node")
+        return entry
 
     def users(self, version: int) -> Users:
         """A version's users (a fresh, idle record when it has none)."""

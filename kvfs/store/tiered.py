@@ -14,99 +14,37 @@ namespace and the index for good). A version read from SSD is verified chunk by
 chunk and served from a read buffer; on its second touch it is promoted back
 into DRAM. Whole-file eviction (the file leaves the namespace) is decided by the
 master and requested through the owner's `reclaim`.
+
+`TieredStore` composes the parts, each one concern: `Residency` (the books and every
+decision, pure), `Offloader` (DRAM to SSD in the background), `LocalReads` (serving this
+node's readers from DRAM or SSD), `PeerChunks` (chunks for and from other nodes). It keeps
+writing and making room in DRAM, and the public methods the node calls.
 """
 
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Protocol
+from typing import Awaitable, Callable
 
 import trio
 
-from kvfs.concurrency import run_all
 from kvfs.disk.index import DiskRecord
-from kvfs.disk.tier import CorruptChunk, SsdTier, rounded
+from kvfs.disk.tier import SsdTier
 from kvfs.errors import NoSpace, StorageError
-from kvfs.policy import DEFAULT_POLICY, make_policy
+from kvfs.policy import make_policy
 from kvfs.store.buffers import ReadBufferPool
+from kvfs.store.contract import StoreOwner, StoreStats, TierSettings  # re-exported: callers import them from here
 from kvfs.store.dram import DramTier
-from kvfs.store.faults import STORAGE_ERRORS, StorageFaults
-from kvfs.store.residency import Entry, Residency, chunk_lengths
+from kvfs.store.faults import StorageFaults
+from kvfs.store.offloader import Offloader
+from kvfs.store.reads import LocalReads
+from kvfs.store.remote import Fetch, PeerChunks
+from kvfs.store.residency import Residency
+from kvfs.store.source import ReadSource  # re-exported: callers import it from here
 
 log = logging.getLogger(__name__)
-
-OFFLOAD_BATCH_FILES = 16
-OFFLOAD_BATCH_BYTES = 128 << 20
-# Offload yields to a burst of writes (on two cores it would take CPU from the writers)
-# until writes pause for OFFLOAD_QUIET_S, but never for longer than OFFLOAD_MAX_DEFER_S
-# per batch, and not at all once DRAM passes the high watermark.
-OFFLOAD_MAX_DEFER_S = 0.5
-
-
-class StoreOwner(Protocol):
-    """What the store needs from its node: the master's decisions."""
-
-    async def reclaim(self, tier: str, nbytes: int) -> bool:
-        """Evicts whole files from `tier` ('dram' or 'disk'); True if any went."""
-
-    async def describe(self, version: int) -> DiskRecord | None:
-        """The index record (path, attributes) of a version, None if it is no longer a file."""
-
-    async def offloaded(self, versions: list[int]) -> None:
-        """These versions are now safe on SSD."""
-
-    async def lost(self, version: int) -> None:
-        """This version's only copy is corrupt: the file must disappear."""
-
-
-@dataclass(frozen=True)
-class TierSettings:
-    offload: str = "eager"  # or "watermark"
-    high_watermark: float = 0.9
-    low_watermark: float = 0.7
-    backpressure_timeout_s: float = 30.0
-    eviction_policy: str = DEFAULT_POLICY
-
-
-@dataclass
-class StoreStats:
-    offloaded_files: int = 0
-    offloaded_bytes: int = 0
-    demoted_files: int = 0
-    promoted_files: int = 0
-    ssd_reads: int = 0
-    ssd_read_bytes: int = 0
-    backpressure_waits: int = 0
-    backpressure_seconds: float = 0.0
-    checksum_failures: int = 0
-    quarantined_files: int = 0
-    storage_errors: int = 0
-
-
-@dataclass
-class ReadSource:
-    """Where an open reader's bytes are: the DRAM tier (no chunks) or SSD read buffers that
-    fill chunk by chunk while the reader is served (each chunk verified before use)."""
-
-    version: int
-    from_dram: bool
-    chunks: list[memoryview] = field(default_factory=list)  # per chunk, for SSD reads
-    ready: list[trio.Event] = field(default_factory=list)
-    failures: dict[int, StorageError] = field(default_factory=dict)  # chunk -> why it cannot be served
-    # Remote sources: the owner has answered (it is sending chunk 0, or it failed).
-    answered: trio.Event = field(default_factory=trio.Event)
-    streaming: bool = False
-    closed: bool = False
-    remote: bool = False  # streamed from another node
-
-    @property
-    def tier(self) -> str:
-        """Where the reader is served from: "dram", "ssd" or "peer"."""
-        return "dram" if self.from_dram else "peer" if self.remote else "ssd"
 
 
 class TieredStore:
@@ -124,14 +62,12 @@ class TieredStore:
         self.owner: StoreOwner | None = None
         self.stats = StoreStats()
         self.residency = Residency(make_policy(settings.eviction_policy), clock)
-        self._offload_wanted = trio.Event()
-        self._space_freed = trio.Event()
-        self._idle = trio.Event()
-        self._idle.set()
-        self._offload_stuck = False  # the SSD is full and nothing on it can be evicted
-        self._promotions: dict[int, trio.Event] = {}  # set when a promotion in flight ends
         self._nursery: trio.Nursery | None = None
         self.faults = StorageFaults(str(ssd.directory) if ssd is not None else "", log, clock)
+        self.offloader = Offloader(self.residency, dram, ssd, self.faults, self.stats, settings, clock, self._owner)
+        self.reads = LocalReads(self.residency, dram, ssd, self.faults, self.stats, self.read_buffers, self._owner,
+                                self._spawn, self._demote_one, self.offloader.nudge)
+        self.peers = PeerChunks(self.residency, dram, self.reads, self.read_buffers, self._spawn)
 
     # Queries --------------------------------------------------------------------------
 
@@ -153,7 +89,7 @@ class TieredStore:
 
     def is_saved(self, version: int) -> bool:
         """Whether a version's SSD copy would survive a crash under its current name."""
-        return self.on_disk(version) and not self.residency.is_unsettled(version)
+        return self.offloader.is_saved(version)
 
     def unsaved(self) -> tuple[int, int]:
         """Files (and bytes) stored here with no copy on SSD under their current name:
@@ -201,34 +137,20 @@ class TieredStore:
         self.residency.seal(version, size, checksums)
         if self.ssd is not None:
             if self.settings.offload == "eager":
-                self._queue_offload(version)
+                self.offloader.queue(version)
             else:
-                self._check_watermark()
+                self.offloader.check_watermark()
         return checksums
-
-    def _queue_offload(self, version: int) -> None:
-        if self.residency.queue(version):
-            self._wake_offloader()
-
-    def _wake_offloader(self) -> None:
-        self._idle = trio.Event() if self._idle.is_set() else self._idle
-        self._offload_wanted.set()
-
-    def _check_watermark(self) -> None:
-        settings = self.settings
-        if self.residency.queue_for_watermark(self.dram.used, self.dram.capacity, settings.high_watermark,
-                                              settings.low_watermark):
-            self._wake_offloader()
 
     # Room in DRAM ---------------------------------------------------------------------
 
-    async def _with_room(self, operation) -> None:
+    async def _with_room(self, operation: Callable[[], None]) -> None:
         while True:
             try:
                 return operation()
             except NoSpace as error:
                 if not await self._make_room(error.needed or self.chunk_size):
-                    if self._offload_failing():
+                    if self.offloader.failing():
                         raise StorageError(errno.ENOSPC, f"{error}; DRAM holds files that cannot be copied to "
                                                          f"SSD ({self.faults.last_error()})") from error
                     raise StorageError(errno.ENOSPC, f"{error}; nothing can be demoted or evicted") from error
@@ -239,13 +161,13 @@ class TieredStore:
         if self.ssd is None:
             return await self._owner().reclaim("dram", needed)
         if not self.residency.offload_pending():
-            self.queue_all_dram_only()
-        if self._offload_failing():  # evicting would lose files: wait (bounded) for the SSD to work again
-            return await self._wait_for_offload()
-        if self.residency.offload_pending() and not self._offload_stuck:
-            if await self._wait_for_offload():
+            self.offloader.queue_all_dram_only()
+        if self.offloader.failing():  # evicting would lose files: wait (bounded) for the SSD to work again
+            return await self.offloader.wait_for_room()
+        if self.residency.offload_pending() and not self.offloader.stuck:
+            if await self.offloader.wait_for_room():
                 return True
-        if self._offload_failing():  # it failed while we waited
+        if self.offloader.failing():  # it failed while we waited
             return False
         # SSD cannot take more: evict whole files still only in DRAM.
         return await self._owner().reclaim("dram", needed)
@@ -261,26 +183,12 @@ class TieredStore:
         self.stats.demoted_files += 1
         return True
 
-    def _offload_failing(self) -> bool:
-        """The SSD tier fails (until an offload or index write succeeds again)."""
-        return self.faults.failing("offload") or self.faults.failing("index")
-
-    def queue_all_dram_only(self) -> int:
-        """Queues every sealed version whose only copy is in DRAM; returns how many."""
-        queued = self.residency.queue_all_dram_only()
-        if queued:
-            self._wake_offloader()
-        return queued
-
-    async def _wait_for_offload(self) -> bool:
-        """Backpressure: a writer waits (bounded) for the offloader to make DRAM copies demotable."""
-        self.stats.backpressure_waits += 1
-        started = self.clock()
-        event = self._space_freed
-        with trio.move_on_after(self.settings.backpressure_timeout_s):
-            await event.wait()
-        self.stats.backpressure_seconds += self.clock() - started
-        return event.is_set()
+    def demote_all(self) -> int:
+        """Drops every DRAM copy that is safe on SSD (an operator's or a benchmark's request)."""
+        demoted = 0
+        while self._demote_one():
+            demoted += 1
+        return demoted
 
     def describe_extents(self, version: int) -> str:
         """'offset+length' of each chunk on SSD (tier offsets; segment = offset // 256 MiB)."""
@@ -292,285 +200,48 @@ class TieredStore:
         assert self.owner is not None, "the store has no owner"
         return self.owner
 
-    # Reading --------------------------------------------------------------------------
+    def _spawn(self, function: Callable[..., Awaitable[None]], *args: object) -> None:
+        """Starts a stream in the background (`run`'s nursery)."""
+        assert self._nursery is not None, "the store is not running"
+        self._nursery.start_soon(function, *args)
+
+    # Reading (`LocalReads`) --------------------------------------------------------------
 
     async def open_read(self, version: int) -> ReadSource:
         """Makes a version readable: pinned in DRAM, promoted on a second touch, or read from SSD."""
-        while version in self._promotions:  # another reader is bringing it into DRAM: use that
-            await self._promotions[version].wait()
-        if version in self.dram:
-            self.residency.pin(version)
-            self.residency.touch(version)
-            return ReadSource(version, from_dram=True)
-        if not self.on_disk(version):
-            raise StorageError(errno.ENOENT, f"version {version} is stored on no tier of this node")
-        touches = self.residency.touch_on_ssd(version)
-        size = self._entry(version).size
-        if touches >= 2 and await self._promote(version):
-            return ReadSource(version, from_dram=True)  # promotion pinned it for this reader
-        lengths = chunk_lengths(size, self.chunk_size)
-        source = ReadSource(version, False, [self.read_buffers.take() for _ in lengths],
-                            [trio.Event() for _ in lengths])
-        if not lengths:  # an empty file: nothing to read
-            return source
-        if len(lengths) > 1:  # the rest streams in, from now on, while the reader is served
-            assert self._nursery is not None
-            source.streaming = True
-            self._hold_disk_copy(version)  # until the stream ends, even if the file goes meanwhile
-            self._nursery.start_soon(self._stream_chunks, source)
-        try:  # the first chunk before the open returns: a corrupt file fails to open
-            await self._read_from_disk(version, source.chunks[:1])
-        except BaseException:
-            self.close_read(source)
-            raise
-        source.ready[0].set()
-        self.stats.ssd_reads += 1
-        self.stats.ssd_read_bytes += size
-        return source
+        return await self.reads.open_read(version)
 
-    def _entry(self, version: int) -> Entry:
-        entry = self.residency.entry(version)
-        if entry is None:
-            raise StorageError(errno.ENOENT, f"version {version} is not stored on this node")
-        return entry
+    async def read(self, source: ReadSource, offset: int, length: int) -> memoryview | bytes:
+        return await self.reads.read(source, offset, length)
 
-    # Chunks for and from other nodes ------------------------------------------------------
+    def close_read(self, source: ReadSource) -> None:
+        self.reads.close_read(source)
 
-    def _chunk_lengths(self, version: int, first: int, count: int) -> list[int]:
-        """The lengths of every chunk of a sealed version stored here, after checking that a
-        peer's run first..first+count-1 lies within it."""
-        lengths = self._entry(version).lengths(self.chunk_size)
-        if first < 0 or count < 0 or first + count > len(lengths):
-            raise StorageError(errno.EINVAL, f"version {version} has {len(lengths)} chunks, not {first}+{count}")
-        return lengths
+    # Chunks for and from other nodes (`PeerChunks`) ----------------------------------------
 
     async def serve_chunks(self, version: int, first: int, count: int,
                            send: Callable[[int, memoryview | bytes], Awaitable[None]]) -> None:
-        """Hands chunks of a sealed version to `send` in order (the peer server's source).
-        A whole-file request counts as a read (it may promote the version into DRAM); a
-        partial one from SSD reads just its chunks."""
-        lengths = self._chunk_lengths(version, first, count)
-        if version in self.dram or version in self._promotions or (first == 0 and count == len(lengths)):
-            source = await self.open_read(version)
-            try:
-                for index in range(first, first + count):
-                    await send(index, await self.read(source, index * self.chunk_size, lengths[index]))
-            finally:
-                self.close_read(source)
-            return
-        buffer = self.read_buffers.take()
-        try:
-            for index in range(first, first + count):
-                await self._read_from_disk(version, [buffer], first_index=index)
-                await send(index, buffer[: lengths[index]])
-        finally:
-            self.read_buffers.give_back(buffer)
+        """Hands chunks of a sealed version to `send` in order (the peer server's source)."""
+        await self.peers.serve_chunks(version, first, count, send)
 
     def lease_dram(self, version: int, first: int, count: int) -> tuple[list[int | None], list[int]] | None:
-        """Pins a sealed version's DRAM copy for a peer that READs it over RDMA: the arena
-        offsets and lengths of chunks first..first+count-1, or None when the version is not
-        in DRAM (the peer fetches it over TCP then). `end_lease` unpins it."""
-        lengths = self._chunk_lengths(version, first, count)
-        if version not in self.dram or version in self._promotions:
-            return None
-        self.residency.pin(version)
-        self.residency.touch(version)
-        return self.dram.chunk_offsets(version, first, count), lengths[first:first + count]
+        """Pins a sealed version's DRAM copy for a peer's RDMA READs (None: not in DRAM)."""
+        return self.peers.lease_dram(version, first, count)
 
     def end_lease(self, version: int) -> None:
-        if self.residency.unpin(version):  # the file went while it was read
-            self.dram.drop(version)
+        self.peers.end_lease(version)
 
-    async def open_remote(self, version: int, size: int,
-                          fetch: Callable[[ReadSource, int, int], Awaitable[None]], streams: int) -> ReadSource:
+    async def open_remote(self, version: int, size: int, fetch: Fetch, streams: int) -> ReadSource:
         """A reader of a version stored on another node: `start_remote`, then `remote_answered`."""
-        return await self.remote_answered(self.start_remote(version, size, fetch, streams))
+        return await self.peers.open_remote(version, size, fetch, streams)
 
-    def start_remote(self, version: int, size: int,
-                     fetch: Callable[[ReadSource, int, int], Awaitable[None]], streams: int) -> ReadSource:
-        """Starts streaming a version stored on another node into read buffers (in `streams`
-        parallel runs); the reader is served while they fill. `fetch(source, start, stop)`
-        fills chunks start..stop-1, sets each one's ready event, and sets `answered` (when
-        start is 0) as soon as the owner starts sending."""
-        lengths = chunk_lengths(size, self.chunk_size)
-        source = ReadSource(version, False, [self.read_buffers.take() for _ in lengths],
-                            [trio.Event() for _ in lengths], remote=True)
-        if not lengths:
-            source.answered.set()
-            return source
-        assert self._nursery is not None, "the store is not running"
-        source.streaming = True
-        self._nursery.start_soon(self._stream_remote, source, fetch, max(1, min(streams, len(lengths))))
-        return source
+    def start_remote(self, version: int, size: int, fetch: Fetch, streams: int) -> ReadSource:
+        """Starts streaming a version stored on another node into read buffers."""
+        return self.peers.start_remote(version, size, fetch, streams)
 
     async def remote_answered(self, source: ReadSource) -> ReadSource:
-        """Waits until the owner answered: an open returns then, so that the kernel's first
-        READ is on its way while chunk 0 is still arriving. An owner that no longer has the
-        version (or cannot be reached) fails the open itself, and the source is closed."""
-        await source.answered.wait()
-        if 0 in source.failures:
-            self.close_read(source)
-            raise source.failures[0]
-        return source
-
-    async def _stream_remote(self, source: ReadSource, fetch: Callable[[ReadSource, int, int], Awaitable[None]],
-                             streams: int) -> None:
-        count = len(source.chunks)
-        bounds = [count * i // streams for i in range(streams + 1)]
-
-        async def run(start: int, stop: int) -> None:
-            try:
-                await fetch(source, start, stop)
-            except Exception as error:
-                if not isinstance(error, StorageError):
-                    log.exception("fetching chunks %d-%d of version %d failed", start, stop - 1, source.version)
-                # Before the owner answered, the open fails with the errno (ENOENT: the
-                # version is gone); a transfer broken after that fails reads with EIO.
-                refused = start == 0 and not source.answered.is_set()
-                for index in range(start, stop):
-                    if not source.ready[index].is_set():
-                        code = error.errno if isinstance(error, StorageError) and refused and index == 0 else errno.EIO
-                        source.failures[index] = StorageError(code, str(error))
-                        source.ready[index].set()
-                if start == 0:
-                    source.answered.set()
-
-        try:
-            async with trio.open_nursery() as nursery:
-                for start, stop in zip(bounds, bounds[1:]):
-                    nursery.start_soon(run, start, stop)
-        finally:
-            self._end_stream(source)
-
-    async def _stream_chunks(self, source: ReadSource) -> None:
-        async def one(index: int) -> None:
-            try:
-                await self._read_from_disk(source.version, source.chunks[index : index + 1], first_index=index)
-            except StorageError as error:
-                source.failures[index] = error if error.errno == errno.EIO else StorageError(errno.EIO, str(error))
-            except OSError as error:
-                source.failures[index] = StorageError(errno.EIO, f"version {source.version}: {error}")
-            except Exception as error:  # a bug must fail this read, not the daemon
-                log.exception("reading chunk %d of version %d failed", index, source.version)
-                source.failures[index] = StorageError(errno.EIO, f"version {source.version}: {error!r}")
-            source.ready[index].set()
-
-        try:
-            async with trio.open_nursery() as nursery:
-                for index in range(1, len(source.chunks)):
-                    nursery.start_soon(one, index)
-        finally:
-            self._release_disk_copy(source.version)
-            self._end_stream(source)
-
-    def _end_stream(self, source: ReadSource) -> None:
-        """A source's chunks are all in (or failed): a reader that closed meanwhile left its
-        buffers to the stream, which gives them back now."""
-        source.streaming = False
-        if source.closed:
-            self._release_buffers(source)
-
-    def _release_buffers(self, source: ReadSource) -> None:
-        for buffer in source.chunks:
-            self.read_buffers.give_back(buffer)
-        source.chunks = []
-
-    async def _promote(self, version: int) -> bool:
-        """Second-touch admission: reads the version into DRAM if room can be made without
-        waiting, and returns it pinned for the caller. While its blocks fill, other readers
-        wait for it and it can be neither demoted nor freed."""
-        size = self._entry(version).size
-        lengths = chunk_lengths(size, self.chunk_size)
-        while True:
-            try:
-                targets = self.dram.adopt(version, lengths)
-                break
-            except NoSpace:
-                if not self._demote_one():
-                    return False
-        self._promotions[version] = done = trio.Event()
-        self.residency.begin_promote(version)
-        promoted = False
-        try:
-            await self._read_from_disk(version, targets)
-            promoted = self.residency.end_promote(version)  # False: the file went while we read it
-        finally:
-            del self._promotions[version]
-            done.set()
-            if not promoted:  # give the blocks back; readers that waited go to the SSD
-                if self.residency.promoting(version):
-                    self.residency.promote_failed(version)
-                self.dram.drop(version)
-        if not promoted:
-            return False
-        self.stats.promoted_files += 1
-        self.stats.ssd_reads += 1
-        self.stats.ssd_read_bytes += size
-        return True
-
-    async def _read_from_disk(self, version: int, targets: list[memoryview], first_index: int = 0) -> None:
-        """Reads and verifies chunks; a corrupt one quarantines the file and fails with EIO."""
-        assert self.ssd is not None
-        self._hold_disk_copy(version)
-        try:
-            await run_all(functools.partial(self.ssd.read_chunk, version, index, target)
-                          for index, target in enumerate(targets, first_index))
-        except CorruptChunk as error:
-            self.stats.checksum_failures += 1
-            await self._quarantine(version, error)
-            raise StorageError(errno.EIO, str(error)) from None
-        except OSError as error:  # the device failed the read: counted, logged once per run
-            self._count_failure("read", error, f"version {version}")
-            raise StorageError(errno.EIO, f"version {version}: reading {self.ssd.directory} failed: {error}") from None
-        finally:
-            self._release_disk_copy(version)
-        self.faults.succeeded("read")
-
-    async def _quarantine(self, version: int, error: CorruptChunk) -> None:
-        """A corrupt chunk: its file leaves the namespace, and its record and extents the
-        SSD, for good (once its reads are done). Logged once per file, with its path."""
-        if not self.residency.quarantine(version):
-            return
-        self.stats.quarantined_files += 1
-        record = await self._owner().describe(version)
-        name = "/" + "/".join(part.decode(errors="replace") for part in record.file.path) if record else "(unlinked)"
-        log.error("%s: %s; the file is quarantined (removed from the namespace and the SSD)", name, error)
-        await self._owner().lost(version)
-
-    def _count_failure(self, operation: str, error: BaseException, detail: str = "") -> None:
-        self.stats.storage_errors += 1
-        self.faults.failed(operation, error, detail)
-
-    def _hold_disk_copy(self, version: int) -> None:
-        """While held, a version's extents on SSD are not freed (its reads are in flight)."""
-        self.residency.hold_disk(version)
-
-    def _release_disk_copy(self, version: int) -> None:
-        if self.residency.release_disk(version):  # removed while it was read: free it now
-            self._offload_wanted.set()
-
-    async def read(self, source: ReadSource, offset: int, length: int) -> memoryview | bytes:
-        if source.from_dram:
-            return self.dram.read(source.version, offset, length)
-        first, last = offset // self.chunk_size, (offset + length - 1) // self.chunk_size
-        for index in range(first, last + 1):
-            if not source.ready[index].is_set():
-                await source.ready[index].wait()
-            if index in source.failures:  # good chunks are still served; this one never
-                raise source.failures[index]
-        within = offset - first * self.chunk_size
-        if first == last:
-            return source.chunks[first][within : within + length]
-        joined = b"".join(source.chunks[i] for i in range(first, last + 1))
-        return joined[within : within + length]
-
-    def close_read(self, source: ReadSource) -> None:
-        if source.from_dram:
-            self.end_lease(source.version)
-            return
-        source.closed = True
-        if not source.streaming:  # else the stream gives the buffers back when it ends
-            self._release_buffers(source)
+        """Waits until the owner answered; an owner without the version fails the open."""
+        return await self.peers.remote_answered(source)
 
     # Dropping -------------------------------------------------------------------------
 
@@ -580,20 +251,9 @@ class TieredStore:
         if free_now:
             self.dram.drop(version)  # else once the I/O using it is done
         if remove:
-            self._offload_wanted.set()
+            self.offloader.nudge()
 
-    async def flush_removals(self) -> None:
-        if self.ssd is not None and self.residency.removals():
-            # Versions still being read from SSD keep their extents until the reads are done.
-            versions = self.residency.take_removals()
-            try:
-                await self.ssd.remove(versions)
-            except BaseException:  # nothing was removed: the next pass tries again
-                self.residency.restore_removals(versions)
-                raise
-            self.residency.removed_from_ssd(versions)
-
-    # The offloader --------------------------------------------------------------------
+    # Background work ------------------------------------------------------------------
 
     async def run(self) -> None:
         """Background work while mounted: streaming reads, and the offloader and disk reaper."""
@@ -601,283 +261,45 @@ class TieredStore:
             self._nursery = nursery
             if self.ssd is None:
                 await trio.sleep_forever()
-            await self._offload_forever()
+            await self.offloader.run()
 
-    async def _offload_forever(self) -> None:
-        while True:
-            await self._wait_for_work()
-            self._offload_wanted = trio.Event()
-            if not self.residency.retry_due():  # the SSD failed a moment ago: wait for the retry
-                self.residency.park_queue()
-            else:
-                try:
-                    await self._offload_pass()
-                except Exception:  # a bug: the files stay in DRAM, and are retried later
-                    log.exception("offload pass failed")
-                    busy = self.residency.busy_versions()
-                    self.residency.park(self.residency.queued() + [v for v, u in busy.items() if u.offloading])
-                    self.residency.failed()
-            self._idle.set()
+    # The offloader's, for the node --------------------------------------------------------
 
-    async def _wait_for_work(self) -> None:
-        """Until something is queued or removed, or (after a failure) the retry is due."""
-        if self.residency.retry_pending(self.faults.failing("index")):
-            with trio.move_on_after(self.residency.retry_wait_s()):
-                await self._offload_wanted.wait()
-        else:
-            await self._offload_wanted.wait()
-
-    async def _offload_pass(self) -> None:
-        self.residency.requeue_parked()  # their retry is due: first in line, in their order
-        if not await self._settle_pending() or not await self._flush_removals_counted():
-            self.residency.park_queue()  # the index cannot be written: neither can records
-            return
-        while self.residency.queued():
-            await self._yield_to_writers()
-            if not await self._offload_batch(self.residency.take_batch(OFFLOAD_BATCH_FILES, OFFLOAD_BATCH_BYTES)):
-                self.residency.park_queue()  # until the retry: one attempt per delay
-                return
-            await self._flush_removals_counted()
-        self.residency.backoff.succeeded()
-        self.faults.succeeded("offload")  # (also when the files that failed went meanwhile)
-
-    def retry_now(self) -> None:
-        """Retries failed offloads and record rewrites at once (a stop, fsync, sync or flush)."""
-        parked = self.residency.parked()
-        self.residency.retry_now()
-        if parked or self.residency.resettles() or self.residency.removals():
-            self._wake_offloader()
-
-    def remove_later(self, versions: list[int], error: BaseException) -> None:
-        """Records the index failed to delete (at start): the offloader retries them."""
-        self.residency.remove_later(versions)
-        self._count_failure("index", error, f"removing {len(versions)} records")
-        self.residency.failed()
-
-    async def flush_removals_now(self) -> None:
-        """At a stop: removes the records of dropped files (a failure is counted and logged)."""
-        if self.ssd is not None:
-            await self._flush_removals_counted()
-
-    async def _flush_removals_counted(self) -> bool:
-        """Removes records of dropped files; False (counted, retried later) if the index fails."""
-        assert self.ssd is not None
-        writes = any(v in self.ssd for v in self.residency.removable())
-        try:
-            await self.flush_removals()
-        except STORAGE_ERRORS as error:
-            self._count_failure("index", error, f"removing {len(self.residency.removals())} records")
-            self.residency.failed()
-            return False
-        if writes:
-            self.faults.succeeded("index")
-        return True
-
-    async def _yield_to_writers(self) -> None:
-        deadline = self.clock() + OFFLOAD_MAX_DEFER_S
-        while self.clock() < deadline and not self._space_wanted():
-            quiet_from = self.residency.quiet_from()
-            if self.clock() >= quiet_from:
-                return
-            await trio.sleep_until(min(quiet_from, deadline))
-
-    def _space_wanted(self) -> bool:
-        """DRAM pressure or a waiting writer: offload at full speed."""
-        return (self.dram.used > self.settings.high_watermark * self.dram.capacity
-                or self._space_freed.statistics().tasks_waiting > 0)
+    def queue_all_dram_only(self) -> int:
+        """Queues every sealed version whose only copy is in DRAM; returns how many."""
+        return self.offloader.queue_all_dram_only()
 
     def offload_backlog(self) -> tuple[int, int]:
         """Files, and their bytes, queued for or being copied to SSD (or waiting for a retry)."""
-        if self.ssd is None:
-            return 0, 0
-        return self.residency.backlog()
+        return self.offloader.offload_backlog()
 
     async def wait_offloaded(self) -> None:
-        """Returns once every version queued so far is on SSD (or could not be): the end of
-        the offloader's pass that takes them (later seals do not prolong the wait)."""
-        if self.ssd is not None and (self.residency.offload_pending() or not self._idle.is_set()):
-            await self._idle.wait()
+        """Returns once every version queued so far is on SSD (or could not be)."""
+        await self.offloader.wait_offloaded()
 
     async def wait_saved(self, version: int) -> None:
-        """fsync of a sealed version: returns once it is on SSD under its current name (a
-        failed copy is retried at once); EIO if it cannot be copied now."""
-        if self.ssd is None or version not in self.residency or self.is_saved(version):
-            return
-        self._queue_offload(version)  # (unless it is being copied now)
-        self.retry_now()
-        await self.wait_offloaded()
-        if version in self.residency and not self.is_saved(version):
-            cause = self.faults.last_error() or "the SSD tier is full"
-            raise StorageError(errno.EIO, f"version {version} could not be copied to {self.ssd.directory}: {cause}")
+        """fsync of a sealed version: returns once it is on SSD under its current name."""
+        await self.offloader.wait_saved(version)
 
-    async def _offload_batch(self, batch: list[int]) -> bool:
-        """Copies a batch to SSD; False after a storage failure (the batch is parked, in DRAM)."""
-        assert self.ssd is not None
-        planned: list[tuple[int, list[int], DiskRecord]] = []
-        try:
-            for version in batch:
-                entry = self._entry(version)
-                lengths = entry.lengths(self.chunk_size)
-                try:
-                    self.dram.materialize(version, entry.size)
-                except NoSpace:
-                    continue
-                offsets = await self._allocate_disk(lengths)
-                if offsets is None:
-                    continue
-                record = await self._owner().describe(version)
-                if record is None or version not in self.residency:
-                    self.ssd.release(offsets)
-                    continue
-                record.chunks = [(o, n, c) for o, n, c in zip(offsets, lengths, entry.checksums)]
-                planned.append((version, offsets, record))
-                self.residency.start_offload(version)
-            if not planned:
-                return True
-            await run_all(functools.partial(self.ssd.write_chunks, offsets,
-                                            [self.dram.block_view(version, i) for i in range(len(offsets))])
-                          for version, offsets, _ in planned)
-            await self.ssd.commit([record for _, _, record in planned])  # headers, one sync, the index
-        except BaseException as error:  # nothing of the batch is on SSD: it stays in DRAM
-            for version, offsets, _ in planned:
-                self.ssd.release(offsets)
-                self.residency.finish_offload(version)
-                self._release_if_dropped(version)
-            self.residency.park(batch)
-            if not isinstance(error, STORAGE_ERRORS):
-                raise
-            self._count_failure("offload", error, f"{len(batch)} files")
-            self.residency.failed()
-            return False
-        self.faults.succeeded("offload")
-        self.faults.succeeded("index")  # the commit was an index write
-        for version, _, _ in planned:
-            self.residency.committed(version)
-        for version, _, record in planned:
-            if self.residency.finish_offload(version):  # the file went meanwhile
-                self._unsettle_dropped(version)
-                continue
-            try:
-                settled = await self._settle(record)
-            except STORAGE_ERRORS as error:  # committed under an older name: rewritten later
-                self._count_failure("index", error, f"version {version}")
-                self.residency.failed()
-                if version in self.residency:
-                    self.residency.needs_resettle(version, True)
-                continue
-            if not settled:
-                self._unsettle_dropped(version)
-                continue
-            await self._saved(version, first=True)
-        self._space_freed.set()
-        self._space_freed = trio.Event()
-        return True
+    def retry_now(self) -> None:
+        """Retries failed offloads and record rewrites at once (a stop, fsync, sync or flush)."""
+        self.offloader.retry_now()
 
-    def _unsettle_dropped(self, version: int) -> None:
-        if self.residency.unsettle_dropped(version):
-            self.dram.drop(version)
+    def remove_later(self, versions: list[int], error: BaseException) -> None:
+        """Records the index failed to delete (at start): the offloader retries them."""
+        self.offloader.remove_later(versions, error)
 
-    async def _saved(self, version: int, first: bool) -> None:
-        """A record now names the file as it is: from here on the master knows it is on SSD,
-        so a later rename rewrites the record itself."""
-        self.residency.saved(version)
-        entry = self.residency.entry(version)
-        if not first or entry is None:
-            return
-        await self._owner().offloaded([version])
-        size = entry.size
-        self.residency.reported(version)
-        self.stats.offloaded_files += 1
-        self.stats.offloaded_bytes += size
+    async def flush_removals(self) -> None:
+        """Removes the SSD records of dropped files now (a failure raises)."""
+        await self.offloader.flush_removals()
 
-    async def _settle(self, record: DiskRecord) -> bool:
-        """Rewrites a just-committed record until it matches the file's current path and
-        attributes (a rename may have landed while its chunks were in flight); False if
-        the file is gone. Until then the version does not count as on SSD."""
-        while True:
-            current = await self._owner().describe(record.version)
-            if current is None:
-                return False
-            current.chunks = record.chunks
-            if current == record:
-                return True
-            await self.ssd.update([current])  # type: ignore[union-attr]
-            record = current
-
-    async def _settle_pending(self) -> bool:
-        """Rewrites the records that an index failure left naming an older path; False if
-        the index still fails."""
-        assert self.ssd is not None
-        rewritten = False
-        for version, first in self.residency.resettles().items():
-            if version not in self.residency or not self.on_disk(version):
-                self.residency.resettled(version)
-                continue
-            record = await self._owner().describe(version)
-            if record is None:  # the file is going: its drop removes the record
-                self.residency.abandon_resettle(version)
-                continue
-            record.chunks = [(e.offset, e.length, e.checksum) for e in self.ssd.extents[version]]
-            try:
-                await self.ssd.update([record])
-                settled = await self._settle(record)
-            except STORAGE_ERRORS as error:
-                self._count_failure("index", error, f"rewriting {len(self.residency.resettles())} records")
-                self.residency.failed()
-                return False
-            rewritten = True
-            self.residency.resettled(version)
-            if settled:
-                await self._saved(version, first)
-            else:  # the file went meanwhile: its drop removes the record
-                self.residency.abandon_resettle(version)
-        if rewritten:
-            self.faults.succeeded("index")
-        return True
-
-    def _release_if_dropped(self, version: int) -> None:
-        if self.residency.release_if_dropped(version):
-            self.dram.drop(version)
-
-    async def _allocate_disk(self, lengths: list[int]) -> list[int] | None:
-        assert self.ssd is not None
-        while True:
-            offsets = self.ssd.allocate(lengths)
-            if offsets is not None:
-                self._offload_stuck = False
-                return offsets
-            if not await self._owner().reclaim("disk", sum(rounded(n) for n in lengths)):
-                if not self._offload_stuck:
-                    log.warning("SSD tier full and nothing on it can be evicted; files stay in DRAM only")
-                self._offload_stuck = True
-                return None
-            await self.flush_removals()
+    async def flush_removals_now(self) -> None:
+        """At a stop: removes the records of dropped files (a failure is counted and logged)."""
+        await self.offloader.flush_removals_now()
 
     async def refresh_record(self, version: int) -> None:
-        """Rewrites a version's index record after its path or attributes changed; if the
-        index fails, the version counts as not on SSD until the offloader rewrites it."""
-        entry = self.residency.entry(version)
-        if self.ssd is None or version not in self.ssd or (entry is not None and entry.resettle is not None):
-            return
-        record = await self._owner().describe(version)
-        if record is None:
-            return
-        record.chunks = [(e.offset, e.length, e.checksum) for e in self.ssd.extents[version]]
-        try:
-            await self.ssd.update([record])
-        except STORAGE_ERRORS as error:
-            self._count_failure("index", error, f"version {version}")
-            self.residency.failed()
-            if version in self.residency:
-                self.residency.needs_resettle(version, False)
-            self._offload_wanted.set()
-
-    def demote_all(self) -> int:
-        """Drops every DRAM copy that is safe on SSD (an operator's or a benchmark's request)."""
-        demoted = 0
-        while self._demote_one():
-            demoted += 1
-        return demoted
+        """Rewrites a version's index record after its path or attributes changed."""
+        await self.offloader.refresh_record(version)
 
     # Recovery ---------------------------------------------------------------------------
 
