@@ -151,6 +151,38 @@ def test_an_open_waits_for_the_writers_seal_on_another_node_up_to_the_seal_wait(
     run_cluster(tmp_path, scenario)
 
 
+def test_a_writer_on_another_node_waits_for_the_seal_then_copies_the_bytes_or_gets_ebusy(tmp_path: Path) -> None:
+    async def scenario(cluster: Cluster) -> None:
+        a, b = cluster.members
+        data = content(12, 2 * CHUNK + 9)
+        for name, closes_after in ((b"quick", SEAL_WAIT_S / 2), (b"slow", SEAL_WAIT_S * 2)):
+            info, entry = await a.ops.create(ROOT_INO, name, stat.S_IFREG | 0o644, os.O_CREAT, ROOT)
+            await a.ops.write(info.fh, 0, data)
+            started = trio.current_time()
+
+            async def close_later() -> None:
+                await trio.sleep(closes_after)
+                await a.ops.release(info.fh)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(close_later)
+                assert await lookup(b, name) == entry.st_ino
+                if name == b"quick":  # sealed within the wait: B writes a new version of A's bytes
+                    writer = await b.ops.open(entry.st_ino, os.O_WRONLY, ROOT)
+                    assert closes_after <= trio.current_time() - started < SEAL_WAIT_S
+                    await b.ops.write(writer.fh, 0, b"B")
+                    await b.ops.release(writer.fh)
+                else:  # still written there after the wait: busy
+                    with pytest.raises(pyfuse3.FUSEError) as failed:
+                        await b.ops.open(entry.st_ino, os.O_WRONLY, ROOT)
+                    assert failed.value.errno == errno.EBUSY
+                    assert SEAL_WAIT_S <= trio.current_time() - started < closes_after
+            expected = b"B" + data[1:] if name == b"quick" else data
+            assert await read_file(a, entry.st_ino) == expected
+
+    run_cluster(tmp_path, scenario)
+
+
 def test_an_open_of_a_silent_owners_file_fails_with_eio_within_the_peer_budget(tmp_path: Path) -> None:
     async def scenario(cluster: Cluster) -> None:
         a, b = cluster.members
