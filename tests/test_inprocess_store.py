@@ -5,7 +5,8 @@ seconds of real time in a mount (backpressure, retry delays, watermarks) runs at
 The store's owner is either a small namespace of files that answers the store's questions
 (what a version is called, which files to evict), or, one level up, the node's file service
 with the master embedded. Each test ends with an audit of the store's books against both
-tiers and the index (and, for the node, of the namespace against the store).
+tiers and the index (and, for the node, with the in-process harness's consistency check of
+the namespace against the store: tests/inprocess.py).
 """
 
 from __future__ import annotations
@@ -18,13 +19,10 @@ from typing import Awaitable, Callable
 
 import pytest
 import trio
-import trio.testing
 
 from kvfs.cluster.embedded import EmbeddedMaster
 from kvfs.cluster.master import MasterSettings, MetadataService
 from kvfs.cluster.namespace import ROOT_INO
-from kvfs.disk.engine import AlignedIo, ThreadEngine
-from kvfs.disk.probe import probe_io_uring
 from kvfs.disk.records import DiskFile, DiskRecord
 from kvfs.disk.tier import SsdTier
 from kvfs.errors import StorageError
@@ -35,13 +33,9 @@ from kvfs.store.buffers import ReadBufferPool
 from kvfs.store.dram import DramTier
 from kvfs.store.residency import RETRY_MIN_S, State
 from kvfs.store.tiered import TieredStore, TierSettings
-
-CHUNK = 64 << 10
-DRAM = 16 * CHUNK  # 1 MiB
-DISK = 64 * CHUNK  # 4 MiB
-# MockClock jumps to the next timer once every task has been blocked this long in real time;
-# long enough that an SSD write in a worker thread (or the kernel) never looks like idleness.
-AUTOJUMP_S = 0.2
+from inprocess import engine_kind  # noqa: F401 (a fixture)
+from inprocess import (CHUNK, DISK, DRAM, TrioClock, build_member, check_consistency, content, fail_ssd_writes,
+                       make_engine, quiesce, run_virtual, until)
 
 
 class Files:
@@ -83,11 +77,6 @@ class Files:
         self.store.drop(version)
 
 
-def content(version: int, size: int) -> bytes:
-    seed = f"v{version}:".encode()
-    return (seed * (size // len(seed) + 1))[:size]
-
-
 async def put(store: TieredStore, files: Files, version: int, size: int) -> None:
     """Writes and seals a file the way the node does."""
     store.create(version)
@@ -104,31 +93,6 @@ async def read_all(store: TieredStore, version: int, size: int) -> tuple[bytes, 
         return bytes(await store.read(source, 0, size)), source.tier
     finally:
         store.close_read(source)
-
-
-async def until(condition: Callable[[], bool], within_s: float) -> None:
-    """A bounded poll in the store's (virtual) time, in 20 steps (each idle step costs
-    AUTOJUMP_S of real time)."""
-    deadline = trio.current_time() + within_s
-    while not condition():
-        assert trio.current_time() < deadline, "the condition did not come true in time"
-        await trio.sleep(within_s / 20)
-
-
-@pytest.fixture(params=["threads", "io_uring"])
-def engine_kind(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "io_uring":
-        reason = probe_io_uring(tmp_path)
-        if reason is not None:
-            pytest.skip(f"io_uring: {reason}")
-    return request.param
-
-
-def make_engine(kind: str) -> AlignedIo:
-    if kind == "threads":
-        return ThreadEngine()
-    from kvfs.disk.engine import UringEngine
-    return UringEngine()
 
 
 Scenario = Callable[[TieredStore, Files], Awaitable[None]]
@@ -158,7 +122,7 @@ def run_store(tmp_path: Path, engine_kind: str, scenario: Scenario, settings: Ti
             ssd.close()
             engine.close()
 
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=AUTOJUMP_S))
+    run_virtual(main)
 
 
 def test_eager_offload_then_demotion_then_promotion_on_the_second_touch(tmp_path: Path, engine_kind: str) -> None:
@@ -213,19 +177,6 @@ def test_a_full_dram_demotes_copies_saved_on_ssd_and_writers_never_fail(tmp_path
             assert data == content(version, CHUNK)
 
     run_store(tmp_path, engine_kind, scenario)
-
-
-def fail_ssd_writes(store: TieredStore) -> Callable[[], None]:
-    """Makes the SSD's segment refuse writes (EBADF: opened read-only); returns the repair."""
-    assert store.ssd is not None
-    segments = store.ssd.segments
-    writable = segments.fds[0]
-    segments.fds[0] = os.open(store.ssd.directory / "segments" / "segment-00000.dat", os.O_RDONLY)
-
-    def repair() -> None:
-        os.close(segments.fds[0])
-        segments.fds[0] = writable
-    return repair
 
 
 def test_a_failing_ssd_parks_files_retries_with_a_growing_delay_and_resumes(tmp_path: Path, engine_kind: str) -> None:
@@ -317,56 +268,33 @@ def test_a_corrupt_chunk_quarantines_its_file(tmp_path: Path, engine_kind: str) 
 # One level up: the node's file service over the store, the master embedded -----------------------
 
 
-class TrioClock:
-    """`kvfs.clock.Clock` read from trio's clock (a MockClock in these tests)."""
-
-    def wall_ns(self) -> int:
-        return 1_700_000_000 * 10**9 + int(trio.current_time() * 1e9)
-
-    def monotonic(self) -> float:
-        return trio.current_time()
-
-
 NodeScenario = Callable[[Node, TieredStore], Awaitable[None]]
 
 
 def run_node(tmp_path: Path, engine_kind: str, scenario: NodeScenario) -> None:
     """Runs `scenario` against a node service (master embedded) over a store with both tiers,
-    under a MockClock; ends by checking the namespace against the store, the index and the audit."""
+    under a MockClock; ends with the harness's consistency check (namespace, store, index, audit)."""
     async def main() -> None:
         engine = make_engine(engine_kind)
         ssd = SsdTier(tmp_path / "disk", DISK, engine, CHUNK, direct_io=True)
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(engine.run)
-                clock = TrioClock()
                 store = TieredStore(DramTier(DRAM, CHUNK), ssd, TierSettings(), ReadBufferPool(8, CHUNK),
                                     clock=trio.current_time)
-                service = MetadataService(clock, make_policy("reuse"), MasterSettings())
-                node = Node(EmbeddedMaster(service), store, clock)
+                service = MetadataService(TrioClock(), make_policy("reuse"), MasterSettings())
+                member = build_member("local", EmbeddedMaster(service), store, tmp_path / "mnt")
                 nursery.start_soon(store.run)
-                await scenario(node, store)
-                await store.wait_offloaded()
-                await store.flush_removals_now()
-                await check_namespace(node, store)
-                assert audit(store) == []
+                await scenario(member.node, store)
+                await quiesce([member])
+                assert store.unsaved() == (0, 0)  # eager offload: every file is saved by now
+                check_consistency(service, [member])
                 nursery.cancel_scope.cancel()
         finally:
             ssd.close()
             engine.close()
 
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=AUTOJUMP_S))
-
-
-async def check_namespace(node: Node, store: TieredStore) -> None:
-    """Every file in the root is stored here, saved on SSD under its current name; nothing else is."""
-    files = {entry.attr.version: entry.name for entry in await node.readdir(ROOT_INO, 0, 1000)
-             if stat.S_ISREG(entry.attr.mode)}
-    assert set(store.residency) == set(files)
-    assert store.unsaved() == (0, 0)
-    records = store.disk_records()
-    assert {version: record.file.path for version, record in records.items()} == \
-        {version: [name] for version, name in files.items()}
+    run_virtual(main)
 
 
 async def node_write(node: Node, name: bytes, data: bytes) -> int:
