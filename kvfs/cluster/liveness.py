@@ -16,17 +16,19 @@ from kvfs.cluster.registry import NodeRecord, Registry
 
 
 class Liveness:
-    def __init__(self, registry: Registry, stall_gap_s: float) -> None:
+    def __init__(self, registry: Registry, stall_gap_s: float, started: float) -> None:
         self.registry = registry
         self.stall_gap_s = stall_gap_s
-        self.last_pass: float | None = None  # when the previous expiry pass ran
+        # When the previous expiry pass ran; the service's start counts as one, so that a
+        # stall before the first pass (a slow load, a pause right after a restart) is a gap too.
+        self.last_pass = started
         self.stalls = 0  # gaps noticed since start
         self.last_stall_s = 0.0  # the latest gap's length
 
     def expired(self, now: float) -> list[NodeRecord]:
         """Nodes to declare dead at `now`: none right after a gap in the master's own passes."""
         previous, self.last_pass = self.last_pass, now
-        if previous is not None and not 0 <= now - previous <= self.stall_gap_s:
+        if not 0 <= now - previous <= self.stall_gap_s:
             self.stalls += 1
             self.last_stall_s = now - previous
             self.grace(now)

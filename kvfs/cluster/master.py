@@ -87,7 +87,7 @@ class MetadataService:
         self._unpublished: dict[int, float | None] = {}
         self._caller = LOCAL_NODE  # the node whose request is being handled
         self.opens = OpenHandles()
-        self.liveness = Liveness(self.registry, stall_gap(settings))
+        self.liveness = Liveness(self.registry, stall_gap(settings), clock.monotonic())
         self.members = Membership(clock, self.ns, self.objects, self.registry, self.opens, self.liveness, self)
         self._removed_names: list[tuple[int, bytes, int]] = []  # for the other nodes' kernels to forget
         # Unlinked inode -> (its version, still readable; the node whose kernel holds it).
