@@ -1,9 +1,13 @@
 """A node's connection to the master: connect, register, reconnect after a failure.
 
-Requests wait (bounded) while the link is down, so a master restart of a few
-seconds is invisible to writers; a request in flight when the connection broke
-fails with EIO (it may or may not have been applied, and only the node's
-re-registration, which reports everything it holds, settles that).
+Every request is bounded by the link's wait (`--master-wait`), whatever the master
+does: while the link is down a request waits for it, but never past the wait since the
+master was last heard, so a master restart of a few seconds is invisible to writers and a
+master gone for longer fails every request at once with EIO. A master that stops
+answering without closing the connection (frozen, or behind a silent partition) fails the
+request that waited the whole budget and the connection is replaced. A request in flight
+when the connection broke fails with EIO (it may or may not have been applied, and only
+the node's re-registration, which reports everything it holds, settles that).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ log = logging.getLogger(__name__)
 
 RECONNECT_MIN_S = 0.05
 RECONNECT_MAX_S = 1.0
+CONNECT_TIMEOUT_S = 5.0  # a connection attempt (TCP and handshake); SYNs into a partition are not waited out
 WARN_EVERY_S = 5.0  # an unreachable master is reported this often, not at every retry
 
 
@@ -46,6 +51,7 @@ class MasterLink:
         self.wait_s = wait_s
         self._remote: RemoteMaster | None = None
         self._up = trio.Event()
+        self._heard_at = trio.current_time()  # when the master last answered (on any connection)
         self._warned_at = -WARN_EVERY_S  # trio time of the last warning
         self.calls = OperationStats()  # requests by type: round trip to the master
 
@@ -72,15 +78,17 @@ class MasterLink:
                 await remote.closed.wait()
                 self._up = trio.Event()
                 self._remote = None
+                self._heard_at = remote.heard_at
                 log.warning("lost the connection to master %s: %s", self.address, remote.broken)
 
     async def _connect_and_join(self, nursery: trio.Nursery, first: bool) -> RemoteMaster | None:
         """A registered connection, or None (logged) to try again later."""
         remote = None
         try:
-            remote = await RemoteMaster.connect(self.host, self.port, self.secret, nursery, role="node",
-                                                on_notify=self.on_notify)
-            await self.join(remote)
+            with trio.fail_after(CONNECT_TIMEOUT_S):
+                remote = await RemoteMaster.connect(self.host, self.port, self.secret, nursery, role="node",
+                                                    on_notify=self.on_notify, request_timeout_s=self.wait_s)
+            await self.join(remote)  # each request bounded by the link's wait
             if remote.broken is None:
                 return remote
             error: BaseException = remote.broken
@@ -113,12 +121,19 @@ class MasterLink:
             await self._remote.aclose()
 
     async def call(self, request: m.Request, wait_s: float | None = None) -> Any:
-        timeout = self.wait_s if wait_s is None else wait_s
+        """The master's answer within the link's wait, or MasterUnavailable (EIO). While the
+        link is down the request waits for it up to `wait_s` (default: the link's wait; 0 for
+        callers with an answer of their own), and never past the link's wait since the master
+        was last heard: a node cut off for longer fails at once."""
+        started = trio.current_time()
         if not self._up.is_set():
-            if timeout > 0:
-                with trio.move_on_after(timeout):
+            link_wait = self.wait_s if wait_s is None else wait_s
+            if link_wait > 0:
+                with trio.move_on_at(min(started + link_wait, self._heard_at + self.wait_s)):
                     await self._up.wait()
             if not self._up.is_set():
-                raise MasterUnavailable(f"master {self.address} is unreachable")
+                raise MasterUnavailable(f"master {self.address} is unreachable (last heard "
+                                        f"{trio.current_time() - self._heard_at:.1f} s ago)")
         assert self._remote is not None
-        return await self.calls.measure(type(request).__name__, self._remote.call(request))
+        left = started + self.wait_s - trio.current_time()
+        return await self.calls.measure(type(request).__name__, self._remote.call(request, timeout_s=left))
