@@ -7,6 +7,7 @@ lost or reported absent while it exists."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import json
 import mmap
@@ -227,3 +228,54 @@ def test_vllm_stores_on_one_node_and_loads_on_another_with_busy_cpus_without_a_s
     assert not failures, failures[:10]
     assert not misses, misses[:10]
     assert loaded[0] == keys
+
+
+@pytest.mark.parametrize("how", ["buffered-reads", "one-o_direct-read"])
+def test_a_read_of_a_half_streamed_file_whose_owner_dies_never_ends_early(
+        cluster: Cluster, tmp_path: Path, how: str) -> None:
+    """The owner is killed while a reader on another node streams its file (from the owner's
+    SSD, so that the transfer is still under way). Every byte the reader got is right, and
+    the read ends with EIO, never with an end of file before the file's end. Buffered reads
+    (8 MiB each) may get the bytes before the first missing page, as from any file system
+    with a failed page, and then EIO; one O_DIRECT read (vLLM's load of a block) gets all
+    of what it asked or EIO (the kernel fails the whole direct read if a part of it failed)."""
+    owner = cluster.add_node("640M", "--disk", str(tmp_path / "owner-disk"), "--disk-size", "1G", name="owner")
+    reader = cluster.add_node("640M", name="reader")
+    size = 384 * MiB
+    data = os.urandom(size)
+    (owner.path / "big.bin").write_bytes(data)
+    os.setxattr(owner.path, "user.kvfs.control", b"flush")
+    os.setxattr(owner.path, "user.kvfs.control", b"drop-dram")  # served from the owner's SSD
+    assert owner.process is not None
+    got = bytearray()
+    ended = "eof"
+    direct = how == "one-o_direct-read"
+    fd = os.open(reader.path / "big.bin", os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    try:
+        first = mmap.mmap(-1, MiB)
+        assert os.readv(fd, [first]) == MiB  # the transfer is under way
+        got += first
+        owner.kill()
+        killed_at = time.monotonic()
+        rest = size - MiB
+        buffer = mmap.mmap(-1, rest if direct else 8 * MiB)
+        while True:
+            try:
+                count = os.readv(fd, [buffer])
+            except OSError as error:
+                ended = errno.errorcode.get(error.errno or 0, str(error.errno))
+                break
+            if not count:
+                break
+            got += buffer[:count]
+            if direct:
+                assert count == rest, f"one O_DIRECT read of the rest of the file returned {count} of {rest} bytes"
+        took = time.monotonic() - killed_at
+    finally:
+        os.close(fd)
+    print(f"\n{how}, owner killed after the first MiB: the reader got {len(got) / MiB:.0f} of {size // MiB} MiB, "
+          f"then {ended} {took:.2f} s after the kill")
+    assert bytes(got) == data[:len(got)], "the reader got wrong bytes"
+    assert len(got) < size, "the transfer was over before the owner died: nothing was tested"
+    assert ended == "EIO", f"the read ended with {ended} after {len(got)} of {size} bytes"
+    assert took < PEER_BUDGET_S + MARGIN_S
