@@ -84,8 +84,9 @@ def test_a_cut_off_node_fails_within_the_master_wait_and_the_cluster_converges_a
             expected[name] = content(node.root.name, i)
             owner[name] = node.root.name
             (node.path / "blocks" / name).write_bytes(expected[name])
-    expected["shared.bin"], owner["shared.bin"] = content("c", 99), "c"  # a takes it over during the cut
-    (c.path / "blocks" / "shared.bin").write_bytes(expected["shared.bin"])
+    for name in ("shared.bin", "shared2.bin"):  # names of c's that a takes over during the cut
+        expected[name], owner[name] = content("c", 99), "c"
+        (c.path / "blocks" / name).write_bytes(expected[name])
     wait_readable(nodes, expected, "before the cut")
 
     cluster.hosts["c"].cut()
@@ -117,8 +118,10 @@ def test_a_cut_off_node_fails_within_the_master_wait_and_the_cluster_converges_a
                       bounded.run("read", node.path / "blocks" / f"{other.root.name}-2.bin", HUNG_S),
                       bounded.run("mkdir", node.path / f"{node.root.name}-dir", HUNG_S)]
         expected[name], owner[name] = b"x" * 4096, node.root.name
-    on_others.append(bounded.run("publish", a.path / "blocks" / "shared.bin", HUNG_S))  # over a name of c's
+    on_others.append(bounded.run("publish", a.path / "blocks" / "shared.bin", HUNG_S))  # over c's names
+    on_others.append(bounded.run("overwrite", a.path / "blocks" / "shared2.bin", HUNG_S))
     expected["shared.bin"], owner["shared.bin"] = b"z" * 4096, "a"
+    expected["shared2.bin"], owner["shared2.bin"] = b"y" * 4096, "a"
     print("on the other nodes:\n  " + "\n  ".join(map(str, on_others)))
     failed = [str(outcome) for outcome in on_others
               if outcome.result != "ok" or outcome.seconds > MASTER_WAIT_S + MARGIN_S]
