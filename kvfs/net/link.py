@@ -112,8 +112,8 @@ class MasterLink:
 
     @property
     def connected(self) -> bool:
-        """Connected to the master and registered."""
-        return self._up.is_set()
+        """Connected to the master and registered (on a connection not known to be broken)."""
+        return self._up.is_set() and self._remote is not None and self._remote.broken is None
 
     async def reconnect(self) -> None:
         """Drops the connection (the master no longer knows this node): register again."""
@@ -126,14 +126,18 @@ class MasterLink:
         callers with an answer of their own), and never past the link's wait since the master
         was last heard: a node cut off for longer fails at once."""
         started = trio.current_time()
-        if not self._up.is_set():
-            link_wait = self.wait_s if wait_s is None else wait_s
-            if link_wait > 0:
-                with trio.move_on_at(min(started + link_wait, self._heard_at + self.wait_s)):
-                    await self._up.wait()
-            if not self._up.is_set():
+        link_wait = self.wait_s if wait_s is None else wait_s
+        while not self.connected:
+            heard_at = self._remote.heard_at if self._remote is not None else self._heard_at
+            until = min(started + link_wait, heard_at + self.wait_s)
+            if trio.current_time() >= until:
                 raise MasterUnavailable(f"master {self.address} is unreachable (last heard "
-                                        f"{trio.current_time() - self._heard_at:.1f} s ago)")
+                                        f"{trio.current_time() - heard_at:.1f} s ago)")
+            with trio.move_on_at(until):
+                if self._up.is_set():  # broken, and the run loop has yet to see it
+                    await trio.sleep(0.01)
+                else:
+                    await self._up.wait()
         assert self._remote is not None
         left = started + self.wait_s - trio.current_time()
         return await self.calls.measure(type(request).__name__, self._remote.call(request, timeout_s=left))
