@@ -268,7 +268,7 @@ class RemoteMaster:
         if scope.cancelled_caught and not pending.done.is_set():
             self._pending.pop(request_id, None)
             silent = trio.current_time() - self.heard_at
-            error = MasterSilent(f"{type(request).__name__}: no answer from the master within {timeout:g} s "
+            error = MasterSilent(f"{type(request).__name__}: no answer from the master within {timeout:.1f} s "
                                  f"(silent for {silent:.1f} s); giving up the connection")
             await self._give_up(error)
             raise error
