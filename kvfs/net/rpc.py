@@ -249,7 +249,8 @@ class RemoteMaster:
 
     async def call(self, request: m.Request, timeout_s: float | None = None) -> Any:
         """The master's answer; `timeout_s` (else `request_timeout_s`) bounds the send and the
-        wait for it together."""
+        wait for it together. The connection is given up only when the master has been silent
+        for a whole `request_timeout_s`, not when a caller's shorter remainder ran out."""
         if self.broken is not None:
             raise MasterUnavailable(f"no connection to the master: {self.broken}")
         timeout = self.request_timeout_s if timeout_s is None else timeout_s
@@ -268,6 +269,9 @@ class RemoteMaster:
         if scope.cancelled_caught and not pending.done.is_set():
             self._pending.pop(request_id, None)
             silent = trio.current_time() - self.heard_at
+            if silent < (self.request_timeout_s or timeout):  # only the rest of a caller's wait ran out
+                raise MasterUnavailable(f"{type(request).__name__}: no answer from the master within "
+                                        f"{timeout:.1f} s")
             error = MasterSilent(f"{type(request).__name__}: no answer from the master within {timeout:.1f} s "
                                  f"(silent for {silent:.1f} s); giving up the connection")
             await self._give_up(error)
