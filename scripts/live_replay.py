@@ -8,7 +8,12 @@ request's block files with `access()` in order and stops at the first miss
 (the hit prefix); the loaders open, read and close each hit; then every block
 after the prefix is stored unless it exists (`access()` first, then create
 O_EXCL, one write, close, rename). A hit whose load fails (the file was evicted
-between the lookup and the open) counts as a miss, as vLLM counts it.
+between the lookup and the open) counts as a miss, as vLLM counts it. The kernel
+drops its entry of an evicted file asynchronously (kvfs notifies it from another
+thread, never inside the evicting request), so access() may still find a file that
+an earlier store just evicted: such a load is checked to be of a file that is really
+gone (a second open, which the daemon answers), and a load that fails while its file
+exists stops the replay as a bug.
 
 The hit ratio is what the mount delivered; `kvfs.policy.replay.replay` is the
 same model offline. They differ only where the mount does: a file becomes
@@ -38,7 +43,7 @@ FANOUT = 256
 class LiveResult:
     hits: int = 0
     blocks: int = 0
-    failed_loads: int = 0  # hits whose file was gone by the time it was opened
+    failed_loads: int = 0  # hits whose file was gone (evicted) by the time it was opened
     stored: int = 0
     seconds: float = 0.0
 
@@ -73,6 +78,8 @@ def replay_live(root: Path, requests: Iterable[Request], block_bytes: int,
         served = 0
         for block in blocks[:prefix]:
             if not _load(block_path(root, block), block, buffer):
+                if _present(block_path(root, block)):
+                    raise AssertionError(f"{block_path(root, block)}: a load found no file, but it exists")
                 result.failed_loads += 1
                 break
             served += 1
@@ -97,6 +104,15 @@ def _load(path: Path, block: int, buffer: bytearray) -> bool:
         os.close(fd)
     if got != len(buffer) or struct.unpack_from("<Q", buffer)[0] != block:
         raise AssertionError(f"{path}: read {got} bytes of block {struct.unpack_from('<Q', buffer)[0]}")
+    return True
+
+
+def _present(path: Path) -> bool:
+    """Whether the daemon has the file (an open asks it, whatever entry the kernel keeps)."""
+    try:
+        os.close(os.open(path, os.O_RDONLY))
+    except FileNotFoundError:
+        return False
     return True
 
 

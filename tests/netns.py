@@ -66,7 +66,11 @@ class Network:
         self.prefix = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(256)}"
         self.address = f"{self.prefix}.1"
         self.hosts: list[Host] = []
-        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        # A bridge takes the lowest MAC address of its ports unless given one: a host added later
+        # with a lower one would change the master's MAC under the hosts' ARP caches, and cut
+        # them off for seconds. A fixed, locally administered address of its own.
+        mac = "02:" + ":".join(f"{byte:02x}" for byte in secrets.token_bytes(5))
+        _run("ip", "link", "add", self.bridge, "address", mac, "type", "bridge")
         _run("ip", "addr", "add", f"{self.address}/24", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
 

@@ -219,20 +219,22 @@ def test_master_killed_during_write_load(cluster: Cluster) -> None:
     threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)] + [threading.Thread(target=local_reader)]
     for thread in threads:
         thread.start()
-    wait_until(lambda: len(stored) >= 40, what="writes before the kill")
-    cluster.master.kill()
-    killed_at = time.monotonic()
-    reads_before = local_reads["ok"]
-    # The master stays down until the writer node has served its own files without it for a while.
-    wait_until(lambda: local_reads["ok"] - reads_before >= 200, what="local reads without the master")
-    served_without_master = local_reads["ok"] - reads_before
-    cluster.master.start(port=cluster.master.port)
-    restarted_at = time.monotonic()
-    wait_until(lambda: len(stored) >= 80, what="writes after the master came back")
-    stop.set()
-    for thread in threads:
-        thread.join(timeout=60)
-        assert not thread.is_alive()
+    try:  # the threads stop whatever fails: after the unmount they would write to the disk below
+        wait_until(lambda: len(stored) >= 40, what="writes before the kill")
+        cluster.master.kill()
+        killed_at = time.monotonic()
+        reads_before = local_reads["ok"]
+        # The master stays down until the writer node has served its own files without it for a while.
+        wait_until(lambda: local_reads["ok"] - reads_before >= 200, what="local reads without the master")
+        served_without_master = local_reads["ok"] - reads_before
+        cluster.master.start(port=cluster.master.port)
+        restarted_at = time.monotonic()
+        wait_until(lambda: len(stored) >= 80, what="writes after the master came back")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
     with lock:
         acknowledged = list(stored)
     buffer, expected = mmap.mmap(-1, size), mmap.mmap(-1, size)

@@ -1,9 +1,13 @@
 """A node's connection to the master: connect, register, reconnect after a failure.
 
-Requests wait (bounded) while the link is down, so a master restart of a few
-seconds is invisible to writers; a request in flight when the connection broke
-fails with EIO (it may or may not have been applied, and only the node's
-re-registration, which reports everything it holds, settles that).
+Every request is bounded by the link's wait (`--master-wait`), whatever the master
+does: while the link is down a request waits for it, but never past the wait since the
+master was last heard, so a master restart of a few seconds is invisible to writers and a
+master gone for longer fails every request at once with EIO. A master that stops
+answering without closing the connection (frozen, or behind a silent partition) fails the
+request that waited the whole budget and the connection is replaced. A request in flight
+when the connection broke fails with EIO (it may or may not have been applied, and only
+the node's re-registration, which reports everything it holds, settles that).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ log = logging.getLogger(__name__)
 
 RECONNECT_MIN_S = 0.05
 RECONNECT_MAX_S = 1.0
+CONNECT_TIMEOUT_S = 5.0  # a connection attempt (TCP and handshake); SYNs into a partition are not waited out
 WARN_EVERY_S = 5.0  # an unreachable master is reported this often, not at every retry
 
 
@@ -47,6 +52,7 @@ class MasterLink:
         self.wait_s = wait_s
         self._remote: RemoteMaster | None = None
         self._up = trio.Event()
+        self._heard_at = trio.current_time()  # when the master last answered (on any connection)
         self._warned_at = -WARN_EVERY_S  # trio time of the last warning
         self.calls = OperationStats()  # requests by type: round trip to the master
 
@@ -73,14 +79,17 @@ class MasterLink:
                 await remote.closed.wait()
                 self._up = trio.Event()
                 self._remote = None
+                self._heard_at = remote.heard_at
                 log.warning("lost the connection to master %s: %s", self.address, remote.broken)
 
     async def _connect_and_join(self, nursery: trio.Nursery, first: bool) -> RemoteMaster | None:
         """A registered connection, or None (logged) to try again later."""
         remote = None
         try:
-            remote = await RemoteMaster.connect(self.host, self.port, self.tls, nursery, on_notify=self.on_notify)
-            await self.join(remote)
+            with trio.fail_after(CONNECT_TIMEOUT_S):
+                remote = await RemoteMaster.connect(self.host, self.port, self.tls, nursery,
+                                                    on_notify=self.on_notify, request_timeout_s=self.wait_s)
+            await self.join(remote)  # each request bounded by the link's wait
             if remote.broken is None:
                 return remote
             error: BaseException = remote.broken
@@ -110,8 +119,8 @@ class MasterLink:
 
     @property
     def connected(self) -> bool:
-        """Connected to the master and registered."""
-        return self._up.is_set()
+        """Connected to the master and registered (on a connection not known to be broken)."""
+        return self._up.is_set() and self._remote is not None and self._remote.broken is None
 
     async def reconnect(self) -> None:
         """Drops the connection (the master no longer knows this node): register again."""
@@ -119,12 +128,23 @@ class MasterLink:
             await self._remote.aclose()
 
     async def call(self, request: m.Request, wait_s: float | None = None) -> Any:
-        timeout = self.wait_s if wait_s is None else wait_s
-        if not self._up.is_set():
-            if timeout > 0:
-                with trio.move_on_after(timeout):
+        """The master's answer within the link's wait, or MasterUnavailable (EIO). While the
+        link is down the request waits for it up to `wait_s` (default: the link's wait; 0 for
+        callers with an answer of their own), and never past the link's wait since the master
+        was last heard: a node cut off for longer fails at once."""
+        started = trio.current_time()
+        link_wait = self.wait_s if wait_s is None else wait_s
+        while not self.connected:
+            heard_at = self._remote.heard_at if self._remote is not None else self._heard_at
+            until = min(started + link_wait, heard_at + self.wait_s)
+            if trio.current_time() >= until:
+                raise MasterUnavailable(f"master {self.address} is unreachable (last heard "
+                                        f"{trio.current_time() - heard_at:.1f} s ago)")
+            with trio.move_on_at(until):
+                if self._up.is_set():  # broken, and the run loop has yet to see it
+                    await trio.sleep(0.01)
+                else:
                     await self._up.wait()
-            if not self._up.is_set():
-                raise MasterUnavailable(f"master {self.address} is unreachable")
         assert self._remote is not None
-        return await self.calls.measure(type(request).__name__, self._remote.call(request))
+        left = started + self.wait_s - trio.current_time()
+        return await self.calls.measure(type(request).__name__, self._remote.call(request, timeout_s=left))

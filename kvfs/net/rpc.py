@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import ssl
 import typing
 from dataclasses import dataclass, field
@@ -202,14 +203,26 @@ class _Pending:
     error: Exception | None = None
 
 
+class MasterSilent(MasterUnavailable):
+    """The master did not answer a request within its deadline: the connection is given up."""
+
+
 class RemoteMaster:
     """A `MasterClient` for a master in another process: requests are pipelined on one
-    connection and matched to their responses by id by a receiver task."""
+    connection and matched to their responses by id by a receiver task.
+
+    With `request_timeout_s`, a request not answered within it fails with EIO and the
+    connection is closed: a master that stopped answering (frozen, or cut off by a silent
+    partition) is not waited for until TCP gives up, minutes later. The master answers a
+    connection's requests in order, so one unanswered that long means none will be."""
 
     def __init__(self, frames: FrameStream,
-                 on_notify: Callable[[m.NameChanges], None] | None = None) -> None:
+                 on_notify: Callable[[m.NameChanges], None] | None = None,
+                 request_timeout_s: float | None = None) -> None:
         self._frames = frames
         self._on_notify = on_notify
+        self.request_timeout_s = request_timeout_s
+        self.heard_at = trio.current_time()  # when the master last sent a frame
         self._notifications = HeaderDecoder(m.NameChanges)
         self._send_lock = trio.Lock()
         self._next_id = 1
@@ -221,11 +234,12 @@ class RemoteMaster:
 
     @classmethod
     async def connect(cls, host: str, port: int, tls: Tls, nursery: trio.Nursery,
-                      on_notify: Callable[[m.NameChanges], None] | None = None) -> "RemoteMaster":
+                      on_notify: Callable[[m.NameChanges], None] | None = None,
+                      request_timeout_s: float | None = None) -> "RemoteMaster":
         """Connects (TLS, the master's certificate must have role master) and starts the
         receiver task in `nursery`."""
         frames = await connect(host, port, tls, MASTER_ROLE)
-        master = cls(frames, on_notify)
+        master = cls(frames, on_notify, request_timeout_s)
         nursery.start_soon(master._receive_forever)
         return master
 
@@ -233,6 +247,7 @@ class RemoteMaster:
         try:
             while True:
                 frame = await self._frames.receive()
+                self.heard_at = trio.current_time()
                 prefix, header = frame.prefix, frame.header
                 if prefix.kind == FrameKind.NOTIFY:
                     changes = self._notifications.decode(header)
@@ -266,9 +281,13 @@ class RemoteMaster:
         self._pending.clear()
         self.closed.set()
 
-    async def call(self, request: m.Request) -> Any:
+    async def call(self, request: m.Request, timeout_s: float | None = None) -> Any:
+        """The master's answer; `timeout_s` (else `request_timeout_s`) bounds the send and the
+        wait for it together. The connection is given up only when the master has been silent
+        for a whole `request_timeout_s`, not when a caller's shorter remainder ran out."""
         if self.broken is not None:
             raise MasterUnavailable(f"no connection to the master: {self.broken}")
+        timeout = self.request_timeout_s if timeout_s is None else timeout_s
         request_id = self._next_id
         self._next_id += 1
         try:  # encoded before anything is sent: a request the wire cannot carry leaves the stream in step
@@ -277,17 +296,34 @@ class RemoteMaster:
             raise MetadataError(errno.EINVAL, f"{type(request).__name__}: a field the protocol cannot carry "
                                               f"({error})") from None
         pending = self._pending[request_id] = _Pending(request)
-        try:
-            async with self._send_lock:
-                await self._frames.send_encoded(frame)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+        with trio.move_on_after(math.inf if timeout is None else max(0.0, timeout)) as scope:
+            try:
+                async with self._send_lock:
+                    await self._frames.send_encoded(frame)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+                self._pending.pop(request_id, None)
+                self._fail(error)
+                raise MasterUnavailable(f"cannot reach the master: {error}") from None
+            await pending.done.wait()
+        if scope.cancelled_caught and not pending.done.is_set():
             self._pending.pop(request_id, None)
-            self._fail(error)
-            raise MasterUnavailable(f"cannot reach the master: {error}") from None
-        await pending.done.wait()
+            silent = trio.current_time() - self.heard_at
+            if silent < (self.request_timeout_s or timeout):  # only the rest of a caller's wait ran out
+                raise MasterUnavailable(f"{type(request).__name__}: no answer from the master within "
+                                        f"{timeout:.1f} s")
+            error = MasterSilent(f"{type(request).__name__}: no answer from the master within {timeout:.1f} s "
+                                 f"(silent for {silent:.1f} s); giving up the connection")
+            await self._give_up(error)
+            raise error
         if pending.error is not None:
             raise pending.error
         return pending.response
+
+    async def _give_up(self, error: Exception) -> None:
+        """Fails every request in flight and closes the connection (its receiver ends)."""
+        self._fail(error)
+        with trio.CancelScope(shield=True):
+            await self._frames.aclose()
 
     async def aclose(self) -> None:
         self._fail(EOFError("closed"))

@@ -18,7 +18,7 @@ import os
 import stat
 import time
 from dataclasses import asdict, dataclass
-from typing import Awaitable, Callable, Iterable
+from typing import Awaitable, Callable, Iterable, Iterator
 
 import msgspec
 import trio
@@ -84,6 +84,20 @@ PEER_BUDGET_S = 3.0  # an open of another node's file tries that long, then fail
 RETRY_PAUSE_S = 0.05  # the first pause before asking the master and the owner again (doubling)
 SEAL_WAIT_S = 2.0  # the longest an open waits for another node's writer to seal a file it closed
 TIERS = ("dram", "ssd", "peer")  # where a reader is served from (ReadSource.tier)
+
+
+@contextlib.contextmanager
+def _stale_if_gone(ino: int) -> Iterator[None]:
+    """An inode the kernel holds that the master no longer has at all is a stale name, not
+    an absent one: the master forgets this node's kernel references when it registers again
+    (after a partition, say), and an inode removed meanwhile is then gone for good. ESTALE
+    makes the kernel look the name up again and retry (ENOENT only if the name is gone too)."""
+    try:
+        yield
+    except MetadataError as error:
+        if error.errno != errno.ENOENT:
+            raise
+        raise MetadataError(errno.ESTALE, f"inode {ino} no longer exists: {error}") from None
 
 
 class Node:
@@ -190,7 +204,8 @@ class Node:
         if cached is None and ino in self._local:
             cached = self._local[ino][1]
         try:
-            attr = await self.master.call(m.GetAttr(ino), wait_s=0 if cached is not None else None)
+            with _stale_if_gone(ino):
+                attr = await self.master.call(m.GetAttr(ino), wait_s=0 if cached is not None else None)
         except MasterUnavailable:
             if cached is None:
                 raise
@@ -315,6 +330,10 @@ class Node:
 
     async def open(self, ino: int, flags: int, uid: int = 0) -> tuple[OpenFile, bool]:
         """Opens a file; returns the handle and whether the kernel may keep its cached pages."""
+        with _stale_if_gone(ino):
+            return await self._open(ino, flags)
+
+    async def _open(self, ino: int, flags: int) -> tuple[OpenFile, bool]:
         if flags & os.O_ACCMODE == os.O_RDONLY:
             try:
                 opened, source = await self._open_reader(ino)
