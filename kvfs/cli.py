@@ -495,7 +495,7 @@ def _dir_usage(args: argparse.Namespace, files: bool) -> tuple[str, str | None, 
     """(source, the top-level directory PATH is in or None, the usage) from --master or a mount."""
     import msgspec
 
-    from kvfs.node.service import ROOT_USAGE, ROOT_USAGE_COUNTERS
+    from kvfs.node.xattrs import ROOT_USAGE, ROOT_USAGE_COUNTERS
 
     if args.master:
         return f"master {args.master}", None, ask_master(args, m.DirUsage(files=files))

@@ -33,7 +33,7 @@ def test_a_silent_master_fails_requests_within_the_wait_and_the_link_comes_back(
     errors: dict[str, str] = {}
 
     async def main() -> None:
-        link = MasterLink(master.address, load_tls("linked"), join, wait_s=WAIT_S)
+        link = MasterLink(master.address, load_tls("link-test"), join, wait_s=WAIT_S)
         async with trio.open_nursery() as nursery:
             await nursery.start(link.run)
             await link.call(m.Stats())

@@ -38,7 +38,6 @@ from kvfs.disk.records import DiskRecord
 from kvfs.errors import KvfsError, MetadataError, StorageError
 from kvfs.node.membership import Membership, to_disk_file, to_file_record
 from kvfs.node.xattrs import NodeXattrs
-from kvfs.node.xattrs import ROOT_USAGE, ROOT_USAGE_COUNTERS  # noqa: F401 (kvfs du reads them from here)
 from kvfs.store.evictions import EvictionSummary
 from kvfs.store.faults import STORAGE_ERRORS
 from kvfs.store.tiered import ReadSource, TieredStore
@@ -331,9 +330,9 @@ class Node:
     async def open(self, ino: int, flags: int, uid: int = 0) -> tuple[OpenFile, bool]:
         """Opens a file; returns the handle and whether the kernel may keep its cached pages."""
         with _stale_if_gone(ino):
-            return await self._open(ino, flags)
+            return await self._open(ino, flags, uid)
 
-    async def _open(self, ino: int, flags: int) -> tuple[OpenFile, bool]:
+    async def _open(self, ino: int, flags: int, uid: int) -> tuple[OpenFile, bool]:
         if flags & os.O_ACCMODE == os.O_RDONLY:
             try:
                 opened, source = await self._open_reader(ino)
