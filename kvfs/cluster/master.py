@@ -719,7 +719,11 @@ class MetadataService:
             freed += max(version.size, 1)
         self.evicted_files += len(victims)
         self.evicted_bytes += freed
-        return self._remove_files(victims, freed)
+        removed = self._remove_files(victims, freed)
+        node = self.registry.nodes.get(req.node)
+        if node is not None and node.outbox_dropped:  # garbage it holds: no need to evict for that room
+            removed.released, node.outbox_dropped = node.outbox_dropped, []
+        return removed
 
     def _collect_orphans(self, req: m.CollectOrphans) -> m.Removed:
         deadline = self.clock.wall_ns() - int(self.settings.temp_grace_s * 1e9)

@@ -624,12 +624,13 @@ class Node:
     async def reclaim(self, tier: str, nbytes: int) -> bool:
         removed = await self.master.call(m.Reclaim(self.node_id, nbytes, tier))
         self._apply_removed(removed)
+        self.drop(removed.released)
         self.evicted_files += len(removed.dropped)
         if removed.dropped:
             log.debug("evicted %d files (%s) from %s", len(removed.dropped), format_size(removed.freed_bytes), tier)
             self.evictions.record(tier, len(removed.dropped), removed.freed_bytes)
             self.log_evictions()
-        return bool(removed.dropped)
+        return bool(removed.dropped or removed.released)
 
     def log_evictions(self) -> None:
         line = self.evictions.summary(self.clock.monotonic())

@@ -409,6 +409,9 @@ class Removed(msgspec.Struct):
     dropped: list[int]
     entries: list[tuple[int, bytes, int]]  # (directory, name, inode)
     freed_bytes: int
+    # (Reclaim) the caller's versions that other nodes' requests released since its last
+    # heartbeat: their room is free now, not at the next beat.
+    released: list[int] = []
 
 
 class Listing(msgspec.Struct):
