@@ -19,6 +19,10 @@ PURE_PACKAGES = {"cluster", "policy", "wire"}
 PURE_MODULES = {"kvfs.store.residency"}
 FORBIDDEN_IN_PURE = {"trio", "socket", "pyfuse3"}
 
+# The packages from the top down, as docs/architecture.md draws them: each imports only
+# packages of later layers (and the top-level modules, which are units of their own).
+LAYERS = ["daemons", "metrics", "fuse", "node", "net", "store", "disk", "cluster", "security", "wire", "policy"]
+
 
 
 def module_name(path: Path) -> str:
@@ -134,6 +138,14 @@ def test_no_module_imports_another_that_imports_it_back() -> None:
 def test_no_package_imports_another_that_imports_it_back() -> None:
     found = cycles(package_graph(module_graph()))
     assert describe(found) == [], "import cycles between packages"
+
+
+def test_packages_import_only_the_layers_below_them() -> None:
+    packages = package_graph(module_graph())
+    assert set(LAYERS) == {name for name in packages if (ROOT / name).is_dir()}, "a package missing from LAYERS"
+    upward = sorted(f"kvfs/{source} imports kvfs/{target}" for source in LAYERS for target in packages[source]
+                    if target in LAYERS and LAYERS.index(target) <= LAYERS.index(source))
+    assert upward == [], "imports against the layers of docs/architecture.md"
 
 
 def test_pure_packages_import_no_event_loop_socket_or_fuse() -> None:
