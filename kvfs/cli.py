@@ -191,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds after close during which a new file not yet renamed or read is evicted last")
     master.add_argument("--dead-after", type=float, default=2.5,
                         help="seconds without a heartbeat before a node is declared dead")
+    master.add_argument("--forget-dead-after", type=float, default=7 * 86400.0,
+                        help="seconds a node may stay dead before it is forgotten as by remove-node, its files "
+                             "leaving the namespace (default 7 days; 0: never)")
     master.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _add_metrics(master, DEFAULT_MASTER_METRICS)
     _add_common(master)
@@ -368,7 +371,7 @@ def run_master(args: argparse.Namespace) -> int:
     preflight.refuse_on_failure(checks)
     config = MasterConfig(args.listen, os.path.abspath(args.data), _tls(args, "master"), args.eviction_policy,
                           temp_grace_s=args.temp_grace, publish_grace_s=args.publish_grace,
-                          dead_after_s=args.dead_after,
+                          dead_after_s=args.dead_after, forget_dead_after_s=args.forget_dead_after,
                           metrics_listen=args.metrics_listen if args.metrics else None)
     trio.run(MasterProcess(config).run)
     return 0

@@ -5,7 +5,8 @@ a node declared dead keeps, when it registers again, every file nobody supersede
 from __future__ import annotations
 
 from kvfs.clock import ManualClock
-from kvfs.cluster.master import MasterSettings, stall_gap
+from kvfs.cluster.master import MasterSettings, MetadataService, stall_gap
+from kvfs.policy import LruPolicy
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.wire import messages as m
 
@@ -84,3 +85,39 @@ def test_the_stall_gap_stays_between_the_pass_interval_and_the_deadline() -> Non
     assert stall_gap(MasterSettings()) == 1.0
     assert stall_gap(MasterSettings(dead_after_s=1.8)) == 0.9  # a stall just under it leaves half the deadline
     assert stall_gap(MasterSettings(dead_after_s=0.4)) == 0.75  # never under three passes: late ones are no stall
+
+
+def test_a_node_dead_for_longer_than_the_limit_is_forgotten_with_its_files() -> None:
+    """Dead names are garbage-collected: a node dead past forget_dead_after_s is removed as
+    by `kvfs remove-node` (its hidden files leave the namespace, its name is free); one that
+    comes back in time keeps everything."""
+    cluster = Cluster(ManualClock())
+    cluster.master.members.forget_dead_after_s = 100.0
+    a, _ = cluster.join("a")
+    b, _ = cluster.join("b")
+    gone = cluster.store(a, b"a.bin")
+    kept = cluster.store(b, b"b.bin")
+    assert passes(cluster, 5.0, b) == [a]  # a stops: declared dead, its file hidden
+    assert passes(cluster, 90.0, b) == []
+    assert "a" in cluster.master.registry.by_name  # dead 95 s: still known, may come back
+    passes(cluster, 10.0, b)
+    assert "a" not in cluster.master.registry.by_name and cluster.master.members.forgotten == 1
+    assert all(version.node != a for version in cluster.master.objects.versions.values())
+    assert cluster.lookup(b, b"b.bin").version == kept.version
+    assert cluster.lookup(b, b"a.bin") is None and gone.ino not in cluster.master.ns.inodes
+    cluster.join("a")  # the name is free: a machine may join under it again, with nothing of the old one's
+    assert cluster.lookup(b, b"a.bin") is None
+
+
+def test_a_restarted_master_counts_a_dead_nodes_time_from_its_own_start(tmp_path) -> None:
+    """After a restart every known node is heard from at the load: a monotonic clock that
+    started long ago (a machine up for weeks) forgets nobody at once."""
+    clock = ManualClock()
+    clock.advance(30 * 86400.0)  # the machine has been up for 30 days
+    service = MetadataService(clock, LruPolicy(), MasterSettings(cluster=True))
+    service.load([], [], 2, 1, 1, [(1, "a", "10.0.0.1:7401")])
+    service.expire_nodes()
+    assert "a" in service.registry.by_name
+    clock.advance(7 * 86400.0 + 1)
+    service.expire_nodes()
+    assert "a" not in service.registry.by_name

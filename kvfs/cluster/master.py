@@ -58,6 +58,10 @@ class MasterSettings:
     # gets a fresh grace instead of being judged (kvfs.cluster.liveness). Kept under half
     # of dead_after_s and over three intervals (see `stall_gap`).
     stall_gap_s: float = 1.0
+    # A node dead this long is forgotten as by `kvfs remove-node` (its hidden files leave the
+    # namespace, its name is free): a machine retired without that command does not hold
+    # names and status rows for ever. 0: never. Counted in the master's running time.
+    forget_dead_after_s: float = 7 * 86400.0
 
 
 def stall_gap(settings: MasterSettings) -> float:
@@ -88,7 +92,8 @@ class MetadataService:
         self._caller = LOCAL_NODE  # the node whose request is being handled
         self.opens = OpenHandles()
         self.liveness = Liveness(self.registry, stall_gap(settings), clock.monotonic())
-        self.members = Membership(clock, self.ns, self.objects, self.registry, self.opens, self.liveness, self)
+        self.members = Membership(clock, self.ns, self.objects, self.registry, self.opens, self.liveness, self,
+                                  settings.forget_dead_after_s if settings.cluster else 0.0)
         self._removed_names: list[tuple[int, bytes, int]] = []  # for the other nodes' kernels to forget
         # Unlinked inode -> (its version, still readable; the node whose kernel holds it).
         self._lingering: dict[int, tuple[int, int]] = {}
@@ -175,7 +180,7 @@ class MetadataService:
         self.ns.next_ino = max(self.ns.next_ino, next_ino)
         self.ns.next_entry_id = max(self.ns.next_entry_id, next_entry_id)
         self.objects.load(versions, next_version)
-        self.registry.load(nodes)
+        self.registry.load(nodes, self.clock.monotonic())
         now = self.clock.monotonic()
         for inode in sorted((i for i in inodes if i.is_file), key=lambda i: i.mtime_ns):
             version = self.objects.versions.get(inode.version)

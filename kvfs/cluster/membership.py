@@ -58,8 +58,11 @@ class FileService(Protocol):
 
 class Membership:
     def __init__(self, clock: Clock, ns: Namespace, objects: ObjectDirectory, registry: Registry,
-                 opens: OpenHandles, liveness: Liveness, files: FileService) -> None:
+                 opens: OpenHandles, liveness: Liveness, files: FileService,
+                 forget_dead_after_s: float = 0.0) -> None:
         self.clock = clock
+        self.forget_dead_after_s = forget_dead_after_s  # 0: dead nodes are kept until removed
+        self.forgotten = 0  # dead nodes forgotten since start
         self.liveness = liveness
         self.ns = ns
         self.objects = objects
@@ -166,10 +169,16 @@ class Membership:
 
     def expire_nodes(self) -> list[int]:
         """Declares nodes that stopped heartbeating dead; returns their ids (called periodically)."""
-        dead = self.liveness.expired(self.clock.monotonic())
+        now = self.clock.monotonic()
+        dead = self.liveness.expired(now)
         for node in dead:
             self._node_down(node)
             self.files.route_outcomes(0)
+        if self.forget_dead_after_s:
+            for node in [n for n in self.registry.nodes.values() if not (n.live or n.registering)
+                         and n.address and now - n.last_seen > self.forget_dead_after_s]:
+                self.remove_node(m.RemoveNode(node.name))
+                self.forgotten += 1
         return [node.node_id for node in dead]
 
     def _node_down(self, node: NodeRecord) -> None:

@@ -72,10 +72,11 @@ class Registry:
         node.outbox_dropped, node.outbox_forget, node.outbox_names = [], [], []
         return node
 
-    def load(self, records: list[tuple[int, str, str]]) -> None:
-        """Nodes known before a restart: not alive until they register again."""
+    def load(self, records: list[tuple[int, str, str]], now: float) -> None:
+        """Nodes known before a restart: not alive until they register again (and heard
+        from at `now`, so that a dead node's time to be forgotten counts from this start)."""
         for node_id, name, address in records:
-            self.nodes[node_id] = NodeRecord(node_id, name, address)
+            self.nodes[node_id] = NodeRecord(node_id, name, address, last_seen=now)
             self.by_name[name] = node_id
             self.next_id = max(self.next_id, node_id + 1)
 

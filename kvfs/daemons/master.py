@@ -48,14 +48,20 @@ class MasterConfig:
     temp_grace_s: float = 300.0
     publish_grace_s: float = 30.0
     dead_after_s: float = 2.5
+    forget_dead_after_s: float = 7 * 86400.0  # 0: never
     metrics_listen: str | None = DEFAULT_MASTER_METRICS  # the Prometheus endpoint; None: off
+
+
+def format_duration(seconds: float) -> str:
+    return f"{seconds / 86400:g} days" if seconds >= 86400 else f"{seconds:g} s"
 
 
 class MasterProcess:
     def __init__(self, config: MasterConfig) -> None:
         self.config = config
         settings = MasterSettings(temp_suffix=config.temp_suffix.encode(), temp_grace_s=config.temp_grace_s,
-                                  publish_grace_s=config.publish_grace_s, cluster=True, dead_after_s=config.dead_after_s)
+                                  publish_grace_s=config.publish_grace_s, cluster=True, dead_after_s=config.dead_after_s,
+                                  forget_dead_after_s=config.forget_dead_after_s)
         self.service = MetadataService(SystemClock(), make_policy(config.eviction_policy), settings)
         self.state = MasterState(Path(config.data_dir))
         started = time.monotonic()
@@ -137,7 +143,11 @@ class MasterProcess:
             await trio.sleep(self.service.settings.expire_interval_s)
             try:
                 stalls = self.service.liveness.stalls
+                known = dict(self.service.registry.by_name)
                 dead = self.service.expire_nodes()
+                for name in known.keys() - self.service.registry.by_name.keys():
+                    log.warning("node %s was dead for over %s: forgotten, as by kvfs remove-node (its files left "
+                                "the namespace)", name, format_duration(self.config.forget_dead_after_s))
                 if self.service.liveness.stalls != stalls:
                     log.warning("the master stalled for %.1f s (paused, or a slow save): every node gets a fresh "
                                 "%.1f s grace before it can be declared dead", self.service.liveness.last_stall_s,
