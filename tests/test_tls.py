@@ -147,3 +147,39 @@ def test_chunk_bytes_cross_the_wire_encrypted() -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_client_without_a_certificate_gets_nothing_from_a_master_or_a_peer() -> None:
+    """Issue 16's first attack needed no secret; now nothing is served before a certificate
+    of the cluster's CA is shown: a TLS client that trusts the CA but shows none is refused
+    in the handshake by the master and by a node's peer port, which keep serving others."""
+    import ssl
+
+    from conftest import tls_dir
+
+    anonymous = ssl.create_default_context(cafile=os.path.join(tls_dir("node1"), "ca.crt"))
+    anonymous.check_hostname = False
+    anonymous.minimum_version = ssl.TLSVersion.TLSv1_3
+    store = TieredStore(DramTier(8 * CHUNK, chunk_size=CHUNK), None, read_buffers=ReadBufferPool(4, CHUNK))
+
+    async def refused(port: int) -> bool:
+        stream = trio.SSLStream(await trio.open_tcp_stream("127.0.0.1", port), anonymous, server_hostname="kvfs")
+        try:
+            await stream.send_all(encode_frame(FrameKind.REQUEST, 1, m.ReadDir(ROOT_INO, 0, 10)))
+            with trio.fail_after(10):
+                return await stream.receive_some(65536) == b""
+        except trio.BrokenResourceError:
+            return True
+        finally:
+            await stream.aclose()
+
+    async def test(proxy: Proxy, proxy_port: int, port: int, nursery: trio.Nursery, service) -> None:
+        assert await refused(port)
+        peer_port = await nursery.start(PeerServer(store, load_tls("owner")).serve, "127.0.0.1", 0)
+        assert await refused(peer_port)
+        master = await RemoteMaster.connect("127.0.0.1", port, NODE, nursery)  # a node still is served
+        assert (await master.call(m.ReadDir(ROOT_INO, 0, 10))).entries == []
+        await master.aclose()
+
+    server = with_master(test)
+    assert server.gate.refusals["tls"] == 1
