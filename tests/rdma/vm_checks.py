@@ -30,12 +30,13 @@ ENV = {**os.environ, "KVFS_TLS_DIR": str(TLS / "admin"), "KVFS_METRICS_LISTEN": 
 
 
 def issue_bundles() -> None:
-    """The CA and the bundles of the master, both nodes (at HOST) and the admin."""
+    """The CA and the bundles of the master, the nodes (at HOST) and the admin."""
     from kvfs.security import ca
 
     if not (TLS / "ca" / "ca.key").exists():
         ca.init_ca(TLS / "ca")
-    for name, role in (("master", "master"), ("owner", "node"), ("reader", "node"), ("admin", "admin")):
+    for name, role in (("master", "master"), ("owner", "node"), ("reader", "node"), ("disk-owner", "node"),
+                       ("admin", "admin")):
         ca.issue(TLS / "ca", name, role, TLS / name, [HOST] if role == "node" else [], overwrite=True)
 
 
