@@ -738,7 +738,8 @@ class Node:
         stats = asdict(self.store.stats)
         stats.update(dram_capacity=self.store.dram.capacity, dram_used=self.store.dram.used,
                      evicted_files=self.evicted_files, read_buffer_misses=self.store.read_buffers.misses,
-                     node=self.node_id, remote_reads=self.remote_reads, degraded_reads=self.degraded_reads)
+                     node=self.node_id, remote_reads=self.remote_reads, degraded_reads=self.degraded_reads,
+                     storage_errors=self.store.faults.total)
         stats.update(msgspec.structs.asdict(self.activity()))
         stats.update({f"served_bytes_{tier}": count for tier, count in self.served_bytes.items()})
         if self.prefetches is not None:

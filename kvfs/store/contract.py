@@ -47,4 +47,3 @@ class StoreStats:
     backpressure_seconds: float = 0.0
     checksum_failures: int = 0
     quarantined_files: int = 0
-    storage_errors: int = 0

@@ -68,9 +68,6 @@ class Offloader:
         """Whether a version's SSD copy would survive a crash under its current name."""
         return self.ssd is not None and version in self.ssd and not self.residency.is_unsettled(version)
 
-    def _count_failure(self, operation: str, error: BaseException, detail: str = "") -> None:
-        self.stats.storage_errors += 1
-        self.faults.failed(operation, error, detail)
 
     # Work coming in ----------------------------------------------------------------------
 
@@ -108,7 +105,7 @@ class Offloader:
     def remove_later(self, versions: list[int], error: BaseException) -> None:
         """Records the index failed to delete (at start): the offloader retries them."""
         self.residency.remove_later(versions)
-        self._count_failure("index", error, f"removing {len(versions)} records")
+        self.faults.failed("index", error, f"removing {len(versions)} records")
         self.residency.failed()
 
     # Writers and waiters -----------------------------------------------------------------
@@ -243,7 +240,7 @@ class Offloader:
             self.residency.park(batch)
             if not isinstance(error, STORAGE_ERRORS):
                 raise
-            self._count_failure("offload", error, f"{len(batch)} files")
+            self.faults.failed("offload", error, f"{len(batch)} files")
             self.residency.failed()
             return False
         self.faults.succeeded("offload")
@@ -257,7 +254,7 @@ class Offloader:
             try:
                 settled = await self._settle(record)
             except STORAGE_ERRORS as error:  # committed under an older name: rewritten later
-                self._count_failure("index", error, f"version {version}")
+                self.faults.failed("index", error, f"version {version}")
                 self.residency.failed()
                 if version in self.residency:
                     self.residency.needs_resettle(version, True)
@@ -337,7 +334,7 @@ class Offloader:
                 await self.ssd.update([record])
                 settled = await self._settle(record)
             except STORAGE_ERRORS as error:
-                self._count_failure("index", error, f"rewriting {len(self.residency.resettles())} records")
+                self.faults.failed("index", error, f"rewriting {len(self.residency.resettles())} records")
                 self.residency.failed()
                 return False
             rewritten = True
@@ -363,7 +360,7 @@ class Offloader:
         try:
             await self.ssd.update([record])
         except STORAGE_ERRORS as error:
-            self._count_failure("index", error, f"version {version}")
+            self.faults.failed("index", error, f"version {version}")
             self.residency.failed()
             if version in self.residency:
                 self.residency.needs_resettle(version, False)
@@ -383,7 +380,7 @@ class Offloader:
         try:
             await self.flush_removals()
         except STORAGE_ERRORS as error:
-            self._count_failure("index", error, f"removing {len(self.residency.removals())} records")
+            self.faults.failed("index", error, f"removing {len(self.residency.removals())} records")
             self.residency.failed()
             return False
         if writes:

@@ -168,7 +168,7 @@ class LocalReads:
             await self._quarantine(version, error)
             raise StorageError(errno.EIO, str(error)) from None
         except OSError as error:  # the device failed the read: counted, logged once per run
-            self._count_failure("read", error, f"version {version}")
+            self.faults.failed("read", error, f"version {version}")
             raise StorageError(errno.EIO, f"version {version}: reading {self.ssd.directory} failed: {error}") from None
         finally:
             self._release_disk_copy(version)
@@ -185,9 +185,6 @@ class LocalReads:
         log.error("%s: %s; the file is quarantined (removed from the namespace and the SSD)", name, error)
         await self._owner().lost(version)
 
-    def _count_failure(self, operation: str, error: BaseException, detail: str = "") -> None:
-        self.stats.storage_errors += 1
-        self.faults.failed(operation, error, detail)
 
     def _hold_disk_copy(self, version: int) -> None:
         """While held, a version's extents on SSD are not freed (its reads are in flight)."""
