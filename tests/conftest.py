@@ -168,6 +168,16 @@ class KvfsMount:
         self.process.wait()
 
 
+def wait_until(condition: Any, what: str = "condition", timeout: float = 15.0) -> float:
+    """Polls for something another process does asynchronously (a heartbeat, a restart, a
+    heal) until it holds, at most `timeout` seconds; returns how long that took."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
 def is_stored(path: Path) -> bool:
     """Whether kvfs still holds a file. An open asks the daemon; stat may still be answered
     for a moment from a kernel entry of an evicted file, whose invalidation is asynchronous."""
@@ -344,17 +354,24 @@ class Cluster:
         return errors
 
 
-@pytest.fixture
-def cpu_hog() -> Iterator[None]:
-    """Busy processes on every core for the test's length: a loaded machine, where the kernel's
-    asynchronous requests (RELEASE, invalidations) and the daemons' tasks come late."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+@contextlib.contextmanager
+def busy_cpus(count: int) -> Iterator[None]:
+    """Processes that spin (the machine's other work): the daemons get their CPU late."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
     try:
         yield
     finally:
         for hog in hogs:
             hog.kill()
             hog.wait()
+
+
+@pytest.fixture
+def cpu_hog() -> Iterator[None]:
+    """Busy processes on every core for the test's length: a loaded machine, where the kernel's
+    asynchronous requests (RELEASE, invalidations) and the daemons' tasks come late."""
+    with busy_cpus(os.cpu_count() or 2):
+        yield
 
 
 @pytest.fixture

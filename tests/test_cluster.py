@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Cluster, KvfsMount, foreign_tls, is_stored, run_writers_then_readers, tls_dir
+from conftest import Cluster, KvfsMount, foreign_tls, is_stored, run_writers_then_readers, tls_dir, wait_until
 from kvfs.node.service import PEER_BUDGET_S
 from test_consumers import MiB, fill, key_path, run_vllm_pattern, vllm_load, vllm_store
 
@@ -26,14 +26,6 @@ SIZES = [0, 1, 4095, 4 * MiB, 4 * MiB + 1, 10 * MiB + 12345]
 def stats(node: KvfsMount) -> dict:
     return json.loads(os.getxattr(node.path, "user.kvfs.stats"))
 
-
-def wait_until(condition, timeout: float = 15.0, what: str = "condition") -> None:
-    """Polls for something another process does asynchronously (a heartbeat, a restart)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def kvfs_status(cluster: Cluster) -> dict:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 from conftest import Cluster, KvfsMount
 

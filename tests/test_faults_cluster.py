@@ -6,6 +6,7 @@ lost or reported absent while it exists."""
 
 from __future__ import annotations
 
+import functools
 import contextlib
 import errno
 import itertools
@@ -24,6 +25,8 @@ from typing import Iterator
 import bounded
 import pytest
 from conftest import Cluster, KvfsMount
+from conftest import busy_cpus
+from conftest import wait_until as _wait_until
 from test_consumers import MiB, fill, key_path, vllm_load, vllm_store
 
 from kvfs.node.service import PEER_BUDGET_S
@@ -32,19 +35,15 @@ MARGIN_S = 2.0  # a child's start and a loaded machine, on top of a bound
 HUNG_S = 30.0  # a child operation still waiting this long is reported hung
 
 
+wait_until = functools.partial(_wait_until, timeout=30.0)
+
+
 def live(cluster: Cluster) -> dict[str, bool]:
     done = subprocess.run([sys.executable, "-m", "kvfs", "status", "--master", cluster.master.address, "--json"],
                           capture_output=True, text=True, timeout=30)  # the admin bundle: KVFS_TLS_DIR
     assert done.returncode == 0, done.stderr
     return {node["name"]: node["live"] for node in json.loads(done.stdout)["nodes"]}
 
-
-def wait_until(condition, what: str, timeout: float = 30.0) -> float:
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(0.1)
-    return time.monotonic() - started
 
 
 def unreadable(node: KvfsMount, files: dict[str, bytes]) -> list[str]:
@@ -156,18 +155,6 @@ def test_a_master_frozen_past_the_master_wait_fails_node_operations_in_time_then
         assert "reconnected to master" in node.log_text()
 
 
-@contextlib.contextmanager
-def busy_cpus(count: int = 2) -> Iterator[None]:
-    """Processes that spin (the machine's other work): the daemons get their CPU late."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
-    try:
-        yield
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
-
-
 def test_vllm_stores_on_one_node_and_loads_on_another_with_busy_cpus_without_a_spurious_miss(
         cluster: Cluster) -> None:
     """vLLM's fs tier across nodes: each block stored on A (temp file, close, rename) is then
@@ -212,7 +199,7 @@ def test_vllm_stores_on_one_node_and_loads_on_another_with_busy_cpus_without_a_s
                 loaded[0] += 1
 
     started = time.monotonic()
-    with busy_cpus():
+    with busy_cpus(2):
         storing = [threading.Thread(target=store, args=(i,)) for i in range(writers)]
         loading = [threading.Thread(target=load) for _ in range(readers)]
         for thread in storing + loading:

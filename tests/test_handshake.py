@@ -4,7 +4,6 @@ text escaped) and what a refused client is told."""
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys

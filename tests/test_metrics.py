@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import Cluster, KvfsMount
-from test_cluster import wait_until
+from conftest import Cluster, KvfsMount, wait_until
 
 MiB = 1 << 20
 

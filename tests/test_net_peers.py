@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import errno
 import json
 import os
@@ -15,9 +16,13 @@ from pathlib import Path
 import pytest
 
 from conftest import Cluster, is_stored
+from conftest import wait_until as _wait_until
 from kvfs.net.transport import PEER_SILENCE_S
 
 MiB = 1 << 20
+
+
+wait_until = functools.partial(_wait_until, timeout=30.0)
 
 
 def _free_port() -> int:
@@ -31,12 +36,6 @@ def _live_nodes(cluster: Cluster) -> dict[str, bool]:
                             capture_output=True, text=True, timeout=30)
     return {node["name"]: node["live"] for node in json.loads(status.stdout)["nodes"]}
 
-
-def _wait_until(condition, what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_the_first_read_after_an_owner_restart_succeeds(cluster: Cluster, tmp_path: Path) -> None:
@@ -53,8 +52,8 @@ def test_the_first_read_after_an_owner_restart_succeeds(cluster: Cluster, tmp_pa
     assert (reader.path / "before.bin").read_bytes() == before  # two runs: two pooled connections
     owner.stop()
     owner.start()  # same name, address and disk
-    _wait_until(lambda: _live_nodes(cluster).get("owner") is True, "the owner to register again")
-    _wait_until(lambda: is_stored(owner.path / "after.bin"), "the owner to serve its SSD files again")
+    wait_until(lambda: _live_nodes(cluster).get("owner") is True, "the owner to register again")
+    wait_until(lambda: is_stored(owner.path / "after.bin"), "the owner to serve its SSD files again")
     with open(reader.path / "after.bin", "rb") as f:  # the first read from the reader, no retry here
         assert f.read() == after
     assert "lost peer" not in reader.log_text() and "unreachable" not in reader.log_text()
@@ -82,5 +81,5 @@ def test_a_reader_of_a_frozen_owner_fails_within_the_peer_budget(cluster: Cluste
     assert raised.value.errno in (errno.EIO, errno.ENOENT), raised.value
     assert failed_after < PEER_SILENCE_S + 2, f"the read failed only after {failed_after:.1f} s"
     print(f"\nread of a frozen owner's file failed after {failed_after:.2f} s ({raised.value.strerror})")
-    _wait_until(lambda: is_stored(reader.path / "frozen.bin"), "the owner's SSD files to come back")
+    wait_until(lambda: is_stored(reader.path / "frozen.bin"), "the owner's SSD files to come back")
     assert (reader.path / "frozen.bin").read_bytes() == frozen

@@ -4,6 +4,7 @@ an I/O error for readers elsewhere, never a missing file."""
 
 from __future__ import annotations
 
+import functools
 import errno
 import os
 import signal
@@ -16,18 +17,15 @@ from typing import Iterator
 
 import pytest
 from conftest import Cluster, KvfsMount
+from conftest import wait_until as _wait_until
 
 from kvfs.node.service import PEER_BUDGET_S
 
 MiB = 1 << 20
 
 
-def wait_until(condition, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+
+wait_until = functools.partial(_wait_until, timeout=10.0)
 
 
 def reads(path: Path, expected: bytes) -> bool:

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import xxhash
 
-from conftest import Cluster, KvfsMount, drop_page_cache
-from test_cluster import wait_until
+from conftest import Cluster, KvfsMount, wait_until, drop_page_cache
 
 MiB = 1 << 20
 CHUNK = 4 * MiB

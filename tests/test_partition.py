@@ -9,6 +9,7 @@ machine in a FUSE wait.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -17,12 +18,14 @@ import time
 
 import bounded
 from conftest import Cluster, KvfsMount
+from conftest import wait_until as _wait_until
 
 MASTER_WAIT_S = 3.0  # the nodes' --master-wait
 MARGIN_S = 2.0  # a child's start and a loaded machine, on top of the bound
 HUNG_S = 20.0  # a child still waiting this long is reported hung (and the test stops there)
 FILES = 8  # per node before the cut, DRAM only (no --disk): what a wrong judgement would lose
 SETTLE_S = 30.0
+wait_until = functools.partial(_wait_until, timeout=SETTLE_S)
 
 
 def content(writer: str, i: int) -> bytes:
@@ -39,14 +42,6 @@ def cluster_status(cluster: Cluster) -> dict:
 def live(cluster: Cluster) -> dict[str, bool]:
     return {node["name"]: node["live"] for node in cluster_status(cluster)["nodes"]}
 
-
-def wait_until(condition, what: str, timeout: float = SETTLE_S) -> float:
-    """Polls `condition` until it holds; how long that took."""
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(0.1)
-    return time.monotonic() - started
 
 
 def wait_readable(nodes: list[KvfsMount], expected: dict[str, bytes], what: str) -> None:

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from conftest import foreign_tls, load_tls
 from kvfs.checksum import chunk_checksum
-from kvfs.wire.protocol import PREFIX, VERSION, FrameKind, encode_frame
+from kvfs.wire.protocol import PREFIX, FrameKind, encode_frame
+from kvfs.wire.protocol import VERSION as WIRE_VERSION
 from kvfs.net.handshake import PEER_CLIENTS, Gate, connect
 from kvfs.net.streams import serve_tcp
 from kvfs.net.transport import PEER_SILENCE_S, ChunkData, FetchChunks, PeerServer, TcpTransport
@@ -128,8 +129,8 @@ async def _until_closed_or_quiet(stream: trio.abc.Stream) -> None:
 
 BAD_FRAMES = [
     PREFIX.pack(b"KV", 9, FrameKind.REQUEST, 10, 0, 1),  # wrong version
-    PREFIX.pack(b"KV", VERSION, FrameKind.REQUEST, 1 << 30, 0, 1),  # oversized header
-    PREFIX.pack(b"KV", VERSION, FrameKind.REQUEST, 1000, 0, 1) + b"\x01" * 10,  # truncated, then closed
+    PREFIX.pack(b"KV", WIRE_VERSION, FrameKind.REQUEST, 1 << 30, 0, 1),  # oversized header
+    PREFIX.pack(b"KV", WIRE_VERSION, FrameKind.REQUEST, 1000, 0, 1) + b"\x01" * 10,  # truncated, then closed
     encode_frame(FrameKind.RESPONSE, 1, FetchChunks(VERSION, 0, 1)),  # a response where a request belongs
     encode_frame(FrameKind.REQUEST, 1, FetchChunks(VERSION, 0, 99)),  # beyond the file: an error reply
     encode_frame(FrameKind.REQUEST, 1, FetchChunks(VERSION, -1, 2)),  # before the file: an error reply
