@@ -9,6 +9,8 @@ rounds alternate between the two masters, and the table shows medians and the ra
 etcd/lmdb measured in the same run. It also times loading the state from etcd: LOAD_FILES
 sealed files are committed to etcd from an in-process service (txns of 128 records, as
 a leader writes them), then a fresh elected master's load of them is read from its log.
+And failover: a standby runs beside the elected master; after the rounds the leader is
+killed (-9) and the time until the standby answers a lookup is printed.
 
 Usage: python scripts/bench_master_etcd.py [--files 2000] [--rounds 3] [--load-files 100000]
 """
@@ -65,6 +67,23 @@ async def create_files(address: str, prefix: str, files: int, callers: int) -> f
     return elapsed
 
 
+async def answers(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        async with trio.open_nursery() as nursery:
+            remote = await RemoteMaster.connect(host, int(port), load_tls("bench", "node"), nursery,
+                                                request_timeout_s=2)
+            try:
+                await remote.call(m.Lookup(ROOT_INO, b"r0c1"))
+            finally:
+                await remote.aclose()
+        return True
+    except BaseException as error:  # refused, closed, not listening (an ExceptionGroup from the nursery)
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            raise
+        return False
+
+
 async def commit_files(endpoints: list[str], cluster: str, files: int) -> float:
     """Commits FILES sealed files of an in-process service to etcd as cluster CLUSTER's
     state (fenced on a leader key made for it, then removed); seconds it took."""
@@ -102,6 +121,7 @@ def main() -> None:
     etcd = EtcdCluster(root)
     print(f"etcd: 3 members healthy in {etcd.start_s:.1f} s")
     elected = ElectedMaster(root / "elected", etcd)
+    standby = ElectedMaster(root / "standby", etcd)
     single = MasterDaemon(root / "single")
     (root / "single").mkdir()
     try:
@@ -109,6 +129,7 @@ def main() -> None:
         while leader(etcd) is None:
             time.sleep(0.05)
         single.start()
+        standby.start()
         times: dict[tuple[str, int], list[float]] = {}
         created = 0
         for round_ in range(args.rounds):
@@ -128,7 +149,13 @@ def main() -> None:
             e = statistics.median(times[("etcd", callers)]) / args.files
             s = statistics.median(times[("lmdb", callers)]) / args.files
             print(f"{callers:>8} {e * 1e6:>13.0f} {s * 1e6:>13.0f} {1 / e:>13.0f} {1 / s:>13.0f} {e / s:>15.2f}")
-        elected.close()
+        elected.kill()
+        killed = time.monotonic()
+        while not trio.run(answers, standby.address):
+            time.sleep(0.02)
+        print(f"failover: the standby answered {time.monotonic() - killed:.2f} s after kill -9 of the leader "
+              f"(lease TTL 3 s)")
+        standby.close()
         if args.load_files:
             seconds = trio.run(commit_files, etcd.urls, "loadtest", args.load_files)
             print(f"committed {args.load_files} files to etcd in {seconds:.1f} s (in-process service, "
@@ -144,6 +171,7 @@ def main() -> None:
                 loader.close()
     finally:
         elected.close()
+        standby.close()
         single.stop()
         etcd.close()
 
