@@ -382,7 +382,7 @@ def run_master(args: argparse.Namespace) -> int:
         except ValueError as error:
             raise ConfigError(f"--etcd: {error}") from None
         if args.lease_ttl < 2:
-            raise ConfigError(f"--lease-ttl {args.lease_ttl}: at least 2 s (renewed every third of it)")
+            raise ConfigError(f"--lease-ttl {args.lease_ttl}: at least 2 s (renewed every sixth of it)")
         if args.advertise:
             check_address(args.advertise, "advertise")
         if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", args.cluster):

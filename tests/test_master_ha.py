@@ -26,18 +26,28 @@ TTL = 2  # the masters' --lease-ttl here (the default is 3)
 FAILOVER_S = 5.0  # the bound the design promises: a new leader serving within this after the old one died
 
 
-@pytest.fixture
-def masters(tmp_path: Path, etcd_cluster: EtcdCluster) -> Iterator[list[ElectedMaster]]:
+def run_masters(tmp_path: Path, etcd_cluster: EtcdCluster, ttl: int) -> Iterator[list[ElectedMaster]]:
     started: list[ElectedMaster] = []
     try:
         for i in range(2):
-            started.append(ElectedMaster(tmp_path / f"master{i}", etcd_cluster, lease_ttl=TTL).start())
+            started.append(ElectedMaster(tmp_path / f"master{i}", etcd_cluster, lease_ttl=ttl).start())
         yield started
     finally:
         statuses = [master.close() for master in started]
         for master in started:
             assert "Traceback" not in master.log_text(), master.log_text()[-4000:]
         assert all(status in (0, None, -9) for status in statuses), statuses
+
+
+@pytest.fixture
+def masters(tmp_path: Path, etcd_cluster: EtcdCluster) -> Iterator[list[ElectedMaster]]:
+    yield from run_masters(tmp_path, etcd_cluster, TTL)
+
+
+@pytest.fixture
+def default_masters(tmp_path: Path, etcd_cluster: EtcdCluster) -> Iterator[list[ElectedMaster]]:
+    """Masters with the default lease TTL (3 s)."""
+    yield from run_masters(tmp_path, etcd_cluster, 3)
 
 
 def leading(etcd: EtcdCluster, masters: list[ElectedMaster], timeout: float = 15.0,
@@ -177,6 +187,23 @@ def test_a_frozen_leader_is_replaced_and_fenced_when_it_resumes(etcd_cluster: Et
     assert b"from-the-old-leader" not in saved_names(etcd_cluster)
     assert not Session(old).serves([b"before"])  # resumed, it stands by
     assert leader(etcd_cluster) is not None and leader(etcd_cluster)[0] == new.address
+
+
+def test_one_etcd_member_killed_changes_nothing(etcd_cluster: EtcdCluster,
+                                                default_masters: list[ElectedMaster]) -> None:
+    """etcd's own leader, the worst member to lose: an election inside etcd, and the
+    master's first endpoint gone (the masters list the members in order)."""
+    first, epoch = leading(etcd_cluster, default_masters)
+    Session(first).mkdirs([b"a"])
+    victim = etcd_cluster.raft_leader()
+    etcd_cluster.kill(victim)
+    Session(first).mkdirs([b"b"])  # committed once the others elected a leader
+    etcd_cluster.wait_healthy()
+    Session(first).mkdirs([b"c"])
+    assert leader(etcd_cluster) == (first.address, epoch)
+    assert "stepped down" not in first.log_text()
+    assert Session(first).present([b"a", b"b", b"c"]) == {b"a", b"b", b"c"}
+    assert {b"a", b"b", b"c"} <= saved_names(etcd_cluster)
 
 
 def test_quorum_lost_the_leader_steps_down_and_one_serves_again_when_it_returns(

@@ -3,7 +3,7 @@
 A master stands by until it wins the campaign: a txn that creates the leader key
 (kvfs.net.etcd.leader_key) only if it does not exist, held by a lease of the master's
 own (--lease-ttl). The key's create_revision is the leadership's epoch. The leader then
-loads the state from etcd, listens, renews its lease every TTL/3 and serves; every
+loads the state from etcd, listens, renews its lease every TTL/6 and serves; every
 reply waits until the changes it may show are committed (group commit,
 kvfs.net.commit), and every commit is fenced on the epoch (kvfs.net.etcdstate).
 
@@ -103,7 +103,7 @@ class Term:
         await trio.sleep_forever()  # cancelled: the term is over
 
     async def _renew_forever(self) -> None:
-        """A keepalive every TTL/3, each in a task of its own: one stuck on a frozen etcd
+        """A keepalive every TTL/6, each in a task of its own: one stuck on a frozen etcd
         member does not hold back the next."""
         async with trio.open_nursery() as nursery:
             while True:
