@@ -87,6 +87,13 @@ class Session:
             finally:
                 await remote.aclose()
 
+    def epoch(self) -> int:
+        """The epoch the master's Welcome announced."""
+        async def work(remote: RemoteMaster) -> int:
+            return remote._frames.welcome.epoch
+
+        return trio.run(self._with, work)
+
     def mkdirs(self, names: list[bytes]) -> None:
         async def work(remote: RemoteMaster) -> None:
             for name in names:
@@ -137,6 +144,7 @@ def test_one_leads_the_other_stands_by_and_kill_9_hands_over(etcd_cluster: EtcdC
     wait_until(lambda: Session(new).serves(names), "the new leader serving the namespace",
                FAILOVER_S - (time.monotonic() - killed_at))
     assert new is standby and new_epoch > epoch
+    assert Session(new).epoch() == new_epoch  # announced in the handshake
     Session(new).mkdirs([b"after"])
     assert Session(new).present([b"after", b"never", *names]) == {b"after", *names}
 

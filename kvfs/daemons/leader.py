@@ -227,6 +227,9 @@ class ElectedMaster:
             term = self.term = Term(self, leadership)
             try:
                 await term.run(self.address)
+            except Exception:  # a bug in a leadership's task: this master steps down, it does not exit
+                log.exception("the leadership (epoch %d) failed", leadership.epoch)
+                term.end("a task of the leadership failed")
             finally:
                 self.term = None
             log.error("master stepped down (epoch %d): %s; its connections are closed, its state dropped; "
