@@ -234,3 +234,18 @@ def test_quorum_lost_the_leader_steps_down_and_one_serves_again_when_it_returns(
             master.address == current[0] and Session(master).serves([b"kept"]) for master in masters)
 
     wait_until(someone_serves, "a leader serving again", 20.0)
+
+
+@pytest.mark.parametrize("flags, named", [(["--etcd", "https://h:1"], "--etcd"), (["--etcd", "h:x"], "--etcd"),
+                                          (["--etcd", "h:1", "--lease-ttl", "1"], "--lease-ttl"),
+                                          (["--etcd", "h:1", "--cluster", "a/b"], "--cluster")])
+def test_bad_etcd_options_are_refused_at_start(flags: list[str], named: str) -> None:
+    import subprocess
+    import sys
+
+    from conftest import tls_dir
+
+    done = subprocess.run([sys.executable, "-m", "kvfs", "master", "--listen", "127.0.0.1:0", "--no-metrics",
+                           "--tls-dir", tls_dir("master", "master"), *flags], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode != 0 and named in done.stderr, done.stderr
