@@ -18,6 +18,7 @@ from etcd import ElectedMaster, EtcdCluster, leader, state_keys
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.cluster.records import SavedInode
 from kvfs.errors import MetadataError
+from kvfs.net.etcd import EtcdClient, create_revision_is, delete, leader_key, leader_value, put
 from kvfs.net.handshake import REFUSALS
 from kvfs.net.rpc import RemoteMaster
 from kvfs.wire import messages as m
@@ -195,6 +196,36 @@ def test_a_frozen_leader_is_replaced_and_fenced_when_it_resumes(etcd_cluster: Et
     assert b"from-the-old-leader" not in saved_names(etcd_cluster)
     assert not Session(old).serves([b"before"])  # resumed, it stands by
     assert leader(etcd_cluster) is not None and leader(etcd_cluster)[0] == new.address
+
+
+def test_a_leader_whose_key_was_taken_is_fenced_at_its_next_write(etcd_cluster: EtcdCluster,
+                                                                   masters: list[ElectedMaster]) -> None:
+    """The leader key replaced behind the leader's back (its lease still alive, so only the
+    fence can tell): its next commit writes nothing, and it steps down."""
+    first, epoch = leading(etcd_cluster, masters)
+    Session(first).mkdirs([b"before"])
+
+    async def replace_key() -> None:
+        client = EtcdClient(etcd_cluster.urls)
+        try:
+            key = leader_key("default")
+            ok, _, _ = await client.txn([create_revision_is(key, epoch)], [delete(key)])
+            assert ok
+            # Another holder at once (or the standby, if its campaign came first: fenced just the same).
+            await client.txn([create_revision_is(key, 0)], [put(key, leader_value("127.0.0.1:1", "intruder"))])
+        finally:
+            await client.aclose()
+
+    trio.run(replace_key)
+    refused = False
+    try:
+        Session(first).mkdirs([b"fenced"])
+    except* (OSError, MetadataError, *REFUSALS):  # the connection is closed instead of an answer
+        refused = True
+    assert refused
+    wait_until(lambda: "stepped down" in first.log_text(), "the fenced leader stepping down", 10.0)
+    assert "another master leads" in first.log_text()
+    assert b"fenced" not in saved_names(etcd_cluster) and b"before" in saved_names(etcd_cluster)
 
 
 def test_one_etcd_member_killed_changes_nothing(etcd_cluster: EtcdCluster,
