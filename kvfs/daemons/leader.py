@@ -41,6 +41,7 @@ from kvfs.wire import messages as m
 log = logging.getLogger("kvfs.master")
 
 POLL_S = 0.2  # how often a standby looks at the leader key
+COMPACT_S = 60.0  # the leader drops etcd's history older than this, every this often
 RETRY_S = 0.1  # a commit that failed (etcd unreachable) is tried again this soon, while the lease holds
 
 
@@ -121,6 +122,20 @@ class Term:
         if self.leadership.lost:
             self.end(self.leadership.lost)
 
+    async def _compact_forever(self) -> None:
+        """Every commit leaves the keys' old values in etcd's history until it is compacted;
+        without that the database reaches its quota and refuses every write. Each pass keeps
+        what the last COMPACT_S wrote."""
+        previous = 0
+        while True:
+            await trio.sleep(COMPACT_S)
+            if previous:
+                try:
+                    await self.master.client.compact(previous)
+                except EtcdError as error:  # the next pass tries again
+                    log.warning("compacting etcd's history to revision %d failed: %s", previous, error)
+            previous = self.state.revision
+
     async def _watch(self) -> None:
         """Ends the term as soon as the leader may no longer act."""
         while True:
@@ -158,6 +173,7 @@ class Term:
                 log.info("loaded %d files, %d nodes from etcd in %.2f s (epoch %d)", files,
                          len(self.service.registry.nodes), time.monotonic() - started, self.leadership.epoch)
                 nursery.start_soon(self.group.run)
+                nursery.start_soon(self._compact_forever)
                 if self.config.metrics_listen is not None:
                     metrics = MasterMetrics(self.service, self.requests, self.server)
                     await nursery.start(serve_metrics, self.config.metrics_listen, metrics.describe)

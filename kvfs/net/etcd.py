@@ -252,6 +252,15 @@ class EtcdClient:
                                                  "failure": _encode(failure)})
         return bool(answer.get("succeeded", False)), int(answer.get("header", {}).get("revision", 0)), answer
 
+    async def compact(self, revision: int) -> None:
+        """Drops etcd's history before REVISION (every write keeps the key's old value until
+        then, and the database has a quota). One compacted already is no error."""
+        try:
+            await self._call("/v3/kv/compaction", {"revision": str(revision)})
+        except EtcdError as error:
+            if "compacted" not in str(error):
+                raise
+
     async def aclose(self) -> None:
         for idle in self._idle.values():
             while idle:

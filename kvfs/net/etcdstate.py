@@ -62,6 +62,7 @@ class EtcdState:
         self.prefix = f"/kvfs/{cluster}/state/".encode()
         self._written_nodes: dict[int, tuple[str, str]] = {}
         self.txns = 0
+        self.revision = 0  # etcd's revision after the last commit
 
     def key(self, kind: Kind, number: int) -> bytes:
         if kind is Kind.COUNTERS:
@@ -112,8 +113,9 @@ class EtcdState:
         for part in split(batch.changes):
             operations = [delete(self.key(c.kind, c.number)) if c.value is None else
                           put(self.key(c.kind, c.number), c.value) for c in part]
-            succeeded, _, _ = await self.client.txn(fence, operations)
+            succeeded, revision, _ = await self.client.txn(fence, operations)
             self.txns += 1
+            self.revision = max(self.revision, revision)
             if not succeeded:
                 raise Fenced(f"etcd refused a write of epoch {epoch}: {self.leader.decode()} was created anew "
                              f"or is gone (another master leads, or this one's lease expired)")
