@@ -269,14 +269,16 @@ def test_quorum_lost_the_leader_steps_down_and_one_serves_again_when_it_returns(
 
 @pytest.mark.parametrize("flags, named", [(["--etcd", "https://h:1"], "--etcd"), (["--etcd", "h:x"], "--etcd"),
                                           (["--etcd", "h:1", "--lease-ttl", "1"], "--lease-ttl"),
-                                          (["--etcd", "h:1", "--cluster", "a/b"], "--cluster")])
+                                          (["--etcd", "h:1", "--cluster", "a/b"], "--cluster"),
+                                          (["--etcd", "h:1", "--listen", "0.0.0.0:0"], "--advertise")])
 def test_bad_etcd_options_are_refused_at_start(flags: list[str], named: str) -> None:
     import subprocess
     import sys
 
     from conftest import tls_dir
 
-    done = subprocess.run([sys.executable, "-m", "kvfs", "master", "--listen", "127.0.0.1:0", "--no-metrics",
+    listen = [] if "--listen" in flags else ["--listen", "127.0.0.1:0"]
+    done = subprocess.run([sys.executable, "-m", "kvfs", "master", *listen, "--no-metrics",
                            "--tls-dir", tls_dir("master", "master"), *flags], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode != 0 and named in done.stderr, done.stderr

@@ -63,6 +63,7 @@ class Term:
         self._connections: set[trio.CancelScope] = set()  # each served connection's, cancelled at the end
         self._scope = trio.CancelScope()
         self._retry_log = Every(5.0)
+        self._renew_log = Every(5.0)
 
     def may_act(self) -> bool:
         return self.leadership.may_act(time.monotonic())
@@ -116,7 +117,8 @@ class Term:
         try:
             ttl = await self.master.client.keepalive(self.leadership.lease)
         except EtcdError as error:
-            log.warning("renewing the leader lease failed: %s", error)
+            if self._renew_log.due():
+                log.warning("renewing the leader lease failed: %s", error)
             return
         self.leadership.renewed(sent, ttl)
         if self.leadership.lost:
