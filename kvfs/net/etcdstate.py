@@ -78,22 +78,39 @@ class EtcdState:
         return Kind(rest[:1].decode()), int.from_bytes(rest[2:], "big")
 
     async def load(self, service: MetadataService) -> int:
-        """Fills a fresh service with the state in etcd; the number of files. The records are
-        decoded and loaded in a worker thread: the event loop keeps renewing the lease meanwhile
-        (a load of a million files takes longer than a TTL)."""
-        stored = [(key, value) async for key, value in self.client.get_prefix(self.prefix, limit=LOAD_PAGE)]
-        return await trio.to_thread.run_sync(self._load, stored, service)
-
-    def _load(self, stored: list[tuple[bytes, bytes]], service: MetadataService) -> int:
+        """Fills a fresh service with the state in etcd; the number of files. Each page is
+        decoded in a worker thread while the next is fetched, and the service loaded in one:
+        the event loop keeps renewing the lease meanwhile (a load of a million files takes
+        longer than a TTL)."""
         loaded = records.Loaded()
-        for key, value in stored:
+        send, receive = trio.open_memory_channel[list[tuple[bytes, bytes]]](2)
+        failed: list[EtcdError] = []
+
+        async def fetch() -> None:
+            async with send:
+                try:
+                    async for page in self.client.pages(self.prefix, limit=LOAD_PAGE):
+                        await send.send(page)
+                except EtcdError as error:  # raised below, not as a group of the nursery's
+                    failed.append(error)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fetch)
+            async with receive:
+                async for page in receive:
+                    await trio.to_thread.run_sync(self._decode, page, loaded)
+        if failed:
+            raise failed[0]
+        self._written_nodes = {number: (name, address) for number, name, address in loaded.nodes}
+        return await trio.to_thread.run_sync(loaded.into, service)
+
+    def _decode(self, page: list[tuple[bytes, bytes]], loaded: records.Loaded) -> None:
+        for key, value in page:
             kind, number = self.parse_key(key)
             try:
                 loaded.add(kind, number, value)
             except Exception as error:  # a damaged record: named, and the load fails
                 raise EtcdError(f"etcd {key!r}: cannot decode: {error}") from None
-        self._written_nodes = {number: (name, address) for number, name, address in loaded.nodes}
-        return loaded.into(service)
 
     def take(self, service: MetadataService) -> Batch | None:
         """Every change since the last take (the service's dirty sets are cleared), or None."""
