@@ -98,7 +98,7 @@ async def connect(host: str, port: int, tls: Tls, server_role: str,
                 raise AuthError(f"refused: {printable(_errors.decode(frame.header).message)}")
             if frame.prefix.kind != FrameKind.HELLO:
                 raise ProtocolError(f"expected a welcome, got a {frame.prefix.kind.name} frame")
-            _welcomes.decode(frame.header)
+            welcome = _welcomes.decode(frame.header)
     except trio.BrokenResourceError as error:
         with trio.CancelScope(shield=True):
             await tls_stream.aclose()
@@ -111,6 +111,7 @@ async def connect(host: str, port: int, tls: Tls, server_role: str,
         raise
     frames.authenticated()
     frames.peer = server
+    frames.welcome = welcome
     return frames
 
 

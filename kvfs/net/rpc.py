@@ -243,6 +243,11 @@ class RemoteMaster:
         nursery.start_soon(master._receive_forever)
         return master
 
+    @property
+    def epoch(self) -> int:
+        """The leader epoch the master's Welcome announced (0: a single master)."""
+        return getattr(self._frames.welcome, "epoch", 0)
+
     async def _receive_forever(self) -> None:
         try:
             while True:
