@@ -138,7 +138,7 @@ def _add_common(command: argparse.ArgumentParser, tls: bool = True) -> None:
 
 def _add_status_source(command: argparse.ArgumentParser) -> None:
     command.add_argument("mountpoint", nargs="?", help="a single-node mount to ask (instead of --master)")
-    command.add_argument("--master", default=None, help="the master's HOST:PORT")
+    command.add_argument("--master", default=None, help="the master's HOST:PORT, or etcd://HOST:PORT[,HOST:PORT][/CLUSTER] to ask the leader etcd names")
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -160,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(mount, tls=False)
 
     node = commands.add_parser("node", help="run a cluster node: mount, contribute DRAM/SSD, serve peers")
-    node.add_argument("--master", required=True, help="the master's HOST:PORT")
+    node.add_argument("--master", required=True,
+                      help="the master's HOST:PORT, or etcd://HOST:PORT[,HOST:PORT][/CLUSTER]: the leader of the "
+                           "masters of CLUSTER (default kvfs) elected in etcd, followed as it changes")
     node.add_argument("--mount", dest="mountpoint", required=True, help="where to mount the cluster's namespace")
     node.add_argument("--listen", default="127.0.0.1:0",
                       help="HOST:PORT of this node's peer server, for chunk reads by other nodes (default 127.0.0.1:0)")
@@ -212,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     du = commands.add_parser("du", help="per top-level directory (per model): files, bytes by tier, "
                                         "hit rate, reads/s")
     du.add_argument("path", nargs="?", help="a kvfs mount, or a directory in it (instead of --master)")
-    du.add_argument("--master", default=None, help="the master's HOST:PORT")
+    du.add_argument("--master", default=None, help="the master's HOST:PORT, or etcd://HOST:PORT[,HOST:PORT][/CLUSTER] to ask the leader etcd names")
     du.add_argument("--interval", type=float, default=1.0,
                     help="seconds between the two samples that give the rates (0: no rates)")
     du.add_argument("--json", action="store_true", help="machine-readable output")
@@ -224,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     remove = commands.add_parser("remove-node", help="forget a node that is down for good (its files go)")
     remove.add_argument("name", help="the node's name, as `kvfs status` shows it")
-    remove.add_argument("--master", required=True, help="the master's HOST:PORT")
+    remove.add_argument("--master", required=True, help="the master's HOST:PORT, or etcd://HOST:PORT[,HOST:PORT][/CLUSTER] to ask the leader etcd names")
     _add_common(remove)
 
     check = commands.add_parser("check", help="the preflight of mount/node/master as a table: memory, disk "
@@ -384,14 +386,16 @@ def ask_master(args: argparse.Namespace, request):  # type: ignore[no-untyped-de
     import trio
 
     from kvfs.net.rpc import RemoteMaster
-    from kvfs.config import split_address
+    from kvfs.config import parse_master, split_address
+    from kvfs.net.etcd import EtcdError
 
-    host, port = split_address(args.master)
+    target = parse_master(args.master, "--master")
     tls = _tls(args, "admin", "client")
 
     async def call():  # type: ignore[no-untyped-def]
         async with trio.open_nursery() as nursery:
             with trio.fail_after(10):
+                host, port = split_address(target.address or await _etcd_leader(target))
                 master = await RemoteMaster.connect(host, port, tls, nursery)
                 try:
                     return await master.call(request)
@@ -406,11 +410,13 @@ def ask_master(args: argparse.Namespace, request):  # type: ignore[no-untyped-de
     try:
         return trio.run(call)
     except BaseExceptionGroup as group:
-        error = single_error(group, (KvfsError, OSError, trio.TooSlowError) + refused)
+        error = single_error(group, (KvfsError, OSError, trio.TooSlowError, EtcdError) + refused)
         if error is None:
             raise
-    except (KvfsError, OSError, trio.TooSlowError) + refused as raised:
+    except (KvfsError, OSError, trio.TooSlowError, EtcdError) + refused as raised:
         error = raised
+    if isinstance(error, EtcdError):  # etcd unreachable, or no master leads now
+        raise CommandError(errno.EHOSTUNREACH, f"master {args.master}: {error}")
     if isinstance(error, trio.TooSlowError):
         raise CommandError(errno.ETIMEDOUT, f"master {args.master}: no answer within 10 s")
     if isinstance(error, refused):
@@ -420,6 +426,20 @@ def ask_master(args: argparse.Namespace, request):  # type: ignore[no-untyped-de
     if isinstance(error, OSError):
         raise CommandError(error.errno or errno.EIO, f"master {args.master}: {reason_of(error)}")
     raise error
+
+
+async def _etcd_leader(target) -> str:  # type: ignore[no-untyped-def]
+    """HOST:PORT of the leader etcd names for `target` (a MasterTarget with etcd members)."""
+    from kvfs.net.etcd import EtcdClient, EtcdError, find_leader, parse_endpoints
+
+    etcd = EtcdClient(parse_endpoints(target.etcd_url), timeout_s=2.0)
+    try:
+        found = await find_leader(etcd, target.cluster)
+    finally:
+        await etcd.aclose()
+    if found is None:
+        raise EtcdError(f"no master leads cluster {target.cluster!r} now (etcd {target.etcd_url}); retry shortly")
+    return found[0]
 
 
 def run_remove_node(args: argparse.Namespace) -> int:
@@ -435,7 +455,7 @@ def _cluster_info(args: argparse.Namespace) -> tuple[str, m.ClusterInfo]:
     if args.master:
         return f"master {args.master}", ask_master(args, m.ClusterStatus())
     if not args.mountpoint:
-        raise ConfigError("name a mount (kvfs status /mnt/kvfs) or the master (--master HOST:PORT)")
+        raise ConfigError("name a mount (kvfs status /mnt/kvfs) or the master (--master HOST:PORT or etcd://...)")
     mountpoint = kvfs_mount_root(args.mountpoint)
     try:
         stats = json.loads(os.getxattr(mountpoint, "user.kvfs.stats"))
@@ -503,7 +523,7 @@ def _dir_usage(args: argparse.Namespace, files: bool) -> tuple[str, str | None, 
     if args.master:
         return f"master {args.master}", None, ask_master(args, m.DirUsage(files=files))
     if not args.path:
-        raise ConfigError("name a mount (kvfs du /mnt/kvfs) or the master (--master HOST:PORT)")
+        raise ConfigError("name a mount (kvfs du /mnt/kvfs) or the master (--master HOST:PORT or etcd://...)")
     root = kvfs_mount_root(args.path)
     inside = os.path.relpath(os.path.abspath(args.path), root)
     top = None if inside == "." else inside.split(os.sep)[0]
