@@ -406,3 +406,12 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     finally:
         errors = started.close()
         assert not errors, "kvfs logged unexpected errors:\n" + "\n".join(errors)
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path: Path) -> Iterator[Any]:
+    """A 3-member etcd on loopback (tests/etcd.py), killed by PID at teardown."""
+    from etcd import EtcdCluster
+
+    with EtcdCluster(tmp_path, members=3) as started:
+        yield started

@@ -1,0 +1,161 @@
+"""A real etcd cluster on loopback for tests: `EtcdCluster(tmp_path, members=3)`.
+
+Each member is an /usr/bin/etcd process on free loopback ports with its data under the
+test's directory; `kill(i)` (SIGKILL), `stop(i)`/`cont(i)` (SIGSTOP/SIGCONT: a frozen
+member), `restart(i)` (after a kill, same data) and `close()` (every member killed by
+PID). `endpoints` is the clients' "http://127.0.0.1:P,..." list.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ETCD = os.environ.get("KVFS_TEST_ETCD", "/usr/bin/etcd")
+START_TIMEOUT_S = 30.0
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free on loopback now (held open together, so they differ)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+class EtcdCluster:
+    def __init__(self, root: Path, members: int = 3) -> None:
+        self.root = root / "etcd"
+        self.root.mkdir(parents=True, exist_ok=True)
+        ports = free_ports(2 * members)
+        self.client_ports = ports[:members]
+        self.peer_ports = ports[members:]
+        self.names = [f"m{i}" for i in range(members)]
+        self.processes: list[subprocess.Popen[bytes] | None] = [None] * members
+        self.stopped: set[int] = set()
+        self.initial = ",".join(f"{name}=http://127.0.0.1:{port}" for name, port in zip(self.names, self.peer_ports))
+        self.token = f"kvfs-test-{os.getpid()}-{self.client_ports[0]}"
+        started = time.monotonic()
+        try:
+            for i in range(members):
+                self._spawn(i, "new")
+            self.wait_healthy()
+        except BaseException:
+            self.close()
+            raise
+        self.start_s = time.monotonic() - started
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(self.urls)
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{port}" for port in self.client_ports]
+
+    def log_path(self, i: int) -> Path:
+        return self.root / f"{self.names[i]}.log"
+
+    def log_text(self, i: int) -> str:
+        path = self.log_path(i)
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def _spawn(self, i: int, state: str) -> None:
+        name = self.names[i]
+        with open(self.log_path(i), "ab") as log:
+            self.processes[i] = subprocess.Popen(
+                [ETCD, "--name", name, "--data-dir", str(self.root / name),
+                 "--listen-client-urls", f"http://127.0.0.1:{self.client_ports[i]}",
+                 "--advertise-client-urls", f"http://127.0.0.1:{self.client_ports[i]}",
+                 "--listen-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
+                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
+                 "--initial-cluster", self.initial, "--initial-cluster-state", state,
+                 "--initial-cluster-token", self.token,
+                 "--heartbeat-interval", "100", "--election-timeout", "1000",
+                 "--logger", "zap", "--log-outputs", "stderr"],
+                stdout=log, stderr=subprocess.STDOUT)
+
+    def _get(self, i: int, path: str, timeout: float = 1.0) -> dict:
+        with urllib.request.urlopen(f"{self.urls[i]}{path}", timeout=timeout) as response:
+            return json.loads(response.read())
+
+    def healthy(self, i: int) -> bool:
+        """Whether member I answers /health with a leader in sight (quorum)."""
+        try:
+            return self._get(i, "/health").get("health") in ("true", True)
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+
+    def wait_healthy(self, members: list[int] | None = None, timeout: float = START_TIMEOUT_S) -> float:
+        """Waits until every running member (or those named) reports health; returns how long."""
+        started = time.monotonic()
+        wanted = members if members is not None else [
+            i for i, p in enumerate(self.processes) if p is not None and p.poll() is None and i not in self.stopped]
+        while not all(self.healthy(i) for i in wanted):
+            for i in wanted:
+                process = self.processes[i]
+                if process is None or process.poll() is not None:
+                    raise RuntimeError(f"etcd member {self.names[i]} exited:\n{self.log_text(i)[-3000:]}")
+            if time.monotonic() - started > timeout:
+                raise RuntimeError(f"etcd not healthy within {timeout:g} s:\n"
+                                   + "\n".join(self.log_text(i)[-1500:] for i in wanted))
+            time.sleep(0.05)
+        return time.monotonic() - started
+
+    def kill(self, i: int) -> None:
+        process = self.processes[i]
+        assert process is not None
+        if i in self.stopped:
+            self.cont(i)
+        process.kill()
+        process.wait()
+
+    def stop(self, i: int) -> None:
+        """SIGSTOP: the member is frozen (its sockets stay open and silent)."""
+        process = self.processes[i]
+        assert process is not None and process.poll() is None
+        process.send_signal(signal.SIGSTOP)
+        self.stopped.add(i)
+
+    def cont(self, i: int) -> None:
+        process = self.processes[i]
+        assert process is not None
+        process.send_signal(signal.SIGCONT)
+        self.stopped.discard(i)
+
+    def restart(self, i: int) -> None:
+        """Starts member I again on its data (after kill)."""
+        process = self.processes[i]
+        if process is not None and process.poll() is None:
+            self.kill(i)
+        self._spawn(i, "existing")
+
+    def close(self) -> None:
+        for i, process in enumerate(self.processes):
+            if process is None:
+                continue
+            if process.poll() is None:
+                if i in self.stopped:
+                    process.send_signal(signal.SIGCONT)
+                process.kill()
+            process.wait()
+        self.stopped.clear()
+
+    def __enter__(self) -> "EtcdCluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

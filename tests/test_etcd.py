@@ -1,0 +1,122 @@
+"""kvfs.net.etcd against a real 3-member etcd on loopback: reads, pages, leases, fenced
+txns, and failover to the next endpoint when a member is killed or frozen."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from kvfs.net import etcd
+from kvfs.net.etcd import EtcdClient, EtcdError, create_revision_is, delete, find_leader, leader_key, put
+
+
+def run(function, *args):  # type: ignore[no-untyped-def]
+    return trio.run(function, *args)
+
+
+def test_parse_endpoints() -> None:
+    assert etcd.parse_endpoints("http://a:1,b:2") == ["http://a:1", "http://b:2"]
+    assert etcd.parse_endpoints("etcd://10.0.0.1:2379, 10.0.0.2:2379") == [
+        "http://10.0.0.1:2379", "http://10.0.0.2:2379"]
+    for bad in ("", "https://a:1", "a", "a:x", "a:70000"):
+        with pytest.raises(ValueError):
+            etcd.parse_endpoints(bad)
+
+
+def test_prefix_end() -> None:
+    assert etcd.prefix_end(b"/kvfs/a/") == b"/kvfs/a0"
+    assert etcd.prefix_end(b"a\xff") == b"b"
+    assert etcd.prefix_end(b"\xff") == b"\0"
+
+
+def test_get_put_pages_and_fenced_txn(etcd_cluster) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        client = EtcdClient(etcd_cluster.urls)
+        try:
+            assert await client.get(b"/t/missing") is None
+            ok, revision, _ = await client.txn([create_revision_is(b"/t/leader", 0)], [put(b"/t/leader", b"me")])
+            assert ok and revision > 0
+            value, epoch = await client.get(b"/t/leader")  # type: ignore[misc]
+            assert value == b"me" and epoch == revision
+            # A second campaign fails: the key exists.
+            ok, _, _ = await client.txn([create_revision_is(b"/t/leader", 0)], [put(b"/t/leader", b"other")])
+            assert not ok
+            # 300 keys in pages of 64 (one snapshot), in key order, binary values intact.
+            for start in range(0, 300, 100):
+                ok, _, _ = await client.txn([create_revision_is(b"/t/leader", epoch)],
+                                            [put(b"/t/k/%05d" % i, bytes([i % 256, 0, 255])) for i in
+                                             range(start, start + 100)])
+                assert ok
+            seen = [(k, v) async for k, v in client.get_prefix(b"/t/k/", limit=64)]
+            assert seen == [(b"/t/k/%05d" % i, bytes([i % 256, 0, 255])) for i in range(300)]
+            # A write fenced on a stale epoch lands nothing.
+            await client.txn([], [delete(b"/t/leader")])
+            await client.txn([create_revision_is(b"/t/leader", 0)], [put(b"/t/leader", b"new")])
+            ok, _, _ = await client.txn([create_revision_is(b"/t/leader", epoch)], [put(b"/t/k/stale", b"x")])
+            assert not ok and await client.get(b"/t/k/stale") is None
+        finally:
+            await client.aclose()
+
+    run(main)
+
+
+def test_lease_keepalive_expiry_and_leader(etcd_cluster) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        client = EtcdClient(etcd_cluster.urls)
+        try:
+            lease = await client.grant(2)
+            assert await client.keepalive(lease) > 0
+            key = leader_key("c1")
+            ok, revision, _ = await client.txn([create_revision_is(key, 0)],
+                                               [put(key, etcd.leader_value("127.0.0.1:9", "master"), lease)])
+            assert ok
+            assert await find_leader(client, "c1") == ("127.0.0.1:9", revision)
+            await client.revoke(lease)
+            assert await find_leader(client, "c1") is None  # the lease held the key
+            assert await client.keepalive(lease) == 0
+            await client.revoke(lease)  # already gone: not an error
+            # A lease not kept alive expires, and the key goes with it (bounded poll).
+            short = await client.grant(1)
+            await client.txn([], [put(key, etcd.leader_value("127.0.0.1:10", "m2"), short)])
+            with trio.fail_after(10):
+                while await find_leader(client, "c1") is not None:
+                    await trio.sleep(0.1)
+        finally:
+            await client.aclose()
+
+    run(main)
+
+
+def test_failover_to_next_endpoint(etcd_cluster) -> None:  # type: ignore[no-untyped-def]
+    async def main(first_down: str) -> None:
+        client = EtcdClient(etcd_cluster.urls, timeout_s=1.0)
+        try:
+            ok, _, _ = await client.txn([], [put(b"/t/" + first_down.encode(), b"1")])
+            assert ok
+            assert await client.get(b"/t/" + first_down.encode()) == (b"1", pytest.approx(0, abs=1 << 40))
+            assert client.failovers >= 1  # the first endpoint did not answer
+        finally:
+            await client.aclose()
+
+    etcd_cluster.kill(0)
+    etcd_cluster.wait_healthy()  # the others elect a raft leader if it was theirs
+    trio.run(main, "killed")
+    etcd_cluster.restart(0)
+    etcd_cluster.wait_healthy()
+    etcd_cluster.stop(0)
+    etcd_cluster.wait_healthy()
+    try:
+        trio.run(main, "frozen")
+    finally:
+        etcd_cluster.cont(0)
+
+
+def test_no_endpoint_answers_names_each(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from etcd import free_ports
+
+    ports = free_ports(2)
+    client = EtcdClient([f"http://127.0.0.1:{p}" for p in ports], timeout_s=0.5)
+    with pytest.raises(EtcdError) as caught:
+        run(client.get, b"x")
+    for port in ports:
+        assert f"127.0.0.1:{port}" in str(caught.value)
