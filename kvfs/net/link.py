@@ -74,37 +74,43 @@ class MasterLink:
         self._up = trio.Event()
         self._heard_at = trio.current_time()  # when the master last answered (on any connection)
         self._warned_at = -WARN_EVERY_S  # trio time of the last warning
+        self._why = ""  # why the last connection attempt failed, for the requests that fail meanwhile
         self.calls = OperationStats()  # requests by type: round trip to the master
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keeps the link up; reports started after the first successful registration."""
         delay = RECONNECT_MIN_S
         started = False
-        async with trio.open_nursery() as nursery:
-            while True:
-                remote = await self._connect_and_join(nursery, first=not started)
-                if remote is None:
-                    await trio.sleep(delay)
-                    delay = min(RECONNECT_MAX_S, delay * 2)
-                    continue
-                self._remote = remote
-                delay = RECONNECT_MIN_S
-                self._warned_at = -WARN_EVERY_S
-                self._up.set()
-                if not started:
-                    started = True
-                    task_status.started()
-                else:
-                    log.info("reconnected to master %s%s", self.leader, self._epoch_text())
-                async with trio.open_nursery() as following:
-                    if self.etcd is not None:
-                        following.start_soon(self._follow, remote)
-                    await remote.closed.wait()
-                    following.cancel_scope.cancel()
-                self._up = trio.Event()
-                self._remote = None
-                self._heard_at = remote.heard_at
-                log.warning("lost the connection to master %s: %s", self.leader, remote.broken)
+        try:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    remote = await self._connect_and_join(nursery, first=not started)
+                    if remote is None:
+                        await trio.sleep(delay)
+                        delay = min(RECONNECT_MAX_S, delay * 2)
+                        continue
+                    self._remote = remote
+                    self._why = ""
+                    delay = RECONNECT_MIN_S
+                    self._warned_at = -WARN_EVERY_S
+                    self._up.set()
+                    log.info("%s to master %s%s", "reconnected" if started else "connected", self.leader,
+                             self._epoch_text())
+                    if not started:
+                        started = True
+                        task_status.started()
+                    async with trio.open_nursery() as following:
+                        if self.etcd is not None:
+                            following.start_soon(self._follow, remote)
+                        await remote.closed.wait()
+                        following.cancel_scope.cancel()
+                    self._up = trio.Event()
+                    self._remote = None
+                    self._heard_at = remote.heard_at
+                    log.warning("lost the connection to master %s: %s", self.leader, remote.broken)
+        finally:
+            if self.etcd is not None:
+                await self.etcd.aclose()
 
     def _epoch_text(self) -> str:
         return f" (leader of {self.target.cluster}, epoch {self.epoch})" if self.etcd is not None else ""
@@ -182,6 +188,7 @@ class MasterLink:
                     await remote.aclose()
                 raise KvfsError(errno.EPERM, f"master {self.leader} refused this node: {failed}") from None
             error = failed
+        self._why = reason_of(error)
         if trio.current_time() - self._warned_at >= WARN_EVERY_S:
             self._warned_at = trio.current_time()
             where = f"master {self.leader}" if self.leader else f"cluster {self.target.cluster} in etcd"
@@ -215,8 +222,9 @@ class MasterLink:
             heard_at = self._remote.heard_at if self._remote is not None else self._heard_at
             until = min(started + link_wait, heard_at + self.wait_s)
             if trio.current_time() >= until:
+                why = f"; {self._why}" if self._why else ""
                 raise MasterUnavailable(f"master {self.leader or self.address} is unreachable (last heard "
-                                        f"{trio.current_time() - heard_at:.1f} s ago)")
+                                        f"{trio.current_time() - heard_at:.1f} s ago{why})")
             with trio.move_on_at(until):
                 if self._up.is_set():  # broken, and the run loop has yet to see it
                     await trio.sleep(0.01)
