@@ -4,6 +4,9 @@ Every request is answered by the pure `MetadataService` and what it changed is
 written to lmdb before the answer goes out. A timer declares nodes that stopped
 heartbeating dead (a gap in that timer's own passes is the master's stall, which
 convicts nobody: kvfs.cluster.liveness); another syncs the state to disk.
+
+With --etcd, masters elect a leader and keep the state in etcd instead
+(kvfs.daemons.leader).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import trio
 
@@ -50,19 +53,60 @@ class MasterConfig:
     dead_after_s: float = 2.5
     forget_dead_after_s: float = 7 * 86400.0  # 0: never
     metrics_listen: str | None = DEFAULT_MASTER_METRICS  # the Prometheus endpoint; None: off
+    etcd: list[str] | None = None  # etcd endpoints: elected, state in etcd (data_dir unused)
+    cluster: str = "default"  # the name under /kvfs/ in etcd
+    lease_ttl_s: int = 3
+    advertise: str | None = None  # HOST:PORT nodes reach the leader at (default: the bound --listen)
 
 
 def format_duration(seconds: float) -> str:
     return f"{seconds / 86400:g} days" if seconds >= 86400 else f"{seconds:g} s"
 
 
+def new_service(config: MasterConfig) -> MetadataService:
+    settings = MasterSettings(temp_suffix=config.temp_suffix.encode(), temp_grace_s=config.temp_grace_s,
+                              publish_grace_s=config.publish_grace_s, cluster=True, dead_after_s=config.dead_after_s,
+                              forget_dead_after_s=config.forget_dead_after_s)
+    return MetadataService(SystemClock(), make_policy(config.eviction_policy), settings)
+
+
+def owner_finder(service: MetadataService) -> Callable[[int], int | None]:
+    def owner_of(version_id: int) -> int | None:
+        """The node storing a version, for the authority's checks (None: not known here)."""
+        version = service.objects.versions.get(version_id)
+        return None if version is None else version.node
+    return owner_of
+
+
+async def expire_forever(service: MetadataService, server: MetadataServer, config: MasterConfig,
+                         changed: Callable[[str], Any]) -> None:
+    """Declares silent nodes dead and forgets long-dead ones; `changed(cause)` saves."""
+    while True:
+        await trio.sleep(service.settings.expire_interval_s)
+        try:
+            stalls = service.liveness.stalls
+            known = dict(service.registry.by_name)
+            dead = service.expire_nodes()
+            for name in known.keys() - service.registry.by_name.keys():
+                log.warning("node %s was dead for over %s: forgotten, as by kvfs remove-node (its files left "
+                            "the namespace)", name, format_duration(config.forget_dead_after_s))
+            if service.liveness.stalls != stalls:
+                log.warning("the master stalled for %.1f s (paused, or a slow save): every node gets a fresh "
+                            "%.1f s grace before it can be declared dead", service.liveness.last_stall_s,
+                            config.dead_after_s)
+            for node_id in dead:
+                node = service.registry.nodes[node_id]
+                log.warning("node %d (%s) stopped heartbeating: declared dead", node_id, node.name)
+            changed("expiry")
+            server.wake_pushers()
+        except Exception:  # a bug here must not stop the master serving
+            log.exception("declaring silent nodes dead failed")
+
+
 class MasterProcess:
     def __init__(self, config: MasterConfig) -> None:
         self.config = config
-        settings = MasterSettings(temp_suffix=config.temp_suffix.encode(), temp_grace_s=config.temp_grace_s,
-                                  publish_grace_s=config.publish_grace_s, cluster=True, dead_after_s=config.dead_after_s,
-                                  forget_dead_after_s=config.forget_dead_after_s)
-        self.service = MetadataService(SystemClock(), make_policy(config.eviction_policy), settings)
+        self.service = new_service(config)
         self.state = MasterState(Path(config.data_dir))
         started = time.monotonic()
         files = self.state.load(self.service)
@@ -72,12 +116,7 @@ class MasterProcess:
         self.save_failures = 0  # failed saves in a row; the changes stay dirty meanwhile
         self.slow_saves = 0
         self._slow_save_log = Every(10.0)
-        self.server = MetadataServer(self.handle, config.tls, self.service, owner_of=self._owner_of)
-
-    def _owner_of(self, version_id: int) -> int | None:
-        """The node storing a version, for the authority's checks (None: not known here)."""
-        version = self.service.objects.versions.get(version_id)
-        return None if version is None else version.node
+        self.server = MetadataServer(self.handle, config.tls, self.service, owner_of=owner_finder(self.service))
 
     def handle(self, request: m.Request, caller: int) -> Any:
         return self.requests.timed(type(request).__name__, lambda: self._handle_and_save(request, caller))
@@ -122,7 +161,7 @@ class MasterProcess:
                     await nursery.start(serve_metrics, self.config.metrics_listen, metrics.describe)
                 bound = await nursery.start(self.server.serve, host, port)
                 log.info("master listening on %s:%d", host, bound)
-                nursery.start_soon(self._expire_forever)
+                nursery.start_soon(expire_forever, self.service, self.server, self.config, self.save)
                 nursery.start_soon(self._sync_forever)
                 nursery.start_soon(systemd.keep_watchdog_fed)
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -137,28 +176,6 @@ class MasterProcess:
             if not self.save("stop"):
                 log.error("stopping with changes not saved in %s", self.config.data_dir)
             self.state.close()
-
-    async def _expire_forever(self) -> None:
-        while True:
-            await trio.sleep(self.service.settings.expire_interval_s)
-            try:
-                stalls = self.service.liveness.stalls
-                known = dict(self.service.registry.by_name)
-                dead = self.service.expire_nodes()
-                for name in known.keys() - self.service.registry.by_name.keys():
-                    log.warning("node %s was dead for over %s: forgotten, as by kvfs remove-node (its files left "
-                                "the namespace)", name, format_duration(self.config.forget_dead_after_s))
-                if self.service.liveness.stalls != stalls:
-                    log.warning("the master stalled for %.1f s (paused, or a slow save): every node gets a fresh "
-                                "%.1f s grace before it can be declared dead", self.service.liveness.last_stall_s,
-                                self.config.dead_after_s)
-                for node_id in dead:
-                    node = self.service.registry.nodes[node_id]
-                    log.warning("node %d (%s) stopped heartbeating: declared dead", node_id, node.name)
-                self.save("expiry")
-                self.server.wake_pushers()
-            except Exception:  # a bug here must not stop the master serving
-                log.exception("declaring silent nodes dead failed")
 
     async def _sync_forever(self) -> None:
         while True:

@@ -162,12 +162,14 @@ class SourceRate:
 
 class Gate:
     """The accepting side, with TLS, for clients of CLIENT_ROLES: sets up each new connection;
-    one that fails is refused, counted and logged with its reason."""
+    one that fails is refused, counted and logged with its reason. `epoch()` is what the
+    Welcome announces (a master elected through etcd: its leadership's epoch)."""
 
     def __init__(self, tls: Tls, client_roles: frozenset[str], what: str = "connection",
                  timeout_s: float = HANDSHAKE_TIMEOUT_S, max_handshakes: int = MAX_HANDSHAKES,
-                 max_per_source: int = MAX_HANDSHAKES_PER_SOURCE) -> None:
+                 max_per_source: int = MAX_HANDSHAKES_PER_SOURCE, epoch: Callable[[], int] = lambda: 0) -> None:
         self.tls = tls
+        self.epoch = epoch
         self.client_roles = client_roles
         self.what = what
         self.timeout_s = timeout_s
@@ -222,7 +224,8 @@ class Gate:
                     await self._refuse_role(frames, peer, client)
                     await tls_stream.aclose()
                     return None
-                await frames.send(FrameKind.HELLO, 0, Welcome(self.tls.identity.name, self.tls.identity.role))
+                await frames.send(FrameKind.HELLO, 0, Welcome(self.tls.identity.name, self.tls.identity.role,
+                                                                  self.epoch()))
         except REFUSALS as error:
             if isinstance(error, trio.TooSlowError):
                 self._count("timeout", peer, f"no TLS handshake within {self.timeout_s:g} s")

@@ -27,6 +27,7 @@ from kvfs.wire import messages as m
 from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame
 from kvfs.wire.text import printable
 from kvfs.cluster.authority import MASTER_CLIENTS, MASTER_ROLE, Caller, Refused, check_request
+from kvfs.net.commit import GroupCommit
 from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, Gate, LogBudget, connect
 from kvfs.net.streams import FrameStream, peer_name, serve_tcp
 from kvfs.errors import KvfsError, MetadataError
@@ -38,6 +39,7 @@ _ANY_REQUEST = typing.Union[tuple(m.Request.__subclasses__())]  # type: ignore[m
 
 
 PUSH_BYTES = 640 << 10  # name changes per pushed frame (a frame header holds 1 MiB)
+REPLIES_QUEUED = 256  # a connection's replies waiting for their commit; then its next request waits
 
 
 def push_batches(changes: list[m.NameChange]) -> list[list[m.NameChange]]:
@@ -73,15 +75,26 @@ class MetadataServer:
     `handle(request, caller)` answers one request; `caller` is the node id that
     registered on this connection (0 for a client that did not register).
     `owner_of(version)` is the node storing a version (None if unknown), for the
-    authority's checks of requests that name versions."""
+    authority's checks of requests that name versions.
+
+    A master elected through etcd passes `group` (kvfs.net.commit): each reply, and each
+    pushed name change, then waits until the changes it may show are committed, while
+    the connection's next requests are handled; replies still leave in request order.
+    `may_act()` is checked before a request is handled and before its reply or a push is
+    sent: once false (the leadership's lease may have run out), the connection is closed
+    instead. `epoch()` is the leadership's epoch, announced in the Welcome."""
 
     def __init__(self, handle: Callable[[m.Request, int], Any], tls: Tls, notifier: Notifier | None = None,
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
-                 owner_of: Callable[[int], int | None] = lambda version: None) -> None:
+                 owner_of: Callable[[int], int | None] = lambda version: None,
+                 group: GroupCommit | None = None, may_act: Callable[[], bool] = lambda: True,
+                 epoch: Callable[[], int] = lambda: 0) -> None:
         self.handle = handle
         self.notifier = notifier
         self.owner_of = owner_of
-        self.gate = Gate(tls, MASTER_CLIENTS, "connection", handshake_timeout_s)
+        self.group = group
+        self.may_act = may_act
+        self.gate = Gate(tls, MASTER_CLIENTS, "connection", handshake_timeout_s, epoch=epoch)
         self.denied = 0  # requests refused by the authority
         self._denied_log = LogBudget()
         self._requests = HeaderDecoder(_ANY_REQUEST)
@@ -108,6 +121,10 @@ class MetadataServer:
             event = self._wake[node] = trio.Event()
             await event.wait()
             changes = self.notifier.take_notifications(node)
+            if self.group is not None:  # a node learns of a name only once it is durable
+                await self.group.wait(self.group.handled)
+            if not self.may_act():
+                return  # the request loop closes the connection
             try:
                 for batch in push_batches(changes):
                     async with send_lock:
@@ -147,9 +164,16 @@ class MetadataServer:
                                      peer: Any) -> None:
         caller = Caller(identity.name, identity.role, identity.addresses)
         send_lock = trio.Lock()
+        replies: trio.MemorySendChannel[tuple[int, bytes]] | None = None
+        if self.group is not None:
+            replies, queued = trio.open_memory_channel[tuple[int, bytes]](REPLIES_QUEUED)
+            nursery.start_soon(self._send_when_committed, frames, send_lock, queued, nursery, identity, peer)
         try:
             while True:
                 request_id, request = await frames.receive_request(self._requests)
+                if not self.may_act():
+                    log.info("closing connection from %s at %s: this master may no longer lead", identity, peer)
+                    return
                 try:
                     try:
                         check_request(caller, request, self.owner_of)
@@ -175,6 +199,10 @@ class MetadataServer:
                 except ProtocolError as error:  # an answer too large to send: the caller gets an errno
                     log.error("%s from %s: %s", type(request).__name__, peer, error)
                     frame = encode_frame(FrameKind.ERROR, request_id, ErrorReply(errno.EFBIG, str(error)))
+                if replies is not None:
+                    assert self.group is not None
+                    await replies.send((self.group.ticket(), frame))
+                    continue
                 async with send_lock:
                     await frames.send_encoded(frame)
         except ProtocolError as error:
@@ -186,6 +214,23 @@ class MetadataServer:
                 log.info("%s at %s disconnected", identity, peer)
         except (EOFError, trio.ClosedResourceError):
             log.info("%s at %s disconnected", identity, peer)
+
+    async def _send_when_committed(self, frames: FrameStream, send_lock: trio.Lock,
+                                   queued: trio.MemoryReceiveChannel[tuple[int, bytes]], nursery: trio.Nursery,
+                                   identity: Identity, peer: Any) -> None:
+        """Sends a connection's replies in order, each once its ticket is committed."""
+        assert self.group is not None
+        try:
+            async for ticket, frame in queued:
+                await self.group.wait(ticket)
+                if not self.may_act():
+                    log.info("closing connection from %s at %s: this master may no longer lead", identity, peer)
+                    break
+                async with send_lock:
+                    await frames.send_encoded(frame)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass  # gone: the request loop sees it too
+        nursery.cancel_scope.cancel()  # the connection ends with its replies
 
 
 class MasterUnavailable(MetadataError):

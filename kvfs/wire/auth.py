@@ -24,6 +24,9 @@ class Welcome(msgspec.Struct, tag=True):
 
     name: Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
     role: Annotated[str, msgspec.Meta(max_length=16)]
+    # A master elected through etcd: its leadership's epoch (the leader key's create_revision),
+    # so that a client can refuse a deposed leader. 0: a single master, or not a master.
+    epoch: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 HandshakeMessage = Welcome

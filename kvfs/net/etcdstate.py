@@ -1,0 +1,111 @@
+"""The master's state in etcd: the records of kvfs.cluster.records under
+/kvfs/<cluster>/state/, written by the leader only, fenced on its epoch.
+
+Every commit is an etcd txn whose compare is `create_revision(leader key) == epoch`:
+once another master leads (the key was created anew, so its create_revision changed)
+or the key is gone, the txn writes nothing and `commit` raises `Fenced`. A batch larger
+than etcd allows in one txn (128 operations, ~1.5 MiB a request by default) is cut into
+several, the counters first: a part written before a crash never holds an inode or
+version number that the counters saved would hand out again.
+
+The load reads every record in pages from one revision (a consistent snapshot).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvfs.cluster import records
+from kvfs.cluster.master import MetadataService
+from kvfs.cluster.records import Change, Kind
+from kvfs.net.etcd import MAX_TXN_OPS, EtcdClient, EtcdError, create_revision_is, delete, leader_key, put
+
+TXN_BYTES = 512 << 10  # record bytes per txn (base64 and JSON make ~1.4x that on the wire)
+LOAD_PAGE = 10000
+
+
+class Fenced(EtcdError):
+    """A write was refused: this master's epoch is no longer the leader key's."""
+
+
+@dataclass
+class Batch:
+    changes: list[Change]
+    nodes: dict[int, tuple[str, str]] | None  # the nodes as written once this commits (None: unchanged)
+
+
+def split(changes: list[Change], max_ops: int = MAX_TXN_OPS, max_bytes: int = TXN_BYTES) -> list[list[Change]]:
+    """The changes in txns of at most MAX_OPS operations and about MAX_BYTES, counters first."""
+    ordered = sorted(changes, key=lambda change: change.kind is not Kind.COUNTERS)
+    parts: list[list[Change]] = []
+    part: list[Change] = []
+    used = 0
+    for change in ordered:
+        size = len(change.value or b"") + 32
+        if part and (len(part) >= max_ops or used + size > max_bytes):
+            parts.append(part)
+            part, used = [], 0
+        part.append(change)
+        used += size
+    if part:
+        parts.append(part)
+    return parts
+
+
+class EtcdState:
+    def __init__(self, client: EtcdClient, cluster: str) -> None:
+        self.client = client
+        self.cluster = cluster
+        self.leader = leader_key(cluster)
+        self.prefix = f"/kvfs/{cluster}/state/".encode()
+        self._written_nodes: dict[int, tuple[str, str]] = {}
+        self.txns = 0
+
+    def key(self, kind: Kind, number: int) -> bytes:
+        if kind is Kind.COUNTERS:
+            return self.prefix + b"c"
+        return self.prefix + kind.value.encode() + b"/" + number.to_bytes(8, "big")
+
+    def parse_key(self, key: bytes) -> tuple[Kind, int]:
+        rest = key[len(self.prefix):]
+        if rest == b"c":
+            return Kind.COUNTERS, 0
+        if len(rest) != 10 or rest[1:2] != b"/":
+            raise EtcdError(f"etcd {key!r}: not a kvfs state record")
+        return Kind(rest[:1].decode()), int.from_bytes(rest[2:], "big")
+
+    async def load(self, service: MetadataService) -> int:
+        """Fills a fresh service with the state in etcd; the number of files."""
+        loaded = records.Loaded()
+        async for key, value in self.client.get_prefix(self.prefix, limit=LOAD_PAGE):
+            kind, number = self.parse_key(key)
+            try:
+                loaded.add(kind, number, value)
+            except Exception as error:  # a damaged record: named, and the load fails
+                raise EtcdError(f"etcd {key!r}: cannot decode: {error}") from None
+        self._written_nodes = {number: (name, address) for number, name, address in loaded.nodes}
+        return loaded.into(service)
+
+    def take(self, service: MetadataService) -> Batch | None:
+        """Every change since the last take (the service's dirty sets are cleared), or None."""
+        if not records.is_dirty(service):
+            return None
+        changes = records.changes(service, self._written_nodes)
+        nodes = records.saved_nodes(service) if service.registry.dirty else None
+        records.clear_dirty(service)
+        if nodes is not None:
+            self._written_nodes = nodes  # what the next diff is against (a failed commit ends the leadership)
+        return Batch(changes, nodes) if changes else None
+
+    async def commit(self, batch: Batch, epoch: int) -> None:
+        """Writes the batch, fenced on EPOCH. Raises Fenced, or EtcdError (the outcome is
+        then unknown; the same batch may be written again: its puts are idempotent)."""
+        fence = [create_revision_is(self.leader, epoch)]
+        for part in split(batch.changes):
+            operations = [delete(self.key(c.kind, c.number)) if c.value is None else
+                          put(self.key(c.kind, c.number), c.value) for c in part]
+            succeeded, _, _ = await self.client.txn(fence, operations)
+            self.txns += 1
+            if not succeeded:
+                raise Fenced(f"etcd refused a write of epoch {epoch}: {self.leader.decode()} was created anew "
+                             f"or is gone (another master leads, or this one's lease expired)")
