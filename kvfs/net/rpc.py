@@ -291,7 +291,8 @@ class RemoteMaster:
     @property
     def epoch(self) -> int:
         """The leader epoch the master's Welcome announced (0: a single master)."""
-        return getattr(self._frames.welcome, "epoch", 0)
+        welcome = self._frames.welcome
+        return welcome.epoch if welcome is not None else 0
 
     async def _receive_forever(self) -> None:
         try:
