@@ -164,8 +164,10 @@ class MasterLink:
     async def _connect_and_join(self, nursery: trio.Nursery, first: bool) -> RemoteMaster | None:
         """A registered connection, or None (logged) to try again later."""
         remote = None
+        where = f"cluster {self.target.cluster} in etcd" if self.etcd is not None else f"master {self.leader}"
         try:
             host, port = await self._locate()
+            where = f"master {self.leader}"
             with trio.fail_after(CONNECT_TIMEOUT_S):
                 remote = await RemoteMaster.connect(host, port, self.tls, nursery,
                                                     on_notify=self.on_notify, request_timeout_s=self.wait_s)
@@ -191,7 +193,6 @@ class MasterLink:
         self._why = reason_of(error)
         if trio.current_time() - self._warned_at >= WARN_EVERY_S:
             self._warned_at = trio.current_time()
-            where = f"master {self.leader}" if self.leader else f"cluster {self.target.cluster} in etcd"
             message = f"{where}: cannot register ({reason_of(error)}); retrying"
             if first:  # the node is still starting: tell the terminal and systemd too
                 progress.report(message, log, logging.WARNING)
