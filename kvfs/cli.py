@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     node = commands.add_parser("node", help="run a cluster node: mount, contribute DRAM/SSD, serve peers")
     node.add_argument("--master", required=True,
                       help="the master's HOST:PORT, or etcd://HOST:PORT[,HOST:PORT][/CLUSTER]: the leader of the "
-                           "masters of CLUSTER (default kvfs) elected in etcd, followed as it changes")
+                           "masters of CLUSTER (default: default) elected in etcd, followed as it changes")
     node.add_argument("--mount", dest="mountpoint", required=True, help="where to mount the cluster's namespace")
     node.add_argument("--listen", default="127.0.0.1:0",
                       help="HOST:PORT of this node's peer server, for chunk reads by other nodes (default 127.0.0.1:0)")

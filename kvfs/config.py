@@ -51,7 +51,7 @@ def check_address(address: str, field: str) -> None:
 
 
 ETCD_SCHEME = "etcd://"
-DEFAULT_CLUSTER = "kvfs"  # the election's name in etcd when etcd://... names none (kvfs master --cluster)
+DEFAULT_CLUSTER = "default"  # the election's name in etcd when etcd://... names none (as kvfs master --cluster)
 _CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 

@@ -360,7 +360,7 @@ def test_a_frozen_leader_is_replaced_and_fenced_when_it_resumes(ha: Ha) -> None:
         resumed_at = time.monotonic()
         # The deposed leader runs again while the load goes on: what the nodes had sent it
         # before they left it is in its sockets.
-        wait_until(lambda: "may no longer lead" in old.log_text() or old.process.poll() is not None,
+        wait_until(lambda: "stepped down" in old.log_text() or old.process.poll() is not None,
                    what="the resumed leader to notice it lost its lease", timeout=15)
         wait_until(lambda: load.count(since=time.monotonic() - 0.5) >= 5, what="stores after the resume",
                    timeout=30)
