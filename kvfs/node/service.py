@@ -645,7 +645,10 @@ class Node:
         return DiskRecord(version, to_disk_file(info), [])
 
     async def offloaded(self, versions: list[int]) -> None:
-        await self.master.call(m.Offloaded(versions))
+        try:
+            await self.master.call(m.Offloaded(versions))
+        except MasterUnavailable as error:  # the re-registration that follows reports them on SSD
+            log.debug("versions %s on SSD, not told to the master (%s)", versions[:5], error)
 
     async def lost(self, version: int) -> None:
         removed = await self.master.call(m.Lost(version))
