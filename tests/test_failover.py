@@ -36,9 +36,10 @@ LEASE_TTL_S = 2  # the masters' --lease-ttl
 MASTER_WAIT_S = 3.0  # the nodes' --master-wait
 FAILOVER_S = 5.0  # issue 19: a new leader within this after the old one is killed
 SIZE = 64 << 10  # a KV block; small, so that nothing is evicted from the nodes' 256 MiB
-PER_WRITER = 400  # stores at most, per writer thread
+PER_WRITER = 400  # acknowledged stores at most, per writer thread
 WRITERS = 2  # per node
 PACE_S = 0.01  # between a writer's stores: the load runs through each fault instead of ending before it
+FAILED_PAUSE_S = 0.1  # after a failed store (an outage fails them at once once --master-wait has passed)
 TOP = "llama_failover"
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -210,10 +211,15 @@ class Load:
     def _store(self, node: int, key: int) -> None:
         path = block_path(self.nodes[node].path, key)
         for level in (path.parent.parent.parent, path.parent.parent, path.parent):
+            # As vLLM does: a mkdir only where stat finds nothing (a mkdir of an existing name
+            # makes the kernel ask the node again, and an EIO answer drops its cached entry).
             try:
-                os.mkdir(level)
-            except FileExistsError:
-                pass
+                os.stat(level)
+            except FileNotFoundError:
+                try:
+                    os.mkdir(level)
+                except FileExistsError:
+                    pass
         tmp = Path(f"{path}_{random.getrandbits(63)}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -231,16 +237,18 @@ class Load:
             self.acked[key] = (node, time.monotonic())
 
     def _writer(self, node: int, worker: int) -> None:
-        for n in range(PER_WRITER):
-            if self.stop.is_set():
-                return
-            key = (node * WRITERS + worker) * 100_000 + n
+        stored = 0
+        key = (node * WRITERS + worker) * 100_000
+        while stored < PER_WRITER and not self.stop.is_set():
+            key += 1
             try:
                 self._store(node, key)
+                stored += 1
+                time.sleep(PACE_S)
             except OSError as error:
                 with self.lock:
                     self.store_failures.append((time.monotonic(), f"node{node + 1} key {key}: {error}"))
-            time.sleep(PACE_S)
+                time.sleep(FAILED_PAUSE_S)  # a failed store is a miss to vLLM; it goes on with the next block
 
     def _reader(self, node: int) -> None:
         rng = random.Random(node)
