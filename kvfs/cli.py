@@ -455,7 +455,7 @@ def _cluster_info(args: argparse.Namespace) -> tuple[str, m.ClusterInfo]:
     if args.master:
         return f"master {args.master}", ask_master(args, m.ClusterStatus())
     if not args.mountpoint:
-        raise ConfigError("name a mount (kvfs status /mnt/kvfs) or the master (--master HOST:PORT or etcd://...)")
+        raise ConfigError("name a mount (kvfs status /mnt/kvfs) or the master (--master HOST:PORT)")
     mountpoint = kvfs_mount_root(args.mountpoint)
     try:
         stats = json.loads(os.getxattr(mountpoint, "user.kvfs.stats"))
@@ -523,7 +523,7 @@ def _dir_usage(args: argparse.Namespace, files: bool) -> tuple[str, str | None, 
     if args.master:
         return f"master {args.master}", None, ask_master(args, m.DirUsage(files=files))
     if not args.path:
-        raise ConfigError("name a mount (kvfs du /mnt/kvfs) or the master (--master HOST:PORT or etcd://...)")
+        raise ConfigError("name a mount (kvfs du /mnt/kvfs) or the master (--master HOST:PORT)")
     root = kvfs_mount_root(args.path)
     inside = os.path.relpath(os.path.abspath(args.path), root)
     top = None if inside == "." else inside.split(os.sep)[0]
