@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -196,6 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
     master.add_argument("--forget-dead-after", type=float, default=7 * 86400.0,
                         help="seconds a node may stay dead before it is forgotten as by remove-node, its files "
                              "leaving the namespace (default 7 days; 0: never)")
+    master.add_argument("--etcd", default=None,
+                        help="etcd endpoints http://HOST:PORT[,HOST:PORT...]: masters elect a leader there and keep "
+                             "the state there (--data is not used); the others stand by")
+    master.add_argument("--cluster", default="default", help="with --etcd: the cluster's name in etcd (/kvfs/NAME/)")
+    master.add_argument("--lease-ttl", type=int, default=3,
+                        help="with --etcd: seconds a leader that stopped renewing its lease keeps it (default 3)")
+    master.add_argument("--advertise", default=None,
+                        help="with --etcd: HOST:PORT nodes reach this master at (default: the bound --listen)")
     master.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _add_metrics(master, DEFAULT_MASTER_METRICS)
     _add_common(master)
@@ -366,6 +375,20 @@ def run_master(args: argparse.Namespace) -> int:
     from kvfs.daemons.master import MasterConfig, MasterProcess
 
     check_address(args.listen, "listen")
+    etcd = None
+    if args.etcd:
+        from kvfs.net.etcd import parse_endpoints
+
+        try:
+            etcd = parse_endpoints(args.etcd)
+        except ValueError as error:
+            raise ConfigError(f"--etcd: {error}") from None
+        if args.lease_ttl < 2:
+            raise ConfigError(f"--lease-ttl {args.lease_ttl}: at least 2 s (renewed every third of it)")
+        if args.advertise:
+            check_address(args.advertise, "advertise")
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", args.cluster):
+            raise ConfigError(f"--cluster {args.cluster!r}: letters, digits, '.', '_' and '-' only")
     checks = [preflight.check_port(args.listen, "listen")]
     if args.metrics:
         check_address(args.metrics_listen, "metrics_listen")
@@ -374,7 +397,13 @@ def run_master(args: argparse.Namespace) -> int:
     config = MasterConfig(args.listen, os.path.abspath(args.data), _tls(args, "master"), args.eviction_policy,
                           temp_grace_s=args.temp_grace, publish_grace_s=args.publish_grace,
                           dead_after_s=args.dead_after, forget_dead_after_s=args.forget_dead_after,
-                          metrics_listen=args.metrics_listen if args.metrics else None)
+                          metrics_listen=args.metrics_listen if args.metrics else None, etcd=etcd,
+                          cluster=args.cluster, lease_ttl_s=args.lease_ttl, advertise=args.advertise)
+    if etcd is not None:
+        from kvfs.daemons.leader import ElectedMaster
+
+        trio.run(ElectedMaster(config).run)
+        return 0
     trio.run(MasterProcess(config).run)
     return 0
 

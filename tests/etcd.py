@@ -159,3 +159,118 @@ class EtcdCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def leader(cluster: EtcdCluster, name: str = "default") -> tuple[str, int] | None:
+    """(address, epoch) of the master leading cluster NAME, as etcd says, or None; any
+    member that answers will do."""
+    import base64
+
+    key = base64.b64encode(f"/kvfs/{name}/leader".encode()).decode()
+    for url in cluster.urls:
+        request = urllib.request.Request(f"{url}/v3/kv/range", json.dumps({"key": key}).encode())
+        try:
+            with urllib.request.urlopen(request, timeout=1.0) as response:
+                answer = json.loads(response.read())
+        except (OSError, ValueError, urllib.error.URLError):
+            continue
+        kvs = answer.get("kvs") or []
+        if not kvs:
+            return None
+        value = json.loads(base64.b64decode(kvs[0]["value"]))
+        return value["address"], int(kvs[0]["create_revision"])
+    return None
+
+
+def state_keys(cluster: EtcdCluster, name: str = "default") -> dict[bytes, bytes]:
+    """Every record of cluster NAME's master state in etcd (key -> value)."""
+    import base64
+
+    prefix = f"/kvfs/{name}/state/".encode()
+    end = prefix[:-1] + bytes([prefix[-1] + 1])
+    body = json.dumps({"key": base64.b64encode(prefix).decode(), "range_end": base64.b64encode(end).decode()})
+    for url in cluster.urls:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(f"{url}/v3/kv/range", body.encode()),
+                                        timeout=5.0) as response:
+                answer = json.loads(response.read())
+        except (OSError, ValueError, urllib.error.URLError):
+            continue
+        return {base64.b64decode(kv["key"]): base64.b64decode(kv.get("value", "")) for kv in answer.get("kvs") or []}
+    raise RuntimeError("no etcd member answered")
+
+
+class ElectedMaster:
+    """`kvfs master --etcd` in a child process, on an ephemeral loopback port."""
+
+    def __init__(self, root: Path, etcd: EtcdCluster, name: str = "master", cluster: str = "default",
+                 lease_ttl: int = 3) -> None:
+        import sys
+
+        from conftest import tls_dir
+
+        self.root = root
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.log_path = root / "master.log"
+        self.argv = [sys.executable, "-m", "kvfs", "master", "--listen", "127.0.0.1:0", "--etcd", etcd.endpoints,
+                     "--cluster", cluster, "--lease-ttl", str(lease_ttl), "--tls-dir", tls_dir(name, "master"),
+                     "--log-level", "debug"]
+        self.process: subprocess.Popen[bytes] | None = None
+        self.address = ""
+        self.stopped = False
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def start(self) -> "ElectedMaster":
+        import re
+
+        offset = len(self.log_text())
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            found = re.search(r"master listening on (\S+)", self.log_text()[offset:])
+            if found:
+                self.address = found.group(1)
+                return self
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"kvfs master did not start:\n{self.log_text()}")
+            time.sleep(0.02)
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+    def kill(self) -> None:
+        assert self.process is not None
+        if self.stopped:
+            self.cont()
+        self.process.kill()
+        self.process.wait()
+
+    def stop(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+        self.stopped = True
+
+    def cont(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+        self.stopped = False
+
+    def close(self) -> int | None:
+        """SIGTERM (then SIGKILL after 30 s); the exit status."""
+        if self.process is None:
+            return None
+        if self.stopped:
+            self.cont()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                return self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                raise AssertionError(f"kvfs master did not stop on SIGTERM:\n{self.log_text()[-3000:]}")
+        return self.process.returncode

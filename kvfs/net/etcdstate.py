@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import trio
+
 from kvfs.cluster import records
 from kvfs.cluster.master import MetadataService
 from kvfs.cluster.records import Change, Kind
@@ -75,9 +77,15 @@ class EtcdState:
         return Kind(rest[:1].decode()), int.from_bytes(rest[2:], "big")
 
     async def load(self, service: MetadataService) -> int:
-        """Fills a fresh service with the state in etcd; the number of files."""
+        """Fills a fresh service with the state in etcd; the number of files. The records are
+        decoded and loaded in a worker thread: the event loop keeps renewing the lease meanwhile
+        (a load of a million files takes longer than a TTL)."""
+        stored = [(key, value) async for key, value in self.client.get_prefix(self.prefix, limit=LOAD_PAGE)]
+        return await trio.to_thread.run_sync(self._load, stored, service)
+
+    def _load(self, stored: list[tuple[bytes, bytes]], service: MetadataService) -> int:
         loaded = records.Loaded()
-        async for key, value in self.client.get_prefix(self.prefix, limit=LOAD_PAGE):
+        for key, value in stored:
             kind, number = self.parse_key(key)
             try:
                 loaded.add(kind, number, value)

@@ -135,6 +135,10 @@ class MetadataServer:
     async def serve(self, host: str, port: int, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         await serve_tcp(self._connection, host, port, task_status)
 
+    async def serve_stream(self, stream: trio.SocketStream) -> None:
+        """One accepted connection, served until it closes (for an owner that accepts them)."""
+        await self._connection(stream)
+
     async def _connection(self, stream: trio.SocketStream) -> None:
         peer = peer_name(stream)
         async with stream:

@@ -1,0 +1,201 @@
+"""Masters elected through a real 3-member etcd on loopback, as real processes: one leads,
+the other stands by; kill -9 or a freeze of the leader hands over to the other with the
+namespace intact; a resumed old leader is fenced; etcd's quorum lost makes the leader step
+down, and a leader serves again once it returns."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import msgspec
+import pytest
+import trio
+
+from conftest import load_tls, wait_until
+from etcd import ElectedMaster, EtcdCluster, leader, state_keys
+from kvfs.cluster.namespace import ROOT_INO
+from kvfs.cluster.records import SavedInode
+from kvfs.errors import MetadataError
+from kvfs.net.handshake import REFUSALS
+from kvfs.net.rpc import RemoteMaster
+from kvfs.wire import messages as m
+
+TTL = 2  # the masters' --lease-ttl here (the default is 3)
+FAILOVER_S = 5.0  # the bound the design promises: a new leader serving within this after the old one died
+
+
+@pytest.fixture
+def masters(tmp_path: Path, etcd_cluster: EtcdCluster) -> Iterator[list[ElectedMaster]]:
+    started: list[ElectedMaster] = []
+    try:
+        for i in range(2):
+            started.append(ElectedMaster(tmp_path / f"master{i}", etcd_cluster, lease_ttl=TTL).start())
+        yield started
+    finally:
+        statuses = [master.close() for master in started]
+        for master in started:
+            assert "Traceback" not in master.log_text(), master.log_text()[-4000:]
+        assert all(status in (0, None, -9) for status in statuses), statuses
+
+
+def leading(etcd: EtcdCluster, masters: list[ElectedMaster], timeout: float = 15.0,
+            other_than: ElectedMaster | None = None) -> tuple[ElectedMaster, int]:
+    """The master etcd names as leader (and its epoch), once there is one (not OTHER_THAN)."""
+    by_address = {master.address: master for master in masters}
+    found: list[Any] = []
+
+    def check() -> bool:
+        current = leader(etcd)
+        if current is None or current[0] not in by_address or by_address[current[0]] is other_than:
+            return False
+        found[:] = [by_address[current[0]], current[1]]
+        return True
+
+    wait_until(check, "a leader in etcd", timeout)
+    return found[0], found[1]
+
+
+class Session:
+    """A node's connection to a master, run in its own trio loop per call."""
+
+    def __init__(self, master: ElectedMaster, name: str = "n1") -> None:
+        self.master = master
+        self.name = name
+
+    async def _with(self, work: Any) -> Any:
+        async with trio.open_nursery() as nursery:
+            host, port = self.master.address.rsplit(":", 1)
+            remote = await RemoteMaster.connect(host, int(port), load_tls(self.name, "node"), nursery,
+                                                request_timeout_s=10)
+            try:
+                await remote.call(m.Register(self.name, "127.0.0.1:0"))
+                await remote.call(m.Report([]))
+                await remote.call(m.FinishRegistration())
+                return await work(remote)
+            finally:
+                await remote.aclose()
+
+    def mkdirs(self, names: list[bytes]) -> None:
+        async def work(remote: RemoteMaster) -> None:
+            for name in names:
+                await remote.call(m.MkDir(ROOT_INO, name, 0o755, 0, 0))
+
+        trio.run(self._with, work)
+
+    def present(self, names: list[bytes]) -> set[bytes]:
+        async def work(remote: RemoteMaster) -> set[bytes]:
+            found = set()
+            for name in names:
+                entry = await remote.call(m.Lookup(ROOT_INO, name))
+                if entry.attr is not None:
+                    found.add(name)
+            return found
+
+        return trio.run(self._with, work)
+
+    def serves(self, names: list[bytes]) -> bool:
+        """Whether this master answers, holding every one of NAMES."""
+        answered = False
+        try:
+            answered = self.present(names) == set(names)
+        except* (OSError, MetadataError, *REFUSALS):  # closed, refused, not reachable
+            pass
+        return answered
+
+
+def saved_names(etcd: EtcdCluster) -> set[bytes]:
+    """The names of every inode record in etcd."""
+    decode = msgspec.msgpack.Decoder(SavedInode).decode
+    return {decode(value).name for key, value in state_keys(etcd).items() if b"/state/i/" in key}
+
+
+def test_one_leads_the_other_stands_by_and_kill_9_hands_over(etcd_cluster: EtcdCluster,
+                                                              masters: list[ElectedMaster]) -> None:
+    first, epoch = leading(etcd_cluster, masters)
+    standby = masters[1] if first is masters[0] else masters[0]
+    names = [b"d%03d" % i for i in range(100)]
+    Session(first).mkdirs(names)
+    assert not Session(standby).serves(names[:1])  # a standby answers nothing
+    assert "standing by" in standby.log_text() and "master leading" not in standby.log_text()
+    assert set(names) <= saved_names(etcd_cluster)  # acknowledged means in etcd
+
+    first.kill()
+    killed_at = time.monotonic()
+    new, new_epoch = leading(etcd_cluster, masters, FAILOVER_S, other_than=first)
+    wait_until(lambda: Session(new).serves(names), "the new leader serving the namespace",
+               FAILOVER_S - (time.monotonic() - killed_at))
+    assert new is standby and new_epoch > epoch
+    Session(new).mkdirs([b"after"])
+    assert Session(new).present([b"after", b"never", *names]) == {b"after", *names}
+
+
+def test_a_frozen_leader_is_replaced_and_fenced_when_it_resumes(etcd_cluster: EtcdCluster,
+                                                                 masters: list[ElectedMaster]) -> None:
+    old, epoch = leading(etcd_cluster, masters)
+    Session(old).mkdirs([b"before"])
+
+    async def frozen_then_provoked() -> str:
+        """Connected to the old leader before it froze; sends a write while it is frozen and
+        the other leads, resumes it, and reports what came back."""
+        async with trio.open_nursery() as nursery:
+            host, port = old.address.rsplit(":", 1)
+            remote = await RemoteMaster.connect(host, int(port), load_tls("n2", "node"), nursery, request_timeout_s=10)
+            await remote.call(m.Register("n2", "127.0.0.1:0"))
+            await remote.call(m.Report([]))
+            await remote.call(m.FinishRegistration())
+            old.stop()
+            new, new_epoch = await trio.to_thread.run_sync(
+                lambda: leading(etcd_cluster, masters, 15.0, other_than=old))
+            assert new_epoch > epoch
+            await trio.to_thread.run_sync(lambda: wait_until(lambda: Session(new, "n1").serves([b"before"]),
+                                                             "the new leader serving", 10.0))
+            try:
+                with trio.fail_after(15):
+                    async with trio.open_nursery() as calls:
+                        outcome: list[str] = []
+
+                        async def stale_write() -> None:
+                            try:
+                                await remote.call(m.MkDir(ROOT_INO, b"from-the-old-leader", 0o755, 0, 0))
+                                outcome.append("answered")
+                            except MetadataError as error:
+                                outcome.append(f"failed: {error}")
+
+                        calls.start_soon(stale_write)
+                        await trio.sleep(0.2)  # the request is on its way to the frozen process
+                        old.cont()
+                return outcome[0]
+            finally:
+                await remote.aclose()
+
+    assert trio.run(frozen_then_provoked).startswith("failed")
+    new, _ = leading(etcd_cluster, masters, other_than=old)
+    wait_until(lambda: "stepped down" in old.log_text(), "the old leader stepping down", 10.0)
+    assert Session(new).present([b"before", b"from-the-old-leader"]) == {b"before"}
+    assert b"from-the-old-leader" not in saved_names(etcd_cluster)
+    assert not Session(old).serves([b"before"])  # resumed, it stands by
+    assert leader(etcd_cluster) is not None and leader(etcd_cluster)[0] == new.address
+
+
+def test_quorum_lost_the_leader_steps_down_and_one_serves_again_when_it_returns(
+        etcd_cluster: EtcdCluster, masters: list[ElectedMaster]) -> None:
+    first, _ = leading(etcd_cluster, masters)
+    Session(first).mkdirs([b"kept"])
+    etcd_cluster.stop(1)
+    etcd_cluster.stop(2)
+    try:
+        wait_until(lambda: "stepped down" in first.log_text(), "the leader stepping down", TTL + 3.0)
+        assert not Session(first).serves([b"kept"])
+    finally:
+        etcd_cluster.cont(1)
+        etcd_cluster.cont(2)
+    etcd_cluster.wait_healthy()
+
+    def someone_serves() -> bool:
+        current = leader(etcd_cluster)
+        return current is not None and any(
+            master.address == current[0] and Session(master).serves([b"kept"]) for master in masters)
+
+    wait_until(someone_serves, "a leader serving again", 20.0)
