@@ -7,6 +7,7 @@ go on while no master leads, and a deposed leader lands nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -14,7 +15,6 @@ import json
 import mmap
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -25,11 +25,9 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-import trio
-from conftest import KvfsMount, tls_dir, wait_until
-from etcd import EtcdCluster, free_ports
-
-from kvfs.net.etcd import EtcdClient, find_leader
+from conftest import KvfsMount, wait_until
+from etcd import ElectedMaster, EtcdCluster
+from etcd import leader as etcd_leader
 
 CLUSTER = "failover"
 LEASE_TTL_S = 2  # the masters' --lease-ttl
@@ -54,67 +52,20 @@ def content(key: int) -> bytes:
     return random.Random(key).randbytes(SIZE)
 
 
-class HaMaster:
-    """`kvfs master --etcd ...` in a child process on a fixed loopback port (standing by until
-    elected)."""
-
-    def __init__(self, root: Path, name: str, etcd: str, port: int) -> None:
-        self.root = root / name
-        self.root.mkdir()
-        self.name = name
-        self.address = f"127.0.0.1:{port}"
-        self.log_path = self.root / "master.log"
-        self.args = [sys.executable, "-m", "kvfs", "master", "--etcd", etcd, "--cluster", CLUSTER,
-                     "--listen", self.address, "--lease-ttl", str(LEASE_TTL_S), "--data", str(self.root / "data"),
-                     "--tls-dir", tls_dir("master", "master"), "--log-level", "debug"]
-        self.process: subprocess.Popen[bytes] | None = None
-        self.frozen = False
-
-    def start(self) -> None:
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def signal(self, signum: int) -> None:
-        assert self.process is not None and self.process.poll() is None
-        self.process.send_signal(signum)
-        self.frozen = signum == signal.SIGSTOP
-
-    def kill(self) -> None:
-        assert self.process is not None
-        self.process.kill()
-        self.process.wait()
-
-    def close(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        if self.frozen:
-            self.process.send_signal(signal.SIGCONT)
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
 class Ha:
     """etcd, two masters, three nodes (node1 with an SSD tier, the others DRAM only)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.etcd = EtcdCluster(root, members=3)
-        self.masters: list[HaMaster] = []
+        self.masters: list[ElectedMaster] = []
         self.nodes: list[KvfsMount] = []
         self.etcd_address = "etcd://" + ",".join(url.removeprefix("http://") for url in self.etcd.urls) + f"/{CLUSTER}"
 
     def start(self) -> None:
-        for i, port in enumerate(free_ports(2)):
-            master = HaMaster(self.root, f"master{i}", self.etcd.endpoints, port)
-            master.start()
-            self.masters.append(master)
+        for i in range(2):
+            self.masters.append(ElectedMaster(self.root / f"master{i}", self.etcd, cluster=CLUSTER,
+                                              lease_ttl=LEASE_TTL_S).start())
         wait_until(lambda: self.leader() is not None, what="a master to be elected", timeout=30)
         for i in range(3):
             node_root = self.root / f"node{i + 1}"
@@ -126,23 +77,14 @@ class Ha:
 
     def leader(self) -> tuple[str, int] | None:
         """(address, epoch) etcd names now; None while none leads or etcd cannot tell."""
-        async def ask() -> tuple[str, int] | None:
-            client = EtcdClient(self.etcd.urls, timeout_s=0.5)
-            try:
-                return await find_leader(client, CLUSTER)
-            finally:
-                await client.aclose()
-        try:
-            return trio.run(ask)
-        except Exception:
-            return None
+        return etcd_leader(self.etcd, CLUSTER)
 
-    def leading(self) -> tuple[HaMaster, int]:
+    def leading(self) -> tuple[ElectedMaster, int]:
         found = self.leader()
         assert found is not None, "no master leads"
         return next(master for master in self.masters if master.address == found[0]), found[1]
 
-    def wait_new_leader(self, old_epoch: int, timeout: float = 15.0) -> tuple[HaMaster, int, float]:
+    def wait_new_leader(self, old_epoch: int, timeout: float = 15.0) -> tuple[ElectedMaster, int, float]:
         seconds = wait_until(lambda: (self.leader() or ("", 0))[1] > old_epoch, what="a new leader", timeout=timeout)
         master, epoch = self.leading()
         return master, epoch, seconds
@@ -152,13 +94,12 @@ class Ha:
 
     def close(self) -> list[str]:
         errors = self.errors()
-        try:
-            for node in reversed(self.nodes):
-                node.stop()
-        finally:
+        with contextlib.ExitStack() as stack:  # everything is stopped, whatever fails first
+            stack.callback(self.etcd.close)
             for master in self.masters:
-                master.close()
-            self.etcd.close()
+                stack.callback(master.close)
+            for node in self.nodes:
+                stack.callback(node.stop)
         return errors
 
 
@@ -320,6 +261,11 @@ def check_namespace(ha: Ha, load: Load, landed_if_uncertain: set[int]) -> None:
         assert stats["evicted_files"] == 0, f"{node.root.name} evicted files: the check would not mean much"
 
 
+def kvfs_status(master: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvfs", "status", "--master", master, "--json"],
+                          capture_output=True, text=True, timeout=60)
+
+
 def allow_master_faults(ha: Ha) -> None:
     """A node logs its master's faults (lost connections, failed heartbeats) as they happen."""
     for node in ha.nodes:
@@ -342,7 +288,7 @@ def test_leader_killed_under_load_fails_over_within_5_s_and_loses_nothing(ha: Ha
         load.finish()
     gap_ok, gap_failed = load.loads_between(killed_at, elected_at)
     failed = load.failures_between(killed_at, time.monotonic())
-    print(f"\nleader {old.name} (epoch {old_epoch}) killed; {new.name} elected (epoch {new_epoch}) in "
+    print(f"\nleader {old.root.name} (epoch {old_epoch}) killed; {new.root.name} elected (epoch {new_epoch}) in "
           f"{elected_s:.2f} s, stores through it on every node {serving_s:.2f} s after the kill; "
           f"{gap_ok} local loads served while no master led ({len(gap_failed)} failed); {len(load.acked)} stores "
           f"acknowledged, {len(failed)} failed during the failover")
@@ -358,14 +304,13 @@ def test_a_frozen_leader_is_replaced_and_fenced_when_it_resumes(ha: Ha) -> None:
     try:
         wait_until(lambda: load.count() >= 20, what="stores before the freeze", timeout=60)
         old, old_epoch = ha.leading()
-        old.signal(signal.SIGSTOP)
+        old.stop()
         frozen_at = time.monotonic()
         new, new_epoch, elected_s = ha.wait_new_leader(old_epoch)
         wait_until(lambda: load.count(since=frozen_at + elected_s) >= 10, what="stores through the new leader",
                    timeout=60)
         offsets = [len(node.log_text()) for node in ha.nodes]
-        old.signal(signal.SIGCONT)
-        resumed_at = time.monotonic()
+        old.cont()
         # The deposed leader runs again while the load goes on: what the nodes had sent it
         # before they left it is in its sockets.
         wait_until(lambda: "stepped down" in old.log_text() or old.process.poll() is not None,
@@ -374,15 +319,20 @@ def test_a_frozen_leader_is_replaced_and_fenced_when_it_resumes(ha: Ha) -> None:
                    timeout=30)
     finally:
         load.finish()
-    print(f"\nleader {old.name} (epoch {old_epoch}) frozen; {new.name} elected (epoch {new_epoch}) in "
-          f"{elected_s:.2f} s; {len(load.acked)} stores acknowledged, {len(load.uncertain)} renames failed")
+    deposed = kvfs_status(old.address)
+    current = kvfs_status(ha.etcd_address)
+    print(f"\nleader {old.root.name} (epoch {old_epoch}) frozen; {new.root.name} elected (epoch {new_epoch}) in "
+          f"{elected_s:.2f} s; {len(load.acked)} stores acknowledged, {len(load.store_failures)} failed "
+          f"({len(load.uncertain)} at the rename); the resumed one answers: {deposed.stderr.strip()[:120]}")
     assert new is not old and new_epoch > old_epoch
+    assert deposed.returncode != 0  # it answers nobody, not even a status request
+    assert current.returncode == 0, current.stderr  # etcd:// leads a command to the current leader
+    assert [node["live"] for node in json.loads(current.stdout)["nodes"]] == [True, True, True]
     for node, offset in zip(ha.nodes, offsets):  # no node went back to the deposed leader
         assert f"connected to master {old.address}" not in node.log_text()[offset:], node.root.name
     # Renames that failed after the freeze were sent to the frozen leader or never sent: none may land.
     check_namespace(ha, load, {key for key, at in load.uncertain.items() if at < frozen_at})
     assert ha.leading()[0] is new
-    del resumed_at
     allow_master_faults(ha)
 
 
@@ -440,6 +390,9 @@ def test_etcd_quorum_lost_then_back(ha: Ha) -> None:
         with pytest.raises(OSError) as failed:
             probe.write_bytes(b"x")
         probe_s = time.monotonic() - started
+        # Loads of files held on each node keep being served while the outage lasts.
+        wait_until(lambda: load.loads_between(started, time.monotonic())[0] >= 50, what="local loads without etcd",
+                   timeout=30)
         outage_end = time.monotonic()
         ok, failed_loads = load.loads_between(lost_at + stepped_down_s, outage_end)
         for i in (1, 2):
@@ -450,9 +403,9 @@ def test_etcd_quorum_lost_then_back(ha: Ha) -> None:
         wait_until(lambda: load.count(since=back_at) >= 10, what="stores after quorum returned", timeout=60)
     finally:
         load.finish()
-    print(f"\nquorum lost: leader {leader.name} (epoch {epoch}) stopped serving within {stepped_down_s:.2f} s; "
+    print(f"\nquorum lost: leader {leader.root.name} (epoch {epoch}) stopped serving within {stepped_down_s:.2f} s; "
           f"a new file failed with {errno.errorcode[failed.value.errno]} after {probe_s:.2f} s; {ok} local loads "
-          f"served meanwhile ({len(failed_loads)} failed); after quorum returned: {ha.leading()[0].name} leads "
+          f"served meanwhile ({len(failed_loads)} failed); after quorum returned: {ha.leading()[0].root.name} leads "
           f"(epoch {ha.leading()[1]})")
     assert failed.value.errno == errno.EIO
     assert stepped_down_s <= LEASE_TTL_S + 2
