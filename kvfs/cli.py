@@ -448,6 +448,10 @@ def ask_master(args: argparse.Namespace, request):  # type: ignore[no-untyped-de
         raise CommandError(errno.EHOSTUNREACH, f"master {args.master}: {error}")
     if isinstance(error, trio.TooSlowError):
         raise CommandError(errno.ETIMEDOUT, f"master {args.master}: no answer within 10 s")
+    if isinstance(error, (EOFError, trio.BrokenResourceError)) and not isinstance(error.__cause__, ssl.SSLError):
+        raise CommandError(errno.ECONNRESET, f"master {args.master} closed the connection before admitting this "
+                                             f"client (a master standing by does so: name etcd://... to reach the "
+                                             f"leader): {error or type(error).__name__}")
     if isinstance(error, refused):
         raise CommandError(errno.EACCES, f"master {args.master} refused this client ({tls.identity} of "
                                          f"{tls.directory}; is it issued by the master's CA?): "
