@@ -4,10 +4,11 @@ A file this node stores stays readable during a master outage (failover to a sta
 etcd without quorum): its open is served from here. But the kernel reaches it through a
 path, and it drops cached entries whenever it likes (memory pressure), after which each
 component is looked up again, which needs the master. So the node remembers, for the
-names the master answered, which inode each named; while the master is unreachable a
-lookup of a directory, or of a file stored here, is answered as it was last seen. Other
-names (files elsewhere, names never looked up) still fail with EIO, and nothing answered
-from here is newer than the master's last word. Bounded: the least recently used go first.
+names the master answered (lookups, its own creates, mkdirs and renames), which inode
+each named; while the master is unreachable a lookup of a directory, or of a file stored
+here, is answered at once as it was last seen. Other names (files elsewhere, names never
+seen) wait for the master as before, and nothing answered from here is newer than the
+master's last word. Bounded: the least recently used go first.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ class HeldNames:
     def __init__(self, limit: int = HELD_NAMES) -> None:
         self.limit = limit
         self._inos: OrderedDict[tuple[int, bytes], int] = OrderedDict()
-        self.answered = 0  # lookups answered here while the master was unreachable
 
     def seen(self, parent: int, name: bytes, attr: m.Attr) -> None:
         """The master answered that `name` in `parent` is `attr` (a lookup, a mkdir, a create)."""
@@ -53,5 +53,4 @@ class HeldNames:
         if attr is None:
             return None
         self._inos.move_to_end((parent, name))
-        self.answered += 1
         return attr

@@ -177,10 +177,12 @@ class Node:
             copied = self.dircache.present(parent, name)
             if copied is not None:
                 return self._found(copied, copy.copy(copied.attr))  # (_current may change the copy it gets)
+        # A directory or a file held here resolves as last seen while the master is
+        # unreachable, at once (kvfs.node.heldnames); other names wait for it.
+        held = self.membership.names.answer(parent, name, self._held_attr)
         try:
-            entry = await self.master.call(m.Lookup(parent, name))
-        except MasterUnavailable:  # a directory or a file held here resolves as last seen (kvfs.node.heldnames)
-            held = self.membership.names.answer(parent, name, self._held_attr)
+            entry = await self.master.call(m.Lookup(parent, name), wait_s=0 if held is not None else None)
+        except MasterUnavailable:
             if held is None:
                 raise
             return self._current(copy.copy(held))
