@@ -384,9 +384,12 @@ def run_master(args: argparse.Namespace) -> int:
         except ValueError as error:
             raise ConfigError(f"--etcd: {error}") from None
         if args.lease_ttl < 2:
-            raise ConfigError(f"--lease-ttl {args.lease_ttl}: at least 2 s (renewed every third of it)")
+            raise ConfigError(f"--lease-ttl {args.lease_ttl}: at least 2 s (renewed every sixth of it)")
         if args.advertise:
             check_address(args.advertise, "advertise")
+        elif args.listen.rpartition(":")[0] in ("0.0.0.0", "::", "[::]"):
+            raise ConfigError(f"--listen {args.listen} with --etcd: give --advertise HOST:PORT, the address the "
+                              f"leader key tells nodes (all addresses is none of them)")
         if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", args.cluster):
             raise ConfigError(f"--cluster {args.cluster!r}: letters, digits, '.', '_' and '-' only")
     checks = [preflight.check_port(args.listen, "listen")]

@@ -115,6 +115,21 @@ class EtcdCluster:
             time.sleep(0.05)
         return time.monotonic() - started
 
+    def raft_leader(self) -> int:
+        """The index of the member that is etcd's own (raft) leader now."""
+        for i in range(len(self.urls)):
+            if i in self.stopped or self.processes[i] is None or self.processes[i].poll() is not None:
+                continue
+            request = urllib.request.Request(f"{self.urls[i]}/v3/maintenance/status", b"{}")
+            try:
+                with urllib.request.urlopen(request, timeout=1.0) as response:
+                    status = json.loads(response.read())
+            except (OSError, ValueError, urllib.error.URLError):
+                continue
+            if status.get("leader") == status.get("header", {}).get("member_id"):
+                return i
+        raise RuntimeError("no etcd member says it leads")
+
     def kill(self, i: int) -> None:
         process = self.processes[i]
         assert process is not None

@@ -47,7 +47,7 @@ def test_expired_lease_or_lost_fence_ends_it_for_good() -> None:
 
 
 def test_margin_and_interval() -> None:
-    assert renew_interval(3.0) == 1.0
+    assert renew_interval(3.0) == 0.5
     assert default_margin(60.0) == 1.0
     with pytest.raises(ValueError):
         Leadership(lease=1, epoch=1, ttl_s=1.0, renewed_at=0.0, margin_s=1.0)

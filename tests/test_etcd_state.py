@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.testing
 
 from etcd import EtcdCluster
 from master_view import saved_view
@@ -70,5 +71,53 @@ def test_commits_load_back_and_a_stale_epoch_is_fenced(etcd_cluster: EtcdCluster
             assert saved_view(again) == saved_view(fresh)
         finally:
             await client.aclose()
+
+    trio.run(main)
+
+
+def test_group_commit_releases_every_ticket_a_write_covered_and_none_before() -> None:
+    from kvfs.net.commit import GroupCommit
+
+    async def main() -> None:
+        pending: list[int] = []  # changes made and not yet taken
+        written: list[list[int]] = []
+        gate = trio.Event()
+
+        def take() -> list[int] | None:
+            taken = pending[:]
+            pending.clear()
+            return taken or None
+
+        async def write(batch: list[int]) -> None:
+            await gate.wait()  # etcd is slow: everything handled meanwhile joins the next batch
+            written.append(batch)
+
+        group = GroupCommit(take, write)
+        released: list[int] = []
+
+        async def reply(ticket: int) -> None:
+            await group.wait(ticket)
+            released.append(ticket)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(group.run)
+            pending.append(1)
+            nursery.start_soon(reply, group.ticket())
+            await trio.testing.wait_all_tasks_blocked()  # the first write is in flight
+            for change in (2, 3, 4):
+                pending.append(change)
+                nursery.start_soon(reply, group.ticket())
+            nursery.start_soon(reply, group.ticket())  # a read: no change of its own
+            await trio.testing.wait_all_tasks_blocked()
+            assert released == [] and written == []  # nothing leaves before its commit
+            gate.set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert written == [[1], [2, 3, 4]]
+            assert sorted(released) == [1, 2, 3, 4, 5]
+            assert group.commits == 2 and group.committed == 5
+            nursery.start_soon(reply, group.ticket())  # nothing changed: released without a write
+            await trio.testing.wait_all_tasks_blocked()
+            assert released[-1] == 6 and group.commits == 2
+            nursery.cancel_scope.cancel()
 
     trio.run(main)

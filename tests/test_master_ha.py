@@ -18,6 +18,7 @@ from etcd import ElectedMaster, EtcdCluster, leader, state_keys
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.cluster.records import SavedInode
 from kvfs.errors import MetadataError
+from kvfs.net.etcd import EtcdClient, create_revision_is, delete, leader_key, leader_value, put
 from kvfs.net.handshake import REFUSALS
 from kvfs.net.rpc import RemoteMaster
 from kvfs.wire import messages as m
@@ -26,18 +27,28 @@ TTL = 2  # the masters' --lease-ttl here (the default is 3)
 FAILOVER_S = 5.0  # the bound the design promises: a new leader serving within this after the old one died
 
 
-@pytest.fixture
-def masters(tmp_path: Path, etcd_cluster: EtcdCluster) -> Iterator[list[ElectedMaster]]:
+def run_masters(tmp_path: Path, etcd_cluster: EtcdCluster, ttl: int) -> Iterator[list[ElectedMaster]]:
     started: list[ElectedMaster] = []
     try:
         for i in range(2):
-            started.append(ElectedMaster(tmp_path / f"master{i}", etcd_cluster, lease_ttl=TTL).start())
+            started.append(ElectedMaster(tmp_path / f"master{i}", etcd_cluster, lease_ttl=ttl).start())
         yield started
     finally:
         statuses = [master.close() for master in started]
         for master in started:
             assert "Traceback" not in master.log_text(), master.log_text()[-4000:]
         assert all(status in (0, None, -9) for status in statuses), statuses
+
+
+@pytest.fixture
+def masters(tmp_path: Path, etcd_cluster: EtcdCluster) -> Iterator[list[ElectedMaster]]:
+    yield from run_masters(tmp_path, etcd_cluster, TTL)
+
+
+@pytest.fixture
+def default_masters(tmp_path: Path, etcd_cluster: EtcdCluster) -> Iterator[list[ElectedMaster]]:
+    """Masters with the default lease TTL (3 s)."""
+    yield from run_masters(tmp_path, etcd_cluster, 3)
 
 
 def leading(etcd: EtcdCluster, masters: list[ElectedMaster], timeout: float = 15.0,
@@ -76,6 +87,13 @@ class Session:
                 return await work(remote)
             finally:
                 await remote.aclose()
+
+    def epoch(self) -> int:
+        """The epoch the master's Welcome announced."""
+        async def work(remote: RemoteMaster) -> int:
+            return remote._frames.welcome.epoch
+
+        return trio.run(self._with, work)
 
     def mkdirs(self, names: list[bytes]) -> None:
         async def work(remote: RemoteMaster) -> None:
@@ -127,6 +145,7 @@ def test_one_leads_the_other_stands_by_and_kill_9_hands_over(etcd_cluster: EtcdC
     wait_until(lambda: Session(new).serves(names), "the new leader serving the namespace",
                FAILOVER_S - (time.monotonic() - killed_at))
     assert new is standby and new_epoch > epoch
+    assert Session(new).epoch() == new_epoch  # announced in the handshake
     Session(new).mkdirs([b"after"])
     assert Session(new).present([b"after", b"never", *names]) == {b"after", *names}
 
@@ -179,6 +198,53 @@ def test_a_frozen_leader_is_replaced_and_fenced_when_it_resumes(etcd_cluster: Et
     assert leader(etcd_cluster) is not None and leader(etcd_cluster)[0] == new.address
 
 
+def test_a_leader_whose_key_was_taken_is_fenced_at_its_next_write(etcd_cluster: EtcdCluster,
+                                                                   masters: list[ElectedMaster]) -> None:
+    """The leader key replaced behind the leader's back (its lease still alive, so only the
+    fence can tell): its next commit writes nothing, and it steps down."""
+    first, epoch = leading(etcd_cluster, masters)
+    Session(first).mkdirs([b"before"])
+
+    async def replace_key() -> None:
+        client = EtcdClient(etcd_cluster.urls)
+        try:
+            key = leader_key("default")
+            ok, _, _ = await client.txn([create_revision_is(key, epoch)], [delete(key)])
+            assert ok
+            # Another holder at once (or the standby, if its campaign came first: fenced just the same).
+            await client.txn([create_revision_is(key, 0)], [put(key, leader_value("127.0.0.1:1", "intruder"))])
+        finally:
+            await client.aclose()
+
+    trio.run(replace_key)
+    refused = False
+    try:
+        Session(first).mkdirs([b"fenced"])
+    except* (OSError, MetadataError, *REFUSALS):  # the connection is closed instead of an answer
+        refused = True
+    assert refused
+    wait_until(lambda: "stepped down" in first.log_text(), "the fenced leader stepping down", 10.0)
+    assert "another master leads" in first.log_text()
+    assert b"fenced" not in saved_names(etcd_cluster) and b"before" in saved_names(etcd_cluster)
+
+
+def test_one_etcd_member_killed_changes_nothing(etcd_cluster: EtcdCluster,
+                                                default_masters: list[ElectedMaster]) -> None:
+    """etcd's own leader, the worst member to lose: an election inside etcd, and the
+    master's first endpoint gone (the masters list the members in order)."""
+    first, epoch = leading(etcd_cluster, default_masters)
+    Session(first).mkdirs([b"a"])
+    victim = etcd_cluster.raft_leader()
+    etcd_cluster.kill(victim)
+    Session(first).mkdirs([b"b"])  # committed once the others elected a leader
+    etcd_cluster.wait_healthy()
+    Session(first).mkdirs([b"c"])
+    assert leader(etcd_cluster) == (first.address, epoch)
+    assert "stepped down" not in first.log_text()
+    assert Session(first).present([b"a", b"b", b"c"]) == {b"a", b"b", b"c"}
+    assert {b"a", b"b", b"c"} <= saved_names(etcd_cluster)
+
+
 def test_quorum_lost_the_leader_steps_down_and_one_serves_again_when_it_returns(
         etcd_cluster: EtcdCluster, masters: list[ElectedMaster]) -> None:
     first, _ = leading(etcd_cluster, masters)
@@ -199,3 +265,20 @@ def test_quorum_lost_the_leader_steps_down_and_one_serves_again_when_it_returns(
             master.address == current[0] and Session(master).serves([b"kept"]) for master in masters)
 
     wait_until(someone_serves, "a leader serving again", 20.0)
+
+
+@pytest.mark.parametrize("flags, named", [(["--etcd", "https://h:1"], "--etcd"), (["--etcd", "h:x"], "--etcd"),
+                                          (["--etcd", "h:1", "--lease-ttl", "1"], "--lease-ttl"),
+                                          (["--etcd", "h:1", "--cluster", "a/b"], "--cluster"),
+                                          (["--etcd", "h:1", "--listen", "0.0.0.0:0"], "--advertise")])
+def test_bad_etcd_options_are_refused_at_start(flags: list[str], named: str) -> None:
+    import subprocess
+    import sys
+
+    from conftest import tls_dir
+
+    listen = [] if "--listen" in flags else ["--listen", "127.0.0.1:0"]
+    done = subprocess.run([sys.executable, "-m", "kvfs", "master", *listen, "--no-metrics",
+                           "--tls-dir", tls_dir("master", "master"), *flags], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode != 0 and named in done.stderr, done.stderr

@@ -3,7 +3,7 @@
 A master stands by until it wins the campaign: a txn that creates the leader key
 (kvfs.net.etcd.leader_key) only if it does not exist, held by a lease of the master's
 own (--lease-ttl). The key's create_revision is the leadership's epoch. The leader then
-loads the state from etcd, listens, renews its lease every TTL/3 and serves; every
+loads the state from etcd, listens, renews its lease every TTL/6 and serves; every
 reply waits until the changes it may show are committed (group commit,
 kvfs.net.commit), and every commit is fenced on the epoch (kvfs.net.etcdstate).
 
@@ -41,6 +41,7 @@ from kvfs.wire import messages as m
 log = logging.getLogger("kvfs.master")
 
 POLL_S = 0.2  # how often a standby looks at the leader key
+COMPACT_S = 60.0  # the leader drops etcd's history older than this, every this often
 RETRY_S = 0.1  # a commit that failed (etcd unreachable) is tried again this soon, while the lease holds
 
 
@@ -62,6 +63,7 @@ class Term:
         self._connections: set[trio.CancelScope] = set()  # each served connection's, cancelled at the end
         self._scope = trio.CancelScope()
         self._retry_log = Every(5.0)
+        self._renew_log = Every(5.0)
 
     def may_act(self) -> bool:
         return self.leadership.may_act(time.monotonic())
@@ -103,7 +105,7 @@ class Term:
         await trio.sleep_forever()  # cancelled: the term is over
 
     async def _renew_forever(self) -> None:
-        """A keepalive every TTL/3, each in a task of its own: one stuck on a frozen etcd
+        """A keepalive every TTL/6, each in a task of its own: one stuck on a frozen etcd
         member does not hold back the next."""
         async with trio.open_nursery() as nursery:
             while True:
@@ -115,11 +117,26 @@ class Term:
         try:
             ttl = await self.master.client.keepalive(self.leadership.lease)
         except EtcdError as error:
-            log.warning("renewing the leader lease failed: %s", error)
+            if self._renew_log.due():
+                log.warning("renewing the leader lease failed: %s", error)
             return
         self.leadership.renewed(sent, ttl)
         if self.leadership.lost:
             self.end(self.leadership.lost)
+
+    async def _compact_forever(self) -> None:
+        """Every commit leaves the keys' old values in etcd's history until it is compacted;
+        without that the database reaches its quota and refuses every write. Each pass keeps
+        what the last COMPACT_S wrote."""
+        previous = 0
+        while True:
+            await trio.sleep(COMPACT_S)
+            if previous:
+                try:
+                    await self.master.client.compact(previous)
+                except EtcdError as error:  # the next pass tries again
+                    log.warning("compacting etcd's history to revision %d failed: %s", previous, error)
+            previous = self.state.revision
 
     async def _watch(self) -> None:
         """Ends the term as soon as the leader may no longer act."""
@@ -158,6 +175,7 @@ class Term:
                 log.info("loaded %d files, %d nodes from etcd in %.2f s (epoch %d)", files,
                          len(self.service.registry.nodes), time.monotonic() - started, self.leadership.epoch)
                 nursery.start_soon(self.group.run)
+                nursery.start_soon(self._compact_forever)
                 if self.config.metrics_listen is not None:
                     metrics = MasterMetrics(self.service, self.requests, self.server)
                     await nursery.start(serve_metrics, self.config.metrics_listen, metrics.describe)
@@ -227,6 +245,9 @@ class ElectedMaster:
             term = self.term = Term(self, leadership)
             try:
                 await term.run(self.address)
+            except Exception:  # a bug in a leadership's task: this master steps down, it does not exit
+                log.exception("the leadership (epoch %d) failed", leadership.epoch)
+                term.end("a task of the leadership failed")
             finally:
                 self.term = None
             log.error("master stepped down (epoch %d): %s; its connections are closed, its state dropped; "

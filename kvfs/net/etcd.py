@@ -209,6 +209,12 @@ class EtcdClient:
     async def get_prefix(self, prefix: bytes, limit: int = 10000) -> AsyncIterator[tuple[bytes, bytes]]:
         """Every (key, value) under PREFIX in key order, LIMIT a page, all pages read at the
         revision of the first (one consistent snapshot)."""
+        async for page in self.pages(prefix, limit):
+            for entry in page:
+                yield entry
+
+    async def pages(self, prefix: bytes, limit: int = 10000) -> AsyncIterator[list[tuple[bytes, bytes]]]:
+        """`get_prefix`, a page at a time."""
         end = _b64(prefix_end(prefix))
         start = prefix
         revision = 0
@@ -220,8 +226,7 @@ class EtcdClient:
             if not revision:
                 revision = int(answer.get("header", {}).get("revision", 0))
             kvs = answer.get("kvs") or []
-            for entry in kvs:
-                yield _unb64(entry["key"]), _unb64(entry.get("value", ""))
+            yield [(_unb64(entry["key"]), _unb64(entry.get("value", ""))) for entry in kvs]
             if not answer.get("more") or not kvs:
                 return
             start = _unb64(kvs[-1]["key"]) + b"\0"
@@ -251,6 +256,15 @@ class EtcdClient:
         answer = await self._call("/v3/kv/txn", {"compare": _encode(compare), "success": _encode(success),
                                                  "failure": _encode(failure)})
         return bool(answer.get("succeeded", False)), int(answer.get("header", {}).get("revision", 0)), answer
+
+    async def compact(self, revision: int) -> None:
+        """Drops etcd's history before REVISION (every write keeps the key's old value until
+        then, and the database has a quota). One compacted already is no error."""
+        try:
+            await self._call("/v3/kv/compaction", {"revision": str(revision)})
+        except EtcdError as error:
+            if "compacted" not in str(error):
+                raise
 
     async def aclose(self) -> None:
         for idle in self._idle.values():

@@ -62,6 +62,7 @@ class EtcdState:
         self.prefix = f"/kvfs/{cluster}/state/".encode()
         self._written_nodes: dict[int, tuple[str, str]] = {}
         self.txns = 0
+        self.revision = 0  # etcd's revision after the last commit
 
     def key(self, kind: Kind, number: int) -> bytes:
         if kind is Kind.COUNTERS:
@@ -77,22 +78,39 @@ class EtcdState:
         return Kind(rest[:1].decode()), int.from_bytes(rest[2:], "big")
 
     async def load(self, service: MetadataService) -> int:
-        """Fills a fresh service with the state in etcd; the number of files. The records are
-        decoded and loaded in a worker thread: the event loop keeps renewing the lease meanwhile
-        (a load of a million files takes longer than a TTL)."""
-        stored = [(key, value) async for key, value in self.client.get_prefix(self.prefix, limit=LOAD_PAGE)]
-        return await trio.to_thread.run_sync(self._load, stored, service)
-
-    def _load(self, stored: list[tuple[bytes, bytes]], service: MetadataService) -> int:
+        """Fills a fresh service with the state in etcd; the number of files. Each page is
+        decoded in a worker thread while the next is fetched, and the service loaded in one:
+        the event loop keeps renewing the lease meanwhile (a load of a million files takes
+        longer than a TTL)."""
         loaded = records.Loaded()
-        for key, value in stored:
+        send, receive = trio.open_memory_channel[list[tuple[bytes, bytes]]](2)
+        failed: list[EtcdError] = []
+
+        async def fetch() -> None:
+            async with send:
+                try:
+                    async for page in self.client.pages(self.prefix, limit=LOAD_PAGE):
+                        await send.send(page)
+                except EtcdError as error:  # raised below, not as a group of the nursery's
+                    failed.append(error)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fetch)
+            async with receive:
+                async for page in receive:
+                    await trio.to_thread.run_sync(self._decode, page, loaded)
+        if failed:
+            raise failed[0]
+        self._written_nodes = {number: (name, address) for number, name, address in loaded.nodes}
+        return await trio.to_thread.run_sync(loaded.into, service)
+
+    def _decode(self, page: list[tuple[bytes, bytes]], loaded: records.Loaded) -> None:
+        for key, value in page:
             kind, number = self.parse_key(key)
             try:
                 loaded.add(kind, number, value)
             except Exception as error:  # a damaged record: named, and the load fails
                 raise EtcdError(f"etcd {key!r}: cannot decode: {error}") from None
-        self._written_nodes = {number: (name, address) for number, name, address in loaded.nodes}
-        return loaded.into(service)
 
     def take(self, service: MetadataService) -> Batch | None:
         """Every change since the last take (the service's dirty sets are cleared), or None."""
@@ -112,8 +130,9 @@ class EtcdState:
         for part in split(batch.changes):
             operations = [delete(self.key(c.kind, c.number)) if c.value is None else
                           put(self.key(c.kind, c.number), c.value) for c in part]
-            succeeded, _, _ = await self.client.txn(fence, operations)
+            succeeded, revision, _ = await self.client.txn(fence, operations)
             self.txns += 1
+            self.revision = max(self.revision, revision)
             if not succeeded:
                 raise Fenced(f"etcd refused a write of epoch {epoch}: {self.leader.decode()} was created anew "
                              f"or is gone (another master leads, or this one's lease expired)")
