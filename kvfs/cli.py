@@ -139,7 +139,7 @@ def _add_common(command: argparse.ArgumentParser, tls: bool = True) -> None:
 
 def _add_status_source(command: argparse.ArgumentParser) -> None:
     command.add_argument("mountpoint", nargs="?", help="a single-node mount to ask (instead of --master)")
-    command.add_argument("--master", default=None, help="the master's HOST:PORT")
+    command.add_argument("--master", default=None, help="the master's HOST:PORT, or etcd://HOST:PORT[,HOST:PORT][/CLUSTER] to ask the leader etcd names")
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -161,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(mount, tls=False)
 
     node = commands.add_parser("node", help="run a cluster node: mount, contribute DRAM/SSD, serve peers")
-    node.add_argument("--master", required=True, help="the master's HOST:PORT")
+    node.add_argument("--master", required=True,
+                      help="the master's HOST:PORT, or etcd://HOST:PORT[,HOST:PORT][/CLUSTER]: the leader of the "
+                           "masters of CLUSTER (default: default) elected in etcd, followed as it changes")
     node.add_argument("--mount", dest="mountpoint", required=True, help="where to mount the cluster's namespace")
     node.add_argument("--listen", default="127.0.0.1:0",
                       help="HOST:PORT of this node's peer server, for chunk reads by other nodes (default 127.0.0.1:0)")
@@ -221,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     du = commands.add_parser("du", help="per top-level directory (per model): files, bytes by tier, "
                                         "hit rate, reads/s")
     du.add_argument("path", nargs="?", help="a kvfs mount, or a directory in it (instead of --master)")
-    du.add_argument("--master", default=None, help="the master's HOST:PORT")
+    du.add_argument("--master", default=None, help="the master's HOST:PORT, or etcd://HOST:PORT[,HOST:PORT][/CLUSTER] to ask the leader etcd names")
     du.add_argument("--interval", type=float, default=1.0,
                     help="seconds between the two samples that give the rates (0: no rates)")
     du.add_argument("--json", action="store_true", help="machine-readable output")
@@ -233,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     remove = commands.add_parser("remove-node", help="forget a node that is down for good (its files go)")
     remove.add_argument("name", help="the node's name, as `kvfs status` shows it")
-    remove.add_argument("--master", required=True, help="the master's HOST:PORT")
+    remove.add_argument("--master", required=True, help="the master's HOST:PORT, or etcd://HOST:PORT[,HOST:PORT][/CLUSTER] to ask the leader etcd names")
     _add_common(remove)
 
     check = commands.add_parser("check", help="the preflight of mount/node/master as a table: memory, disk "
@@ -416,14 +418,16 @@ def ask_master(args: argparse.Namespace, request):  # type: ignore[no-untyped-de
     import trio
 
     from kvfs.net.rpc import RemoteMaster
-    from kvfs.config import split_address
+    from kvfs.config import parse_master, split_address
+    from kvfs.net.etcd import EtcdError
 
-    host, port = split_address(args.master)
+    target = parse_master(args.master, "--master")
     tls = _tls(args, "admin", "client")
 
     async def call():  # type: ignore[no-untyped-def]
         async with trio.open_nursery() as nursery:
             with trio.fail_after(10):
+                host, port = split_address(target.address or await _etcd_leader(target))
                 master = await RemoteMaster.connect(host, port, tls, nursery)
                 try:
                     return await master.call(request)
@@ -438,13 +442,19 @@ def ask_master(args: argparse.Namespace, request):  # type: ignore[no-untyped-de
     try:
         return trio.run(call)
     except BaseExceptionGroup as group:
-        error = single_error(group, (KvfsError, OSError, trio.TooSlowError) + refused)
+        error = single_error(group, (KvfsError, OSError, trio.TooSlowError, EtcdError) + refused)
         if error is None:
             raise
-    except (KvfsError, OSError, trio.TooSlowError) + refused as raised:
+    except (KvfsError, OSError, trio.TooSlowError, EtcdError) + refused as raised:
         error = raised
+    if isinstance(error, EtcdError):  # etcd unreachable, or no master leads now
+        raise CommandError(errno.EHOSTUNREACH, f"master {args.master}: {error}")
     if isinstance(error, trio.TooSlowError):
         raise CommandError(errno.ETIMEDOUT, f"master {args.master}: no answer within 10 s")
+    if isinstance(error, (EOFError, trio.BrokenResourceError)) and not isinstance(error.__cause__, ssl.SSLError):
+        raise CommandError(errno.ECONNRESET, f"master {args.master} closed the connection before admitting this "
+                                             f"client (a master standing by does so: name etcd://... to reach the "
+                                             f"leader): {error or type(error).__name__}")
     if isinstance(error, refused):
         raise CommandError(errno.EACCES, f"master {args.master} refused this client ({tls.identity} of "
                                          f"{tls.directory}; is it issued by the master's CA?): "
@@ -452,6 +462,20 @@ def ask_master(args: argparse.Namespace, request):  # type: ignore[no-untyped-de
     if isinstance(error, OSError):
         raise CommandError(error.errno or errno.EIO, f"master {args.master}: {reason_of(error)}")
     raise error
+
+
+async def _etcd_leader(target) -> str:  # type: ignore[no-untyped-def]
+    """HOST:PORT of the leader etcd names for `target` (a MasterTarget with etcd members)."""
+    from kvfs.net.etcd import EtcdClient, EtcdError, find_leader, parse_endpoints
+
+    etcd = EtcdClient(parse_endpoints(target.etcd_url), timeout_s=2.0)
+    try:
+        found = await find_leader(etcd, target.cluster)
+    finally:
+        await etcd.aclose()
+    if found is None:
+        raise EtcdError(f"no master leads cluster {target.cluster!r} now (etcd {target.etcd_url}); retry shortly")
+    return found[0]
 
 
 def run_remove_node(args: argparse.Namespace) -> int:

@@ -50,6 +50,50 @@ def check_address(address: str, field: str) -> None:
         raise ConfigError(f"{field}: {address!r} is not HOST:PORT") from None
 
 
+ETCD_SCHEME = "etcd://"
+DEFAULT_CLUSTER = "default"  # the election's name in etcd when etcd://... names none (as kvfs master --cluster)
+_CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class MasterTarget:
+    """Where a node (or a command) finds the master: one fixed HOST:PORT, or the leader that
+    the masters of `cluster` elect in etcd, found through any of `etcd` (HOST:PORT each)."""
+
+    address: str | None = None
+    etcd: tuple[str, ...] = ()
+    cluster: str = DEFAULT_CLUSTER
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The etcd members' client URLs (the v3 JSON gateway is plain HTTP here)."""
+        return [f"http://{member}" for member in self.etcd]
+
+    @property
+    def etcd_url(self) -> str:
+        """etcd://H:P,H:P without the cluster, as kvfs.net.etcd.parse_endpoints reads it."""
+        return ETCD_SCHEME + ",".join(self.etcd)
+
+
+def parse_master(text: str, field: str = "master") -> MasterTarget:
+    """`HOST:PORT`, or `etcd://HOST:PORT[,HOST:PORT...][/CLUSTER]`; ConfigError naming `field`
+    and the fault otherwise."""
+    if not text.startswith(ETCD_SCHEME):
+        check_address(text, field)
+        return MasterTarget(address=text)
+    members, _, cluster = text[len(ETCD_SCHEME):].partition("/")
+    cluster = cluster or DEFAULT_CLUSTER
+    if not _CLUSTER_NAME.match(cluster):
+        raise ConfigError(f"{field}: {cluster!r} in {text!r} is not a cluster name (letters, digits, '.', '_', "
+                          f"'-', at most 64)")
+    etcd = tuple(member.strip() for member in members.split(",") if member.strip())
+    if not etcd:
+        raise ConfigError(f"{field}: {text!r} names no etcd member (etcd://HOST:PORT[,HOST:PORT][/CLUSTER])")
+    for member in etcd:
+        check_address(member, f"{field} (etcd member)")
+    return MasterTarget(etcd=etcd, cluster=cluster)
+
+
 def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -85,7 +129,8 @@ class MountConfig:
     direct_io: bool = True
     io_engine: str = "auto"  # SSD I/O: auto (io_uring, else threads), io_uring, threads
     backpressure_timeout_s: float = 30.0
-    # Cluster mode (`kvfs node`): the master's address; None runs an embedded master.
+    # Cluster mode (`kvfs node`): the master's HOST:PORT or etcd://... (parse_master); None runs an
+    # embedded master.
     master: str | None = None
     listen: str = "127.0.0.1:0"  # the peer server (chunk reads by other nodes)
     advertise: str | None = None  # the host other nodes reach the peer server at (default: listen host)
@@ -115,9 +160,11 @@ class MountConfig:
             raise ConfigError(f"offload: {self.offload!r} is not eager or watermark")
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             raise ConfigError("watermarks: need 0 < low < high <= 1")
-        for name in ("listen", "master", "metrics_listen"):
+        for name in ("listen", "metrics_listen"):
             if getattr(self, name) is not None:
                 check_address(getattr(self, name), name)
+        if self.master is not None:
+            parse_master(self.master)
         if self.disk_path is not None and self.disk_bytes < (64 << 20):
             raise ConfigError(f"disk_size: {self.disk_bytes} bytes is below the 64 MiB minimum")
 

@@ -29,11 +29,17 @@ export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 packages=(fuse3 libfuse3-dev pkg-config gcc libc6-dev python3 python3-dev python3-venv attr util-linux)
 # The tests verify the units with systemd-analyze, boot a soft-RoCE VM for the RDMA transport,
-# check the alert rules with promtool (Debian's prometheus package), and partition nodes in network
-# namespaces (iproute2, iptables).
-[[ -n $extras ]] && packages+=(systemd qemu-system-x86 debootstrap e2fsprogs prometheus iproute2 iptables)
+# check the alert rules with promtool (Debian's prometheus package), partition nodes in network
+# namespaces (iproute2, iptables), and start 3-member etcd clusters on loopback for the masters'
+# failover (etcd-server, etcd-client; no etcd is started or enabled system-wide).
+[[ -n $extras ]] && packages+=(systemd qemu-system-x86 debootstrap e2fsprogs prometheus iproute2 iptables
+                               etcd-server etcd-client)
 [[ -n $rdma ]] && packages+=(rdma-core ibverbs-providers python3-pyverbs)
 apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null
+# Debian's etcd-server enables a single-member etcd on 2379 at install; the tests start their own.
+if [[ -n $extras ]] && systemctl is-enabled --quiet etcd 2>/dev/null; then
+    systemctl disable --now etcd >/dev/null 2>&1 || true
+fi
 
 if [[ ! -x $prefix/bin/python ]]; then
     echo "kvfs: creating virtual environment in $prefix" >&2

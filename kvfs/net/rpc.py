@@ -292,6 +292,12 @@ class RemoteMaster:
         nursery.start_soon(master._receive_forever)
         return master
 
+    @property
+    def epoch(self) -> int:
+        """The leader epoch the master's Welcome announced (0: a single master)."""
+        welcome = self._frames.welcome
+        return welcome.epoch if welcome is not None else 0
+
     async def _receive_forever(self) -> None:
         try:
             while True:

@@ -117,6 +117,7 @@ class FrameStream:
     def __init__(self, stream: trio.abc.Stream, max_header: int = MAX_HEADER, max_payload: int = MAX_PAYLOAD) -> None:
         self.stream = stream
         self.peer: Any = None  # the other side's identity (kvfs.security.credentials.Identity), once admitted
+        self.welcome: Any = None  # the server's Welcome (kvfs.wire.auth), on a connection this side opened
         self.parser = FrameParser(max_header, max_payload)
         self._read_size = min(READ_SIZE, max_header + max_payload + 64)
 

@@ -1,5 +1,5 @@
 """A node's part in a cluster: registering with the master, heartbeats, SSD files at start,
-and the copies of watched directories' names.
+the copies of watched directories' names, and the names it resolves without the master.
 
 A collaborator the node's file service owns (`Node.membership`): one concern, how a node
 joins and stays in the cluster. It is handed what it uses — the master client, the store,
@@ -20,6 +20,7 @@ from kvfs.net.rpc import MasterUnavailable
 from kvfs.disk.records import DiskFile
 from kvfs.errors import KvfsError
 from kvfs.node.dircache import DirectoryCache
+from kvfs.node.heldnames import HeldNames
 from kvfs.store.tiered import TieredStore
 
 log = logging.getLogger("kvfs.node")
@@ -71,6 +72,7 @@ class Membership:
         self._fetching: dict[int, list[m.NameChange]] = {}  # directories being copied -> changes meanwhile
         # Seals the master did not confirm (it was unreachable): version -> mtime, reported on registration.
         self.unreported_seals: dict[int, int] = {}
+        self.names = HeldNames()  # what lookups resolve to while the master is unreachable
 
     # Directory copies -------------------------------------------------------------------
 

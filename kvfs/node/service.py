@@ -177,14 +177,27 @@ class Node:
             copied = self.dircache.present(parent, name)
             if copied is not None:
                 return self._found(copied, copy.copy(copied.attr))  # (_current may change the copy it gets)
-        entry = await self.master.call(m.Lookup(parent, name))
+        # A directory or a file held here resolves as last seen while the master is
+        # unreachable, at once (kvfs.node.heldnames); other names wait for it.
+        held = self.membership.names.answer(parent, name, self._held_attr)
+        try:
+            entry = await self.master.call(m.Lookup(parent, name), wait_s=0 if held is not None else None)
+        except MasterUnavailable:
+            if held is None:
+                raise
+            return self._current(copy.copy(held))
         if self.dircache is not None and self.dircache.asked(parent):
             await self.membership.copy_directory(parent)
         attr = entry.attr
         if attr is None:
             self.lookups_absent += 1
             return None
+        self.membership.names.seen(parent, name, attr)
         return self._found(entry, attr)
+
+    def _held_attr(self, ino: int) -> m.Attr | None:
+        local = self._local.get(ino)
+        return self._dir_attrs.get(ino) or (local[1] if local is not None and local[0] in self.store else None)
 
     def _found(self, entry: m.Entry, attr: m.Attr) -> m.Attr:
         """A name that exists: a sealed file on another node starts coming here (prefetch)."""
@@ -273,6 +286,7 @@ class Node:
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> m.Attr:
         attr = await self.master.call(m.MkDir(parent, name, mode, uid, gid))
         self._remember_dir(attr)
+        self.membership.names.seen(parent, name, attr)
         self._own_change(parent, name, present=True)
         return attr
 
@@ -294,6 +308,7 @@ class Node:
 
     async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes, noreplace: bool) -> None:
         done = await self.master.call(m.Rename(parent_old, name_old, parent_new, name_new, noreplace))
+        self.membership.names.moved(parent_old, name_old, parent_new, name_new)
         self._own_change(parent_old, name_old, present=False)
         self._own_change(parent_new, name_new, present=True)
         self.drop(done.dropped)
@@ -324,6 +339,7 @@ class Node:
     async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int, exclusive: bool) -> tuple[OpenFile, m.Attr]:
         opened = await self.master.call(m.Create(parent, name, mode, uid, gid, self.node_id, exclusive))
         self._own_change(parent, name, present=True)
+        self.membership.names.seen(parent, name, opened.attr)
         handle = await self._start_writing(opened, truncate=False, uid=uid)
         return handle, self._current(opened.attr)
 
@@ -645,7 +661,10 @@ class Node:
         return DiskRecord(version, to_disk_file(info), [])
 
     async def offloaded(self, versions: list[int]) -> None:
-        await self.master.call(m.Offloaded(versions))
+        try:
+            await self.master.call(m.Offloaded(versions))
+        except MasterUnavailable as error:  # the re-registration that follows reports them on SSD
+            log.debug("versions %s on SSD, not told to the master (%s)", versions[:5], error)
 
     async def lost(self, version: int) -> None:
         removed = await self.master.call(m.Lost(version))
