@@ -512,6 +512,19 @@ def load_trace(path: Path, limit: int) -> list[TraceRequest]:
     return out
 
 
+def spread(trace: list[TraceRequest], rng: random.Random) -> list[TraceRequest]:
+    """The trace with each request moved to a random time within its timestamp's step: the
+    Mooncake traces' arrival times come in steps (3 s in the conversation trace, 628 distinct
+    times for 6,015 requests), and a whole step's requests arriving at one instant is an
+    artefact of the rounding, not a burst."""
+    times = sorted({r.arrival_s for r in trace})
+    steps = [b - a for a, b in zip(times, times[1:])]
+    step_after = dict(zip(times, steps))
+    last = statistics.median(steps) if steps else 0.0
+    moved = [TraceRequest(r.arrival_s + rng.uniform(0, step_after.get(r.arrival_s, last)), r.blocks) for r in trace]
+    return sorted(moved, key=lambda r: r.arrival_s)
+
+
 class Leader:
     """One FIFO server: a request waits for every earlier one, then takes its service time."""
 
@@ -722,8 +735,11 @@ class Result:
 
 class Simulation:
     def __init__(self, costs: Costs, trace: list[TraceRequest], nodes: int, rate_per_node: float, seed: int,
-                 chunk_tokens: int, load_gbs: float = LOAD_GBS, store_gbs: float = STORE_GBS) -> None:
+                 chunk_tokens: int, load_gbs: float = LOAD_GBS, store_gbs: float = STORE_GBS,
+                 steps: bool = False, warm: list[TraceRequest] = ()) -> None:  # type: ignore[assignment]
         self.costs, self.rng = costs, random.Random(seed)
+        if not steps:
+            trace = spread(trace, self.rng)
         self.now = 0.0
         self.events: list[tuple[float, int, Callable[[], None]]] = []
         self.sequence = 0
@@ -738,6 +754,12 @@ class Simulation:
         self.lookup_latency: list[float] = []
         self.pushes = 0
         parts = max(1, TRACE_BLOCK_TOKENS // chunk_tokens)
+        # A cluster that has run for a while: the chunks of the requests before the simulated
+        # ones are stored already (the leader does not see that part; the nodes' caches start empty).
+        for request in warm:
+            for block in request.blocks:
+                for part in range(parts):
+                    self.preload(chunk_name(block, part))
         span = max(trace[-1].arrival_s - trace[0].arrival_s, 1e-9)
         scale = len(trace) / span / (nodes * rate_per_node)  # trace seconds -> simulated seconds
         self.jobs = [Job(i, self.rng.randrange(nodes), (r.arrival_s - trace[0].arrival_s) * scale,
@@ -745,6 +767,14 @@ class Simulation:
                      for i, r in enumerate(trace)]
         self.window_s = self.jobs[-1].arrival_s or 1e-9
         self.nodes_count, self.rate_per_node = nodes, rate_per_node
+
+    def preload(self, name: bytes) -> None:
+        hhh, hh = chunk_dirs(name)
+        leaf = hhh + b"/" + hh
+        for directory, component, path in ((MODEL_DIR, hhh, hhh), (hhh, hh, leaf)):
+            self.dirs.setdefault(directory, Directory()).names[component] = False
+            self.dirs.setdefault(path, Directory())
+        self.dirs[leaf].names[name + b".bin"] = True
 
     def at(self, when: float, action: Callable[[], None]) -> None:
         self.sequence += 1
@@ -831,12 +861,12 @@ class Simulation:
 
 
 def sweep(costs: Costs, trace: list[TraceRequest], nodes: list[int], rates: list[float], seed: int,
-          chunk_tokens: int) -> list[Result]:
+          chunk_tokens: int, steps: bool = False, warm: list[TraceRequest] = ()) -> list[Result]:  # type: ignore[assignment]
     results = []
     for rate in rates:
         for count in nodes:
             started = time.monotonic()
-            result = Simulation(costs, trace, count, rate, seed, chunk_tokens).simulate()
+            result = Simulation(costs, trace, count, rate, seed, chunk_tokens, steps=steps, warm=warm).simulate()
             log(f"  {count} nodes x {rate:g} req/s: offered load {result.offered_load:.2f}, utilization "
                 f"{result.utilization:.2f} ({time.monotonic() - started:.1f} s)")
             results.append(result)
@@ -883,6 +913,11 @@ def saturation_lines(results: list[Result]) -> list[str]:
             capacity = 1e6 / first.mean_service_us
             out.append(f"at {rate:g} req/s per node: saturated from {first.nodes} nodes "
                        f"({first.offered_per_s:.0f} leader requests/s offered > 1 / mean service = {capacity:.0f}/s)")
+    # What one leader serves of this mix: its capacity over the leader requests a trace request brings.
+    capacities = [1e6 / r.mean_service_us / (r.per_request + r.nodes / HEARTBEAT_S / (r.nodes * r.rate_per_node))
+                  for r in results]
+    out.append(f"one leader serves {min(capacities):.0f}-{max(capacities):.0f} trace requests/s in all "
+               "(1 / mean service over the leader requests per trace request, heartbeats included)")
     return out
 
 
@@ -899,9 +934,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--costs-out", type=Path, help="write the measured costs (JSON)")
     parser.add_argument("--trace", type=Path, default=TRACES / "conversation_first_half.jsonl")
     parser.add_argument("--requests", type=int, default=None, help="trace requests per point (default 1500)")
+    parser.add_argument("--warm", type=int, default=None,
+                        help="trace requests stored before the simulated ones (default: as many as --requests)")
     parser.add_argument("--nodes", default=None, help="node counts (default 1,2,5,10,20,50,100)")
     parser.add_argument("--rates", default=None, help="requests/s per node (default 0.05,0.1,0.2,0.5)")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk file (vLLM's chunk)")
+    parser.add_argument("--steps", action="store_true",
+                        help="keep the trace's arrival steps (every request of a step at one instant)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write the results (JSON)")
     args = parser.parse_args(argv)
@@ -910,6 +949,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.remote_files = args.remote_files if args.remote_files is not None else (300 if quick else 10_000)
     args.rounds = args.rounds if args.rounds is not None else (200 if quick else 2000)
     args.requests = args.requests if args.requests is not None else (120 if quick else 1500)
+    args.warm = args.warm if args.warm is not None else args.requests
     args.nodes = [int(x) for x in (args.nodes or ("1,4,16" if quick else "1,2,5,10,20,50,100")).split(",")]
     args.rates = [float(x) for x in (args.rates or ("0.05,0.5,5" if quick else "0.05,0.1,0.2,0.5")).split(",")]
     return args
@@ -932,12 +972,15 @@ def main(argv: list[str] | None = None) -> int:
     print(cost_table(measured))
     costs = build_costs(measured)
     print()
-    trace = load_trace(args.trace, args.requests)
-    log(f"simulating {len(trace)} requests of {args.trace.name} per point")
-    results = sweep(costs, trace, args.nodes, args.rates, args.seed, args.chunk_tokens)
+    requests = load_trace(args.trace, args.warm + args.requests)
+    warm, trace = requests[: args.warm], requests[args.warm:]
+    if not trace:
+        raise SystemExit(f"{args.trace} holds {len(requests)} requests: none left after --warm {args.warm}")
+    log(f"simulating {len(trace)} requests of {args.trace.name} per point, after {len(warm)} stored before")
+    results = sweep(costs, trace, args.nodes, args.rates, args.seed, args.chunk_tokens, args.steps, warm)
     print(sweep_table(results, costs))
     print()
-    print(breakdown(max(results, key=lambda r: (r.nodes, -r.rate_per_node)), costs))
+    print(breakdown(max(results, key=lambda r: (r.nodes, r.rate_per_node)), costs))
     print()
     for line in saturation_lines(results):
         print(line)

@@ -20,7 +20,7 @@ NODES = (1, 4, 16)
 RATES = (0.05, 0.5, 5.0)  # requests/s per node: from idle to past one leader
 
 
-def write_trace(path: Path, requests: int = 160, seed: int = 7) -> None:
+def write_trace(path: Path, requests: int = 300, seed: int = 7) -> None:
     """A trace in the Mooncake release's format: arrivals in ms, input lengths and prefix
     block ids (conversations that grow by a few blocks per turn, so prefixes are reused)."""
     rng = random.Random(seed)
