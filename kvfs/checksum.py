@@ -22,5 +22,11 @@ def piece_checksums(data: memoryview | bytes) -> list[int]:
     return [xxhash.xxh3_64_intdigest(view[start : start + PIECE_SIZE]) for start in range(0, len(view), PIECE_SIZE)]
 
 
+def chunk_hasher() -> xxhash.xxh3_64:
+    """A chunk's checksum computed piece by piece as they arrive (`intdigest()` at the end
+    equals `chunk_checksum` of the whole): each piece is hashed while it is still in cache."""
+    return xxhash.xxh3_64()
+
+
 def format_checksum(value: int) -> str:
     return f"xxh3:{value:016x}"

@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable, Protocol, Union
 import msgspec
 import trio
 
-from kvfs.checksum import PIECE_SIZE, chunk_checksum
+from kvfs.checksum import PIECE_SIZE, chunk_checksum, chunk_hasher
 from kvfs.wire.protocol import ErrorReply, FrameKind, Head, HeaderDecoder, ProtocolError, encode_frame
 from kvfs.wire.rdma_messages import RDMA_REQUESTS, Unlease
 from kvfs.wire.text import printable
@@ -463,28 +463,36 @@ class TcpTransport(MeasuredTransport):
                 raise ProtocolError(f"chunk {index} of {length} bytes with {len(reply.pieces)} piece checksums")
             if not offset:
                 answered()
-            # Piece by piece, each verified and handed on before the next is received; the
-            # last piece is handed on with the whole chunk, once its own checksum matched too.
-            for number, checksum in enumerate(reply.pieces[:-1]):
-                start = number * PIECE_SIZE
-                received = target[start : start + PIECE_SIZE]
-                connection.receive_payload(received)
-                if chunk_checksum(received) != checksum:
-                    self.checksum_failures += 1
-                    raise StorageError(errno.EIO, f"version {version} chunk {index} piece {number} from {address} "
-                                                  f"fails its checksum")
-                piece(index, start + PIECE_SIZE)
-            start = (len(reply.pieces) - 1) * PIECE_SIZE if reply.pieces else 0
-            connection.receive_payload(target[start:length])
-            if reply.pieces and chunk_checksum(target[start:length]) != reply.pieces[-1]:
-                self.checksum_failures += 1
-                raise StorageError(errno.EIO, f"version {version} chunk {index} piece {len(reply.pieces) - 1} "
-                                              f"from {address} fails its checksum")
-            if index < len(checksums) and chunk_checksum(target[:length]) != checksums[index]:
+            if reply.pieces:
+                whole = self._receive_pieces(connection, target[:length], reply.pieces, index, version, address,
+                                             piece)
+            else:
+                connection.receive_payload(target[:length])
+                whole = chunk_checksum(target[:length])
+            if index < len(checksums) and whole != checksums[index]:
                 self.checksum_failures += 1
                 raise StorageError(errno.EIO, f"version {version} chunk {index} from {address} fails its checksum")
             self.fetched_bytes += length
             arrived(index)
+
+    def _receive_pieces(self, connection: BlockingFrames, target: memoryview, pieces: list[int], index: int,
+                        version: int, address: str, piece: Callable[[int, int], None]) -> int:
+        """A chunk's payload piece by piece, each verified against the writer's piece checksum
+        and handed on (`piece`) before the next is received (the last one goes with the whole
+        chunk); returns the whole chunk's checksum, computed on the way."""
+        whole = chunk_hasher()
+        for number, checksum in enumerate(pieces):
+            start = number * PIECE_SIZE
+            received = target[start : start + PIECE_SIZE]
+            connection.receive_payload(received)
+            if chunk_checksum(received) != checksum:
+                self.checksum_failures += 1
+                raise StorageError(errno.EIO, f"version {version} chunk {index} piece {number} from {address} "
+                                              f"fails its checksum")
+            whole.update(received)
+            if number < len(pieces) - 1:
+                piece(index, start + len(received))
+        return whole.intdigest()
 
     async def aclose(self) -> None:
         for connections in self._idle.values():
