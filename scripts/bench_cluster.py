@@ -38,6 +38,7 @@ Usage (as root): python scripts/bench_cluster.py [--sizes 2,32] [--total 512M] [
 from __future__ import annotations
 
 import argparse
+import json
 import mmap
 import os
 import re
@@ -307,6 +308,7 @@ def main() -> None:
     parser.add_argument("--transfers-only", action="store_true", help="skip the lookup measurements")
     parser.add_argument("--hog", action="store_true",
                         help=f"measure kvfs and Mooncake again beside a process busy {HOG_SHARE:g} of a core")
+    parser.add_argument("--json", help="also write every round's figures to this file")
     parser.add_argument("--mooncake-venv", default=str(mooncake_peer.VENV),
                         help="the venv that holds Mooncake Store's package")
     parser.add_argument("--install-mooncake", action="store_true",
@@ -348,6 +350,8 @@ def main() -> None:
                 if process is not None:
                     process.terminate()
                     process.wait(timeout=60)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
     report(results, sizes, venv is not None, args.hog, args.transfers_only)
 
 
@@ -407,6 +411,12 @@ def lookups(record, round_: int, a: Path, b: Path, single: Path, count: int) -> 
     record("present lookups/s single cold", present_cold(single, round_))
 
 
+def paired(kvfs: list[float], mooncake: list[float]) -> float:
+    """The median of kvfs/Mooncake over rounds, each ratio of two loads measured back to back:
+    steadier than a ratio of medians when the machine's load drifts between rounds."""
+    return statistics.median(k / m for k, m in zip(kvfs, mooncake))
+
+
 def spread(values: list[float]) -> str:
     return f"{min(values):.2f}-{max(values):.2f}"
 
@@ -429,9 +439,9 @@ def report(results: dict[str, list[float]], sizes: list[int], mooncake: bool, ho
     print()
     if mooncake:
         print(f"kvfs B<-A beside Mooncake Store over TCP (get_into; batch: batch_get_into of {BATCH}), "
-              "medians and ranges (GB/s)")
+              "medians and ranges (GB/s); ratios of the medians, and [the median of each round's ratio]")
         print(f"{'cell':<12}{'kvfs open':>18}{'kvfs lookup,open':>18}{'MC get':>18}{'MC batch':>18}"
-              f"{'open/get':>10}{'lookup/get':>11}{'open/batch':>11}")
+              f"{'open/get':>14}{'lookup/get':>14}{'open/batch':>14}")
         for size in sizes:
             for streams in (1, PARALLEL):
                 cell = f"{size // MiB}MiB x{streams}"
@@ -439,24 +449,29 @@ def report(results: dict[str, list[float]], sizes: list[int], mooncake: bool, ho
                          f"mooncake batch {cell}")
                 open_, lookup, get, batch = (median(n) for n in names)
                 shown = "".join(f"{f'{median(n):.2f} ({spread(results[n])})':>18}" for n in names)
-                print(f"{cell:<12}{shown}{open_ / get:>10.2f}{lookup / get:>11.2f}{open_ / batch:>11.2f}")
+                ratios = "".join(f"{f'{ratio:.2f} [{paired(results[k], results[m]):.2f}]':>14}" for ratio, k, m in (
+                    (open_ / get, names[0], names[2]), (lookup / get, names[1], names[2]),
+                    (open_ / batch, names[0], names[3])))
+                print(f"{cell:<12}{shown}{ratios}")
         print("(Mooncake xN: N reader processes; kvfs xN: N reader threads on node B's mount. Bytes on the "
               "namespace's loopback per byte got: "
               + ", ".join(f"{median(f'mooncake loopback share {s // MiB}MiB'):.2f}" for s in sizes) + ")")
         print()
     if hog:
-        print(f"beside a competing load of {HOG_SHARE:g} core: medians quiet -> loaded (GB/s) and the change")
+        print(f"beside a competing load of {HOG_SHARE:g} core: medians quiet -> loaded (GB/s), the change, "
+              "[the median of each round's change]")
         kinds = [("kvfs open", "cross-node"), ("kvfs lookup,open", "lookup first")]
         if mooncake:
             kinds += [("MC get", "mooncake get"), ("MC batch", "mooncake batch")]
-        print(f"{'cell':<12}" + "".join(f"{name:>24}" for name, _ in kinds))
+        print(f"{'cell':<12}" + "".join(f"{name:>30}" for name, _ in kinds))
         for size in sizes:
             for streams in (1, PARALLEL):
                 cell = f"{size // MiB}MiB x{streams}"
                 row = ""
                 for _, metric in kinds:
                     quiet, loaded = median(f"{metric} {cell}"), median(f"{metric} {cell} hog")
-                    row += f"{f'{quiet:.2f} -> {loaded:.2f} ({loaded / quiet - 1:+.0%})':>24}"
+                    each = paired(results[f"{metric} {cell} hog"], results[f"{metric} {cell}"]) - 1
+                    row += f"{f'{quiet:.2f} -> {loaded:.2f} {loaded / quiet - 1:+.0%} [{each:+.0%}]':>30}"
                 print(f"{cell:<12}{row}")
         print()
     if not mooncake:
