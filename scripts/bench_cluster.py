@@ -32,7 +32,8 @@ kvfs's cluster connections are always TLS 1.3 (there is no plaintext setting); r
 Python TCP and TLS in the same run show what encryption costs.
 
 Usage (as root): python scripts/bench_cluster.py [--sizes 2,32] [--total 512M] [--rounds 3]
-                 [--hog] [--install-mooncake] [--mooncake-venv DIR] [--transfers-only]
+                 [--hog] [--install-mooncake] [--mooncake-venv DIR] [--transfers-only] [--json FILE]
+       python scripts/bench_cluster.py --report FILE [--sizes ...]   (the tables of a saved run)
 """
 
 from __future__ import annotations
@@ -315,10 +316,16 @@ def main() -> None:
                         help="the venv that holds Mooncake Store's package")
     parser.add_argument("--install-mooncake", action="store_true",
                         help=f"create that venv and pip install {mooncake_peer.PACKAGE} if it is missing")
+    parser.add_argument("--report", metavar="JSON", help="print the tables of a run's --json file, measuring nothing")
     args = parser.parse_args()
+    sizes = [int(s) * MiB for s in args.sizes.split(",")]
+    if args.report:
+        saved: dict[str, list[float]] = json.loads(Path(args.report).read_text())
+        report(saved, sizes, any(k.startswith("mooncake") for k in saved), any(k.endswith(" hog") for k in saved),
+               not any(k.startswith("absent") for k in saved))
+        return
     prepare_machine()
     venv = mooncake_venv(args)
-    sizes = [int(s) * MiB for s in args.sizes.split(",")]
     total = parse_size(args.total)
     results: dict[str, list[float]] = {}
     loads = ["", " hog"] if args.hog else [""]
