@@ -17,12 +17,13 @@ memory reports less, and the rest goes when its registration finishes.)
 from __future__ import annotations
 
 import errno
-from typing import Protocol
+from typing import Iterator, Protocol
 
 from kvfs.clock import Clock
 from kvfs.wire import messages as m
+from kvfs.cluster.backlog import STEP_ITEMS, Backlog
 from kvfs.cluster.liveness import Liveness
-from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace
+from kvfs.cluster.namespace import Inode, Namespace
 from kvfs.cluster.objects import FileVersion, ObjectDirectory
 from kvfs.cluster.opens import OpenHandles
 from kvfs.cluster.registry import NodeRecord, Registry
@@ -58,9 +59,10 @@ class FileService(Protocol):
 
 class Membership:
     def __init__(self, clock: Clock, ns: Namespace, objects: ObjectDirectory, registry: Registry,
-                 opens: OpenHandles, liveness: Liveness, files: FileService,
+                 opens: OpenHandles, liveness: Liveness, files: FileService, backlog: Backlog,
                  forget_dead_after_s: float = 0.0) -> None:
         self.clock = clock
+        self.backlog = backlog  # work in proportion to a node's files, done in slices
         self.forget_dead_after_s = forget_dead_after_s  # 0: dead nodes are kept until removed
         self.forgotten = 0  # dead nodes forgotten since start
         self.liveness = liveness
@@ -130,12 +132,12 @@ class Membership:
     def finish_registration(self, req: m.FinishRegistration, caller: int) -> m.Done:
         """Versions of this node it did not report are gone: their files leave the namespace."""
         node = self._registering(caller)
-        gone = [version for version in self.objects.versions.values()
-                if version.node == node.node_id and version.version not in node.reported]
+        reported = node.reported
+        gone = [version for version in self.objects.of_node(node.node_id) if version.version not in reported]
         self._forget_versions(gone)
         # Retired versions that were open before a restart and are open no more.
-        unused = [version for version in self.objects.versions.values()
-                  if version.node == node.node_id and not version.current and not version.in_use]
+        unused = [version for version in self.objects.of_node(node.node_id)
+                  if not version.current and not version.in_use]
         for version in unused:
             self.objects.forget(version)
         node.registering, node.live, node.reported = False, True, set()
@@ -177,9 +179,27 @@ class Membership:
         if self.forget_dead_after_s:
             for node in [n for n in self.registry.nodes.values() if not (n.live or n.registering)
                          and n.address and now - n.last_seen > self.forget_dead_after_s]:
-                self.remove_node(m.RemoveNode(node.name))
+                self._unregister(node)  # its name is free now; its hidden files go in slices
+                self.backlog.add(self._forget_job(node.node_id))
                 self.forgotten += 1
         return [node.node_id for node in dead]
+
+    def _forget_job(self, node_id: int) -> Iterator[None]:
+        """Takes the files of a forgotten node out of the namespace, a step at a time. They
+        are hidden meanwhile (no registered node stores them), and no node registers under
+        this id again: the name gets a new one."""
+        while True:
+            versions = self.objects.of_node(node_id)[:STEP_ITEMS]
+            if not versions:
+                return
+            self._forget_versions(versions)
+            self.files.route_outcomes(0)
+            yield
+
+    def _unregister(self, node: NodeRecord) -> None:
+        del self.registry.nodes[node.node_id]
+        del self.registry.by_name[node.name]
+        self.registry.dirty = True
 
     def _node_down(self, node: NodeRecord) -> None:
         """The node is gone (dead, or restarting): its open handles and kernel references
@@ -196,22 +216,51 @@ class Membership:
                     self.objects.release(version, writer, dropped)
         bit = 1 << node.node_id
         node.outbox_names = []
-        for inode in list(self.ns.inodes.values()):
-            inode.watchers &= ~bit
-            version = self.objects.versions.get(inode.version) if inode.version else None
-            if version is not None and version.node == node.node_id:
-                self.files.changed(inode)  # hidden now: copies of its directory must ask the master
-            if inode.refs & bit and inode.ino != ROOT_INO:
-                inode.refs &= ~bit
-                self.files.unhold(inode.ino, node.node_id, dropped)
-                self.ns.collect(inode)
+        for ino in self.ns.watched_by.pop(node.node_id, ()):
+            directory = self.ns.inodes.get(ino)
+            if directory is not None:
+                directory.watchers &= ~bit
+        # The rest is in proportion to the node's files: in slices (kvfs.cluster.backlog).
+        referenced = self.ns.referenced_by.pop(node.node_id, set())
+        if referenced:
+            self.backlog.add(self._unreference_job(node.node_id, list(referenced)))
+        if any(self.ns.watched_by.values()):
+            self.backlog.add(self._hide_job(node.node_id, list(self.objects.by_node.get(node.node_id, ()))))
+
+    def _unreference_job(self, node_id: int, inos: list[int]) -> Iterator[None]:
+        """The kernel references of a node that went down go (those its next incarnation
+        took meanwhile stay)."""
+        bit = 1 << node_id
+        for start in range(0, len(inos), STEP_ITEMS):
+            dropped: list[int] = []
+            again = self.ns.referenced_by.get(node_id, ())
+            for ino in inos[start:start + STEP_ITEMS]:
+                inode = self.ns.inodes.get(ino)
+                if inode is not None and inode.refs & bit and ino not in again:
+                    inode.refs &= ~bit
+                    self.files.unhold(ino, node_id, dropped)
+                    self.ns.collect(inode)
+            self.files.route_outcomes(0)
+            yield
+
+    def _hide_job(self, node_id: int, version_ids: list[int]) -> Iterator[None]:
+        """The files of a node that went down are hidden: copies of their directories on
+        other nodes are told to ask the master about them."""
+        for start in range(0, len(version_ids), STEP_ITEMS):
+            for version_id in version_ids[start:start + STEP_ITEMS]:
+                version = self.objects.versions.get(version_id)
+                inode = self.ns.inodes.get(version.ino) if version is not None and version.current else None
+                if inode is not None and inode.version == version_id:
+                    self.files.changed(inode)
+            self.files.route_outcomes(0)
+            yield
 
     def watch_names(self, req: m.WatchNames, caller: int) -> m.Names:
         directory = self.ns.directory(req.ino)
         if req.start_id == 0:
             if len(directory.children) > req.limit:  # type: ignore[arg-type]
                 return m.Names([], False)
-            directory.watchers |= 1 << caller
+            self.ns.watch(directory, caller)
         # Every name, hidden files too (their entry says: ask the master); later pages may
         # also hold names added since the first, which the pushes report anyway.
         limit = max(1, min(req.page, 4096))
@@ -233,8 +282,8 @@ class Membership:
     def unwatch(self, req: m.Unwatch, caller: int) -> m.Done:
         for ino in req.inos:
             inode = self.ns.inodes.get(ino)
-            if inode is not None:
-                inode.watchers &= ~(1 << caller)
+            if inode is not None and inode.is_dir:
+                self.ns.unwatch(inode, 1 << caller)
         return m.Done()
 
     def take_notifications(self, node_id: int) -> list[m.NameChange]:
@@ -253,14 +302,12 @@ class Membership:
             raise MetadataError(errno.ENOENT, f"no node named {req.name!r}")
         if node.live or node.registering:
             raise MetadataError(errno.EBUSY, f"node {req.name!r} is up; stop it first")
-        gone = [version for version in self.objects.versions.values() if version.node == node.node_id]
+        gone = self.objects.of_node(node.node_id)
         entries = [(inode.parent, inode.name, inode.ino) for inode in
                    (self.ns.inodes.get(version.ino) for version in gone if version.current) if inode is not None]
         freed = sum(version.size for version in gone if version.current)
         self._forget_versions(gone)
-        del self.registry.nodes[node.node_id]
-        del self.registry.by_name[req.name]
-        self.registry.dirty = True
+        self._unregister(node)
         return m.Removed([], entries, freed)
 
     def cluster_status(self, req: m.ClusterStatus) -> m.ClusterInfo:
