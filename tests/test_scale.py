@@ -125,6 +125,32 @@ def test_a_nodes_death_touches_its_own_files_in_slices() -> None:
     assert len(list_all(service, directory, b, 4096)) == len(theirs) + len(mine)
 
 
+def test_files_a_node_registers_again_without_are_hidden_at_once_and_go_in_slices() -> None:
+    service, a, b = cluster()
+    count = 3 * STEP_ITEMS
+    for i in range(count):
+        store(service, ROOT_INO, b"a%05d" % i, a)
+    kept = service.ns.lookup(ROOT_INO, b"a00007")
+    assert kept is not None
+    # a restarts with one file left (the rest was only in its DRAM).
+    assert service.handle(m.Register("a", "a:1"), 0).node == a
+    version = service.objects.versions[kept.version]
+    service.handle(m.Report([m.Held(version.version, version.size, True, True, 0, version.checksums)]), a)
+    steps = service.backlog.steps
+    service.handle(m.FinishRegistration(), a)
+    assert service.backlog.steps - steps == 1 and len(service.backlog) == 1  # one slice now, the rest later
+    assert service.ns.files > 1
+    listed = list_all(service, ROOT_INO, b, 4096)
+    assert listed == [b"a00007"]  # the others are hidden at once
+    assert service.handle(m.Lookup(ROOT_INO, b"a00008"), b).attr is None
+    assert service.handle(m.Lookup(ROOT_INO, b"a00007"), b).attr is not None
+    while service.pending_work(0.0):
+        pass
+    assert service.ns.files == 1 and len(service.objects.versions) == 1
+    assert sorted(service.handle(m.Heartbeat(0, 0), a).dropped) == []  # its own files: nothing to free
+    assert len(service.handle(m.Heartbeat(0, 0), b).forget) == count - 1  # b's kernel forgets the names
+
+
 def test_a_node_dead_past_its_time_is_forgotten_in_slices() -> None:
     service, a, b = cluster(forget_dead_after_s=60.0)
     directory = service.handle(m.MkDir(ROOT_INO, b"d", 0o755, 0, 0), a).ino

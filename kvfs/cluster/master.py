@@ -249,7 +249,7 @@ class MetadataService:
         if inode is None or inode.is_dir:
             return None
         version = self.objects.versions.get(inode.version)
-        if version is None or not version.sealed or not version.current or not self.registry.is_live(version.node):
+        if version is None or not version.sealed or not version.current or not self.available(version):
             return None
         if version.node == node:
             return m.Entry(self.attr(inode))
@@ -273,9 +273,13 @@ class MetadataService:
         if inode is None or inode.children is not None:
             return inode
         version = self.objects.versions.get(inode.version)
-        if version is not None and not self.registry.is_live(version.node):
+        if version is not None and not self.available(version):
             return None
         return inode
+
+    def available(self, version: FileVersion) -> bool:
+        """Whether a version's bytes can be had: its node is live and still holds it."""
+        return not version.gone and self.registry.is_live(version.node)
 
     def _entry(self, parent: int, name: bytes) -> Inode | None:
         return self._visible(self.ns.lookup(parent, name))
@@ -390,7 +394,7 @@ class MetadataService:
         entry = m.Entry(self._referenced(inode))
         if inode.version:
             version = self.objects.get(inode.version)
-            if version.sealed and self.registry.is_live(version.node):
+            if version.sealed and self.available(version):
                 entry.node, entry.address, entry.checksums = self._remote_location(version)
         return entry
 
@@ -563,7 +567,7 @@ class MetadataService:
         if inode.ino not in self._lingering:
             self._check_linked(inode)
         version = self.objects.get(inode.version)
-        if not self.registry.is_live(version.node):
+        if not self.available(version):
             raise MetadataError(errno.ENOENT, f"inode {inode.ino}: its only copy is on node {version.node}, "
                                               "which is down")
         version.readers += 1
@@ -583,7 +587,7 @@ class MetadataService:
         inode = self._file(req.ino)
         self._check_linked(inode)
         current = self.objects.get(inode.version)
-        if not self.registry.is_live(current.node):
+        if not self.available(current):
             raise MetadataError(errno.ENOENT, f"inode {inode.ino}: its only copy is on node {current.node}, "
                                               "which is down")
         if not current.sealed:  # another writer is still at it: share its version

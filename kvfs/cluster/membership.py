@@ -17,6 +17,7 @@ memory reports less, and the rest goes when its registration finishes.)
 from __future__ import annotations
 
 import errno
+from array import array
 from typing import Iterator, Protocol
 
 from kvfs.clock import Clock
@@ -107,6 +108,7 @@ class Membership:
                 dropped.append(held.version)
                 continue
             node.reported.add(held.version)
+            version.gone = False
             if held.sealed and not version.sealed:  # sealed on the node while the master was away
                 self.objects.seal(version, held.size, held.checksums)
                 inode = self.ns.inodes.get(version.ino)
@@ -134,7 +136,7 @@ class Membership:
         node = self._registering(caller)
         reported = node.reported
         gone = [version for version in self.objects.of_node(node.node_id) if version.version not in reported]
-        self._forget_versions(gone)
+        self._forget_in_slices(gone, node.node_id)
         # Retired versions that were open before a restart and are open no more.
         unused = [version for version in self.objects.of_node(node.node_id)
                   if not version.current and not version.in_use]
@@ -180,20 +182,23 @@ class Membership:
             for node in [n for n in self.registry.nodes.values() if not (n.live or n.registering)
                          and n.address and now - n.last_seen > self.forget_dead_after_s]:
                 self._unregister(node)  # its name is free now; its hidden files go in slices
-                self.backlog.add(self._forget_job(node.node_id))
+                self._forget_in_slices(self.objects.of_node(node.node_id), node.node_id)
                 self.forgotten += 1
         return [node.node_id for node in dead]
 
-    def _forget_job(self, node_id: int) -> Iterator[None]:
-        """Takes the files of a forgotten node out of the namespace, a step at a time. They
-        are hidden meanwhile (no registered node stores them), and no node registers under
-        this id again: the name gets a new one."""
-        while True:
-            versions = self.objects.of_node(node_id)[:STEP_ITEMS]
-            if not versions:
-                return
-            self._forget_versions(versions)
-            self.files.route_outcomes(0)
+    def _forget_in_slices(self, versions: list[FileVersion], node_id: int) -> None:
+        """Versions a node no longer holds (it registered again without them, or it is
+        forgotten) are hidden at once (`gone`) and leave the namespace in slices."""
+        for version in versions:
+            version.gone = True
+        if versions:
+            self.backlog.add(self._forget_job(versions, node_id))
+
+    def _forget_job(self, versions: list[FileVersion], node_id: int) -> Iterator[None]:
+        for start in range(0, len(versions), STEP_ITEMS):
+            # (one its node reported again meanwhile is no longer gone, and stays)
+            self._forget_versions([v for v in versions[start:start + STEP_ITEMS] if v.gone])
+            self.files.route_outcomes(node_id)  # (their node does not hold them: nothing to free)
             yield
 
     def _unregister(self, node: NodeRecord) -> None:
@@ -225,7 +230,7 @@ class Membership:
         if referenced:
             self.backlog.add(self._unreference_job(node.node_id, list(referenced)))
         if any(self.ns.watched_by.values()):
-            self.backlog.add(self._hide_job(node.node_id, list(self.objects.by_node.get(node.node_id, ()))))
+            self.backlog.add(self._hide_job(node.node_id, self.objects.by_node.get(node.node_id, array("Q"))[:]))
 
     def _unreference_job(self, node_id: int, inos: list[int]) -> Iterator[None]:
         """The kernel references of a node that went down go (those its next incarnation
@@ -243,7 +248,7 @@ class Membership:
             self.files.route_outcomes(0)
             yield
 
-    def _hide_job(self, node_id: int, version_ids: list[int]) -> Iterator[None]:
+    def _hide_job(self, node_id: int, version_ids: array[int]) -> Iterator[None]:
         """The files of a node that went down are hidden: copies of their directories on
         other nodes are told to ask the master about them."""
         for start in range(0, len(version_ids), STEP_ITEMS):

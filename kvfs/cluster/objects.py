@@ -15,7 +15,7 @@ from kvfs.errors import MetadataError
 
 
 SHARED_SIZES = 4096  # distinct file sizes whose int objects versions share
-_SEALED, _CURRENT, _ON_DISK, _HELD = 1, 2, 4, 8
+_SEALED, _CURRENT, _ON_DISK, _HELD, _GONE = 1, 2, 4, 8, 16
 _NO_SUMS = b""
 
 
@@ -53,6 +53,7 @@ class FileVersion:
     current = _flag(_CURRENT, "still the version its file's name refers to")
     on_disk = _flag(_ON_DISK, "a copy is safe on the node's SSD")
     held = _flag(_HELD, "retired, but an inode a kernel references still shows it (see master)")
+    gone = _flag(_GONE, "its node registered again without it: hidden until it is forgotten (not saved)")
 
     @property
     def checksums(self) -> list[int]:
