@@ -145,6 +145,10 @@ class MasterProcess:
                 stalls = self.service.liveness.stalls
                 known = dict(self.service.registry.by_name)
                 dead = self.service.expire_nodes()
+                while self.service.pending_work(0.05):  # a dead node's files, in slices: requests run between
+                    self.save("pending work")
+                    self.server.wake_pushers()
+                    await trio.sleep(0)
                 for name in known.keys() - self.service.registry.by_name.keys():
                     log.warning("node %s was dead for over %s: forgotten, as by kvfs remove-node (its files left "
                                 "the namespace)", name, format_duration(self.config.forget_dead_after_s))
