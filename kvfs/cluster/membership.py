@@ -135,11 +135,14 @@ class Membership:
         """Versions of this node it did not report are gone: their files leave the namespace."""
         node = self._registering(caller)
         reported = node.reported
-        gone = [version for version in self.objects.of_node(node.node_id) if version.version not in reported]
+        gone: list[FileVersion] = []
+        unused: list[FileVersion] = []  # retired versions that were open before a restart and are no more
+        for version in self.objects.of_node(node.node_id):
+            if version.version not in reported:
+                gone.append(version)
+            elif not version.current and not version.in_use:
+                unused.append(version)
         self._forget_in_slices(gone, node.node_id)
-        # Retired versions that were open before a restart and are open no more.
-        unused = [version for version in self.objects.of_node(node.node_id)
-                  if not version.current and not version.in_use]
         for version in unused:
             self.objects.forget(version)
         node.registering, node.live, node.reported = False, True, set()

@@ -131,8 +131,11 @@ class ObjectDirectory:
     def of_node(self, node: int) -> list[FileVersion]:
         """The versions stored on a node (O(its versions), not of every version)."""
         versions = self.versions
+        ids = self.by_node.get(node, ())
+        if len(ids) == self._node_versions.get(node, 0):  # no forgotten ids among them
+            return [versions[version_id] for version_id in ids]
         found = []
-        for version_id in dict.fromkeys(self.by_node.get(node, ())):  # an id forgotten, then restored
+        for version_id in dict.fromkeys(ids):  # (an id forgotten, then restored, is there twice)
             version = versions.get(version_id)
             if version is not None and version.node == node:
                 found.append(version)
