@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left, bisect_right
+from itertools import compress
 from typing import Iterator
 
 COMPACT_MIN = 64  # tombstones a directory keeps before it bothers to compact
@@ -72,9 +73,10 @@ class Entries:
                 self._compact()
 
     def _compact(self) -> None:
-        live = [i for i, ino in enumerate(self._inos) if ino]
-        self._ids = array("Q", [self._ids[i] for i in live])
-        self._inos = array("Q", [self._inos[i] for i in live])
+        # In C (compress, filter): tens of milliseconds for a million entries, amortized over
+        # the half a million removals that made it due.
+        self._ids = array("Q", compress(self._ids, self._inos))
+        self._inos = array("Q", filter(None, self._inos))
         self._dead = 0
 
     def page(self, start_id: int, limit: int) -> list[tuple[int, int]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 from array import array
+from itertools import compress
 from typing import Sequence
 
 from kvfs.errors import MetadataError
@@ -87,6 +88,7 @@ class ObjectDirectory:
         self.by_node: dict[int, array[int]] = {}
         self._node_versions: dict[int, int] = {}  # node -> how many versions it stores
         self._sizes: dict[int, int] = {}  # sizes seen, each one int object (see `seal`)
+        self.retired: set[int] = set()  # versions no longer current, kept while open or held (a few)
         # Versions dropped since the master last routed them to the nodes that store them.
         self.dropped_log: list[FileVersion] = []
 
@@ -115,6 +117,8 @@ class ObjectDirectory:
         """Saved versions after a master restart (no open handles yet: nodes report theirs)."""
         for version in versions:
             self._add(version)
+            if not version.current:
+                self.retired.add(version.version)
             if version.sealed:
                 self.sealed_bytes += version.size
         self.next_version = max([next_version] + [v.version + 1 for v in versions])
@@ -141,6 +145,10 @@ class ObjectDirectory:
                 found.append(version)
         return found
 
+    def count(self, node: int) -> int:
+        """How many versions the node stores."""
+        return self._node_versions.get(node, 0)
+
     def seal(self, version: FileVersion, size: int, checksums: list[int]) -> None:
         # KV-cache blocks come in a few sizes: one int object per size, not one per version.
         if len(self._sizes) < SHARED_SIZES:
@@ -155,6 +163,8 @@ class ObjectDirectory:
         """The version is no longer its file's content; drop it once nobody has it open."""
         version.current = False
         self.dirty.add(version.version)
+        if version.version in self.versions:
+            self.retired.add(version.version)
         self._drop_if_unused(version, dropped)
 
     def release(self, version: FileVersion, writer: bool, dropped: list[int]) -> None:
@@ -172,12 +182,14 @@ class ObjectDirectory:
     def forget(self, version: FileVersion) -> None:
         """Removes a version from the directory; its node is told to free the bytes."""
         del self.versions[version.version]
+        self.retired.discard(version.version)
         node = version.node
         left = self._node_versions[node] = self._node_versions[node] - 1
         if not left:
             del self._node_versions[node], self.by_node[node]
-        elif len(self.by_node[node]) > 2 * left + 64:  # mostly forgotten ids: keep the live ones
-            self.by_node[node] = array("Q", (v.version for v in self.of_node(node)))
+        elif len(self.by_node[node]) > 2 * left + 64:  # mostly forgotten ids: keep the live ones (in C)
+            ids = self.by_node[node]
+            self.by_node[node] = array("Q", compress(ids, map(self.versions.__contains__, ids)))
         if version.sealed:
             self.sealed_bytes -= version.size
         self.dirty.add(version.version)
