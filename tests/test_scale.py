@@ -17,7 +17,8 @@ from kvfs.clock import ManualClock
 from kvfs.cluster.backlog import STEP_ITEMS
 from kvfs.cluster.entries import COMPACT_MIN, Entries
 from kvfs.cluster.master import MasterSettings, MetadataService
-from kvfs.cluster.namespace import ROOT_INO
+from kvfs.cluster.namespace import ROOT_INO, Inode
+from kvfs.cluster.objects import FileVersion
 from kvfs.policy import LruPolicy
 from kvfs.wire import messages as m
 
@@ -188,6 +189,26 @@ def test_files_past_their_publish_grace_are_forgotten_as_publishing() -> None:
     service.clock.advance(31)
     store(service, ROOT_INO, b"late", a)
     assert list(service._unpublished) == [service.ns.lookup(ROOT_INO, b"late").ino]  # type: ignore[union-attr]
+
+
+def test_compact_records_read_and_take_what_they_did() -> None:
+    version = FileVersion(7, 3, 1, checksums=[0, 2**64 - 1, 5], on_disk=True)
+    assert version.checksums == [0, 2**64 - 1, 5] and isinstance(version.checksums, list)
+    assert (version.sealed, version.current, version.on_disk, version.held, version.gone) == (
+        False, True, True, False, False)
+    version.held, version.on_disk = True, False
+    assert (version.sealed, version.current, version.on_disk, version.held) == (False, True, False, True)
+    version.checksums = []
+    assert version.checksums == []
+
+    inode = Inode(5, 0o100644, 0, 0, 1, 1, 1)
+    assert inode.xattrs == {} and inode._xattrs is None  # no dict until an attribute is set
+    inode.set_xattr(b"user.a", b"1")
+    assert inode.xattrs == {b"user.a": b"1"}
+    assert inode.remove_xattr(b"user.a") == b"1" and inode._xattrs is None
+    assert inode.remove_xattr(b"user.a") is None
+    directory = Inode(6, 0o040755, 0, 0, 1, 1, 1, children={})  # as a saved state builds it
+    assert directory.is_dir and len(directory.children) == 0 and directory.subdirs == 0  # type: ignore[arg-type]
 
 
 FILES = 20_000
