@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import stat
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -17,6 +18,7 @@ import xxhash
 
 from kvfs.clock import Clock
 from kvfs.wire import messages as m
+from kvfs.cluster.backlog import Backlog
 from kvfs.cluster.liveness import Liveness
 from kvfs.cluster.membership import Membership
 from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace, check_name, check_target
@@ -89,11 +91,14 @@ class MetadataService:
         # Files being published: created here and not yet renamed or read. The value is
         # when the file was closed (sealed), None while it is still being written.
         self._unpublished: dict[int, float | None] = {}
+        self._closed: deque[tuple[float, int]] = deque()  # (closed at, ino) of those, in time order
+        self._unpublished_peak = 0
         self._caller = LOCAL_NODE  # the node whose request is being handled
         self.opens = OpenHandles()
         self.liveness = Liveness(self.registry, stall_gap(settings), clock.monotonic())
+        self.backlog = Backlog()  # long work, done in slices between requests (`pending_work`)
         self.members = Membership(clock, self.ns, self.objects, self.registry, self.opens, self.liveness, self,
-                                  settings.forget_dead_after_s if settings.cluster else 0.0)
+                                  self.backlog, settings.forget_dead_after_s if settings.cluster else 0.0)
         self._removed_names: list[tuple[int, bytes, int]] = []  # for the other nodes' kernels to forget
         # Unlinked inode -> (its version, still readable; the node whose kernel holds it).
         self._lingering: dict[int, tuple[int, int]] = {}
@@ -158,6 +163,11 @@ class MetadataService:
         finally:
             self.route_outcomes(caller)
         return response
+
+    def pending_work(self, budget_s: float) -> bool:
+        """Runs slices of long work (a dead node's files, a forgotten node's names) for about
+        `budget_s`; the daemon calls it between requests while it returns True (work left)."""
+        return self.backlog.run(budget_s)
 
     def expire_nodes(self) -> list[int]:
         """Declares nodes that stopped heartbeating dead; returns their ids (called periodically)."""
@@ -235,11 +245,11 @@ class MetadataService:
         if directory is None or directory.children is None:
             return None
         child = directory.children.get(name)
-        inode = self.ns.inodes.get(child[0]) if child is not None else None
+        inode = self.ns.inodes.get(child) if child is not None else None
         if inode is None or inode.is_dir:
             return None
         version = self.objects.versions.get(inode.version)
-        if version is None or not version.sealed or not version.current or not self.registry.is_live(version.node):
+        if version is None or not version.sealed or not version.current or not self.available(version):
             return None
         if version.node == node:
             return m.Entry(self.attr(inode))
@@ -254,7 +264,7 @@ class MetadataService:
 
     def _referenced(self, inode: Inode) -> m.Attr:
         """The attributes of an inode the caller's kernel now holds a reference to."""
-        inode.refs |= 1 << self._caller
+        self.ns.reference(inode, self._caller)
         return self.attr(inode)
 
     def _visible(self, inode: Inode | None) -> Inode | None:
@@ -263,9 +273,13 @@ class MetadataService:
         if inode is None or inode.children is not None:
             return inode
         version = self.objects.versions.get(inode.version)
-        if version is not None and not self.registry.is_live(version.node):
+        if version is not None and not self.available(version):
             return None
         return inode
+
+    def available(self, version: FileVersion) -> bool:
+        """Whether a version's bytes can be had: its node is live and still holds it."""
+        return not version.gone and self.registry.is_live(version.node)
 
     def _entry(self, parent: int, name: bytes) -> Inode | None:
         return self._visible(self.ns.lookup(parent, name))
@@ -380,7 +394,7 @@ class MetadataService:
         entry = m.Entry(self._referenced(inode))
         if inode.version:
             version = self.objects.get(inode.version)
-            if version.sealed and self.registry.is_live(version.node):
+            if version.sealed and self.available(version):
                 entry.node, entry.address, entry.checksums = self._remote_location(version)
         return entry
 
@@ -451,6 +465,7 @@ class MetadataService:
         inode.version = version.version
         self._link(directory, req.name, inode, now)
         self._unpublished[inode.ino] = None
+        self._unpublished_peak = max(self._unpublished_peak, len(self._unpublished))
         return m.Opened(self._referenced(inode), version.version)
 
     def _existing(self, parent: int, name: bytes) -> Inode:
@@ -520,7 +535,7 @@ class MetadataService:
         while stack:
             node = stack.pop()
             if node.children is not None:
-                stack.extend(self.ns.inodes[ino] for ino, _ in node.children.values())
+                stack.extend(self.ns.inodes[ino] for ino in node.children.inos())
                 continue
             version = self.objects.versions.get(node.version)
             if version is not None and version.on_disk:
@@ -540,7 +555,7 @@ class MetadataService:
         for ino in req.inos:
             inode = self.ns.inodes.get(ino)
             if inode is not None and ino != ROOT_INO:
-                inode.refs &= ~(1 << self._caller)
+                self.ns.unreference(inode, self._caller)
                 self.unhold(ino, self._caller, dropped)
                 self.ns.collect(inode)
         return m.Done(dropped)
@@ -552,7 +567,7 @@ class MetadataService:
         if inode.ino not in self._lingering:
             self._check_linked(inode)
         version = self.objects.get(inode.version)
-        if not self.registry.is_live(version.node):
+        if not self.available(version):
             raise MetadataError(errno.ENOENT, f"inode {inode.ino}: its only copy is on node {version.node}, "
                                               "which is down")
         version.readers += 1
@@ -572,7 +587,7 @@ class MetadataService:
         inode = self._file(req.ino)
         self._check_linked(inode)
         current = self.objects.get(inode.version)
-        if not self.registry.is_live(current.node):
+        if not self.available(current):
             raise MetadataError(errno.ENOENT, f"inode {inode.ino}: its only copy is on node {current.node}, "
                                               "which is down")
         if not current.sealed:  # another writer is still at it: share its version
@@ -629,7 +644,9 @@ class MetadataService:
         if newly and version.current and inode.linked:
             self.admit(inode, req.size)
             if inode.ino in self._unpublished:
-                self._unpublished[inode.ino] = self.clock.monotonic()  # the grace runs from close
+                closed = self._unpublished[inode.ino] = self.clock.monotonic()  # the grace runs from close
+                self._closed.append((closed, inode.ino))
+                self._forget_published(closed)
         return self.attr(inode)
 
     def _get_version(self, req: m.GetVersion) -> m.VersionInfo:
@@ -655,7 +672,7 @@ class MetadataService:
         if total > XATTRS_MAX_BYTES:
             raise MetadataError(errno.ENOSPC, f"inode {req.ino}: its attributes would take {total} bytes "
                                               f"(limit {XATTRS_MAX_BYTES})")
-        inode.xattrs[req.name] = req.value
+        inode.set_xattr(req.name, req.value)
         inode.ctime_ns = self.clock.wall_ns()
         self.ns.dirty.add(inode.ino)
         return m.Done()
@@ -665,7 +682,7 @@ class MetadataService:
 
     def _removexattr(self, req: m.RemoveXattr) -> m.Done:
         inode = self.ns.get(req.ino)
-        if inode.xattrs.pop(req.name, None) is None:
+        if inode.remove_xattr(req.name) is None:
             raise MetadataError(errno.ENODATA, f"no xattr {req.name!r} on inode {req.ino}")
         inode.ctime_ns = self.clock.wall_ns()
         self.ns.dirty.add(inode.ino)
@@ -695,6 +712,18 @@ class MetadataService:
             del self._unpublished[ino]  # ranked by the policy from now on
             return False
         return True
+
+    def _forget_published(self, now: float) -> None:
+        """Files closed longer than the grace ago are published anyway (as `_publishing` says):
+        they are forgotten here, oldest first, so that the set holds only recent files."""
+        grace = self.settings.publish_grace_s
+        while self._closed and now - self._closed[0][0] >= grace:
+            closed, ino = self._closed.popleft()
+            if self._unpublished.get(ino, -1.0) == closed:
+                del self._unpublished[ino]
+        if len(self._unpublished) * 4 < self._unpublished_peak:  # a dict keeps its size: rebuilt smaller
+            self._unpublished = dict(self._unpublished)
+            self._unpublished_peak = len(self._unpublished)
 
     def _reclaim(self, req: m.Reclaim) -> m.Removed:
         victims: list[Inode] = []

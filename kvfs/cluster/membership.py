@@ -17,12 +17,14 @@ memory reports less, and the rest goes when its registration finishes.)
 from __future__ import annotations
 
 import errno
-from typing import Protocol
+from array import array
+from typing import Iterator, Protocol
 
 from kvfs.clock import Clock
 from kvfs.wire import messages as m
+from kvfs.cluster.backlog import STEP_ITEMS, Backlog
 from kvfs.cluster.liveness import Liveness
-from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace
+from kvfs.cluster.namespace import Inode, Namespace
 from kvfs.cluster.objects import FileVersion, ObjectDirectory
 from kvfs.cluster.opens import OpenHandles
 from kvfs.cluster.registry import NodeRecord, Registry
@@ -58,9 +60,10 @@ class FileService(Protocol):
 
 class Membership:
     def __init__(self, clock: Clock, ns: Namespace, objects: ObjectDirectory, registry: Registry,
-                 opens: OpenHandles, liveness: Liveness, files: FileService,
+                 opens: OpenHandles, liveness: Liveness, files: FileService, backlog: Backlog,
                  forget_dead_after_s: float = 0.0) -> None:
         self.clock = clock
+        self.backlog = backlog  # work in proportion to a node's files, done in slices
         self.forget_dead_after_s = forget_dead_after_s  # 0: dead nodes are kept until removed
         self.forgotten = 0  # dead nodes forgotten since start
         self.liveness = liveness
@@ -105,6 +108,7 @@ class Membership:
                 dropped.append(held.version)
                 continue
             node.reported.add(held.version)
+            version.gone = False
             if held.sealed and not version.sealed:  # sealed on the node while the master was away
                 self.objects.seal(version, held.size, held.checksums)
                 inode = self.ns.inodes.get(version.ino)
@@ -130,12 +134,16 @@ class Membership:
     def finish_registration(self, req: m.FinishRegistration, caller: int) -> m.Done:
         """Versions of this node it did not report are gone: their files leave the namespace."""
         node = self._registering(caller)
-        gone = [version for version in self.objects.versions.values()
-                if version.node == node.node_id and version.version not in node.reported]
-        self._forget_versions(gone)
+        reported = node.reported
+        # Reported versions are the node's: if as many of them are still known as it stores, none
+        # is gone (the usual case: a count in C instead of a walk of its versions).
+        still = sum(map(self.objects.versions.__contains__, reported))
+        gone = [] if still == self.objects.count(node.node_id) else [
+            version for version in self.objects.of_node(node.node_id) if version.version not in reported]
         # Retired versions that were open before a restart and are open no more.
-        unused = [version for version in self.objects.versions.values()
-                  if version.node == node.node_id and not version.current and not version.in_use]
+        unused = [version for version in (self.objects.versions[v] for v in list(self.objects.retired))
+                  if version.node == node.node_id and version.version in reported and not version.in_use]
+        self._forget_in_slices(gone, node.node_id)
         for version in unused:
             self.objects.forget(version)
         node.registering, node.live, node.reported = False, True, set()
@@ -177,9 +185,30 @@ class Membership:
         if self.forget_dead_after_s:
             for node in [n for n in self.registry.nodes.values() if not (n.live or n.registering)
                          and n.address and now - n.last_seen > self.forget_dead_after_s]:
-                self.remove_node(m.RemoveNode(node.name))
+                self._unregister(node)  # its name is free now; its hidden files go in slices
+                self._forget_in_slices(self.objects.of_node(node.node_id), node.node_id)
                 self.forgotten += 1
         return [node.node_id for node in dead]
+
+    def _forget_in_slices(self, versions: list[FileVersion], node_id: int) -> None:
+        """Versions a node no longer holds (it registered again without them, or it is
+        forgotten) are hidden at once (`gone`) and leave the namespace in slices."""
+        for version in versions:
+            version.gone = True
+        if versions:
+            self.backlog.add(self._forget_job(versions, node_id))
+
+    def _forget_job(self, versions: list[FileVersion], node_id: int) -> Iterator[None]:
+        for start in range(0, len(versions), STEP_ITEMS):
+            # (one its node reported again meanwhile is no longer gone, and stays)
+            self._forget_versions([v for v in versions[start:start + STEP_ITEMS] if v.gone])
+            self.files.route_outcomes(node_id)  # (their node does not hold them: nothing to free)
+            yield
+
+    def _unregister(self, node: NodeRecord) -> None:
+        del self.registry.nodes[node.node_id]
+        del self.registry.by_name[node.name]
+        self.registry.dirty = True
 
     def _node_down(self, node: NodeRecord) -> None:
         """The node is gone (dead, or restarting): its open handles and kernel references
@@ -196,22 +225,51 @@ class Membership:
                     self.objects.release(version, writer, dropped)
         bit = 1 << node.node_id
         node.outbox_names = []
-        for inode in list(self.ns.inodes.values()):
-            inode.watchers &= ~bit
-            version = self.objects.versions.get(inode.version) if inode.version else None
-            if version is not None and version.node == node.node_id:
-                self.files.changed(inode)  # hidden now: copies of its directory must ask the master
-            if inode.refs & bit and inode.ino != ROOT_INO:
-                inode.refs &= ~bit
-                self.files.unhold(inode.ino, node.node_id, dropped)
-                self.ns.collect(inode)
+        for ino in self.ns.watched_by.pop(node.node_id, ()):
+            directory = self.ns.inodes.get(ino)
+            if directory is not None:
+                directory.watchers &= ~bit
+        # The rest is in proportion to the node's files: in slices (kvfs.cluster.backlog).
+        referenced = self.ns.referenced_by.pop(node.node_id, set())
+        if referenced:
+            self.backlog.add(self._unreference_job(node.node_id, list(referenced)))
+        if any(self.ns.watched_by.values()):
+            self.backlog.add(self._hide_job(node.node_id, self.objects.by_node.get(node.node_id, array("Q"))[:]))
+
+    def _unreference_job(self, node_id: int, inos: list[int]) -> Iterator[None]:
+        """The kernel references of a node that went down go (those its next incarnation
+        took meanwhile stay)."""
+        bit = 1 << node_id
+        for start in range(0, len(inos), STEP_ITEMS):
+            dropped: list[int] = []
+            again = self.ns.referenced_by.get(node_id, ())
+            for ino in inos[start:start + STEP_ITEMS]:
+                inode = self.ns.inodes.get(ino)
+                if inode is not None and inode.refs & bit and ino not in again:
+                    inode.refs &= ~bit
+                    self.files.unhold(ino, node_id, dropped)
+                    self.ns.collect(inode)
+            self.files.route_outcomes(0)
+            yield
+
+    def _hide_job(self, node_id: int, version_ids: array[int]) -> Iterator[None]:
+        """The files of a node that went down are hidden: copies of their directories on
+        other nodes are told to ask the master about them."""
+        for start in range(0, len(version_ids), STEP_ITEMS):
+            for version_id in version_ids[start:start + STEP_ITEMS]:
+                version = self.objects.versions.get(version_id)
+                inode = self.ns.inodes.get(version.ino) if version is not None and version.current else None
+                if inode is not None and inode.version == version_id:
+                    self.files.changed(inode)
+            self.files.route_outcomes(0)
+            yield
 
     def watch_names(self, req: m.WatchNames, caller: int) -> m.Names:
         directory = self.ns.directory(req.ino)
         if req.start_id == 0:
             if len(directory.children) > req.limit:  # type: ignore[arg-type]
                 return m.Names([], False)
-            directory.watchers |= 1 << caller
+            self.ns.watch(directory, caller)
         # Every name, hidden files too (their entry says: ask the master); later pages may
         # also hold names added since the first, which the pushes report anyway.
         limit = max(1, min(req.page, 4096))
@@ -233,8 +291,8 @@ class Membership:
     def unwatch(self, req: m.Unwatch, caller: int) -> m.Done:
         for ino in req.inos:
             inode = self.ns.inodes.get(ino)
-            if inode is not None:
-                inode.watchers &= ~(1 << caller)
+            if inode is not None and inode.is_dir:
+                self.ns.unwatch(inode, 1 << caller)
         return m.Done()
 
     def take_notifications(self, node_id: int) -> list[m.NameChange]:
@@ -253,14 +311,12 @@ class Membership:
             raise MetadataError(errno.ENOENT, f"no node named {req.name!r}")
         if node.live or node.registering:
             raise MetadataError(errno.EBUSY, f"node {req.name!r} is up; stop it first")
-        gone = [version for version in self.objects.versions.values() if version.node == node.node_id]
+        gone = self.objects.of_node(node.node_id)
         entries = [(inode.parent, inode.name, inode.ino) for inode in
                    (self.ns.inodes.get(version.ino) for version in gone if version.current) if inode is not None]
         freed = sum(version.size for version in gone if version.current)
         self._forget_versions(gone)
-        del self.registry.nodes[node.node_id]
-        del self.registry.by_name[req.name]
-        self.registry.dirty = True
+        self._unregister(node)
         return m.Removed([], entries, freed)
 
     def cluster_status(self, req: m.ClusterStatus) -> m.ClusterInfo:

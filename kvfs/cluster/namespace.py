@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import errno
 import stat
-from dataclasses import dataclass, field
-
+from kvfs.cluster.entries import Entries
 from kvfs.errors import MetadataError
 
 ROOT_INO = 1
@@ -13,27 +12,70 @@ NAME_MAX = 255
 SYMLINK_MAX = 4095  # PATH_MAX - 1: the longest target the kernel hands to symlink()
 
 
-@dataclass(slots=True, eq=False)
+_MODES: dict[int, int] = {}  # one int object per distinct mode, not one per inode (a few kinds exist)
+
+
 class Inode:
-    ino: int
-    mode: int
-    uid: int
-    gid: int
-    atime_ns: int
-    mtime_ns: int
-    ctime_ns: int
-    parent: int = 0  # 0 once unlinked
-    name: bytes = b""
-    # name -> (child inode, entry id); insertion order is entry-id order, which
-    # lets a listing resume after any entry even while entries come and go.
-    children: dict[bytes, tuple[int, int]] | None = None
-    xattrs: dict[bytes, bytes] = field(default_factory=dict)
-    version: int = 0  # the file's current version
-    entry_id: int = 0  # position in its parent's listing
-    refs: int = 0  # bit n set: node n's kernel holds a lookup reference
-    watchers: int = 0  # bit n set: node n keeps a copy of this directory's names
-    target: bytes = b""  # a symbolic link's target (fixed at creation)
-    subdirs: int = 0  # directories among the children (derived, not saved): st_nlink is 2 + subdirs
+    """One inode. Slots only, and nothing a plain file does not need: a master holds
+    millions of them (docs/cluster.md, "Memory per file"). A directory's entries, its
+    subdirectory count and its watchers live in its `children` (kvfs.cluster.entries);
+    user attributes are None until the first is set."""
+
+    __slots__ = ("ino", "mode", "uid", "gid", "atime_ns", "mtime_ns", "ctime_ns", "parent", "name", "children",
+                 "_xattrs", "version", "entry_id", "refs", "target")
+
+    def __init__(self, ino: int, mode: int, uid: int, gid: int, atime_ns: int, mtime_ns: int, ctime_ns: int,
+                 parent: int = 0, name: bytes = b"", children: Entries | dict | None = None,
+                 xattrs: dict[bytes, bytes] | None = None, version: int = 0, entry_id: int = 0,
+                 refs: int = 0, target: bytes = b"") -> None:
+        self.ino, self.mode, self.uid, self.gid = ino, _MODES.setdefault(mode, mode), uid, gid
+        self.atime_ns, self.mtime_ns, self.ctime_ns = atime_ns, mtime_ns, ctime_ns
+        self.parent = parent  # 0 once unlinked
+        self.name = name
+        # A directory's entries ({} from a saved state: its entries are linked as they load).
+        self.children: Entries | None = None if children is None else (
+            children if isinstance(children, Entries) else Entries())
+        self._xattrs = xattrs or None
+        self.version = version  # the file's current version
+        self.entry_id = entry_id  # position in its parent's listing
+        self.refs = refs  # bit n set: node n's kernel holds a lookup reference
+        self.target = target  # a symbolic link's target (fixed at creation)
+
+    @property
+    def xattrs(self) -> dict[bytes, bytes]:
+        """The user attributes (read-only: change them with set_xattr and remove_xattr)."""
+        return self._xattrs if self._xattrs is not None else {}
+
+    @xattrs.setter
+    def xattrs(self, value: dict[bytes, bytes]) -> None:
+        self._xattrs = dict(value) or None
+
+    def set_xattr(self, name: bytes, value: bytes) -> None:
+        if self._xattrs is None:
+            self._xattrs = {}
+        self._xattrs[name] = value
+
+    def remove_xattr(self, name: bytes) -> bytes | None:
+        if self._xattrs is None:
+            return None
+        value = self._xattrs.pop(name, None)
+        if not self._xattrs:
+            self._xattrs = None
+        return value
+
+    @property
+    def subdirs(self) -> int:
+        return self.children.subdirs if self.children is not None else 0
+
+    @property
+    def watchers(self) -> int:
+        """Bit n set: node n keeps a copy of this directory's names (files have none)."""
+        return self.children.watchers if self.children is not None else 0
+
+    @watchers.setter
+    def watchers(self, value: int) -> None:
+        if self.children is not None:
+            self.children.watchers = value
 
     @property
     def referenced(self) -> bool:
@@ -55,6 +97,9 @@ class Inode:
     @property
     def linked(self) -> bool:
         return self.parent != 0 or self.ino == ROOT_INO
+
+    def __repr__(self) -> str:
+        return f"Inode({self.ino}, {self.name!r} in {self.parent}, mode {self.mode:o})"
 
 
 def check_name(name: bytes) -> None:
@@ -78,7 +123,7 @@ class Namespace:
     """Directories and their entries; every inode knows its one parent and name."""
 
     def __init__(self, now_ns: int, root_mode: int = 0o755, root_uid: int = 0, root_gid: int = 0) -> None:
-        root = Inode(ROOT_INO, stat.S_IFDIR | root_mode, root_uid, root_gid, now_ns, now_ns, now_ns, children={})
+        root = Inode(ROOT_INO, stat.S_IFDIR | root_mode, root_uid, root_gid, now_ns, now_ns, now_ns, children=Entries())
         root.refs = -1  # every node references the root, always
         self.inodes: dict[int, Inode] = {ROOT_INO: root}
         self.next_ino = ROOT_INO + 1
@@ -88,6 +133,10 @@ class Namespace:
         self.dirty: set[int] = {ROOT_INO}
         # Entries added or removed in watched directories: (watchers, directory, name, added).
         self.changes: list[tuple[int, int, bytes, bool]] = []
+        # Per node: the inodes its kernel references, the directories it watches. A node that
+        # goes down gives these back without a walk of every inode.
+        self.referenced_by: dict[int, set[int]] = {}
+        self.watched_by: dict[int, set[int]] = {}
 
     def get(self, ino: int) -> Inode:
         inode = self.inodes.get(ino)
@@ -107,8 +156,8 @@ class Namespace:
             return directory
         if name == b"..":
             return self.inodes[directory.parent or ROOT_INO]
-        entry = directory.children.get(name)  # type: ignore[union-attr]
-        return None if entry is None else self.inodes[entry[0]]
+        ino = directory.children.get(name)  # type: ignore[union-attr]
+        return None if ino is None else self.inodes[ino]
 
     def existing(self, parent: int, name: bytes) -> Inode:
         inode = self.lookup(parent, name)
@@ -117,7 +166,7 @@ class Namespace:
         return inode
 
     def new_inode(self, mode: int, uid: int, gid: int, now_ns: int, directory: bool) -> Inode:
-        inode = Inode(self.next_ino, mode, uid, gid, now_ns, now_ns, now_ns, children={} if directory else None)
+        inode = Inode(self.next_ino, mode, uid, gid, now_ns, now_ns, now_ns, children=Entries() if directory else None)
         self.next_ino += 1
         self.inodes[inode.ino] = inode
         self.dirty.add(inode.ino)
@@ -134,12 +183,12 @@ class Namespace:
 
     def link(self, parent: Inode, name: bytes, inode: Inode, now_ns: int) -> None:
         assert parent.children is not None and name not in parent.children
-        parent.children[name] = (inode.ino, self.next_entry_id)
+        parent.children.add(name, inode.ino, self.next_entry_id)
         inode.entry_id = self.next_entry_id
         self.next_entry_id += 1
         inode.parent, inode.name = parent.ino, name
         if inode.is_dir:
-            parent.subdirs += 1
+            parent.children.subdirs += 1
         parent.mtime_ns = parent.ctime_ns = now_ns
         self.dirty.update((parent.ino, inode.ino))
         if parent.watchers:
@@ -153,9 +202,9 @@ class Namespace:
     def detach(self, inode: Inode, now_ns: int) -> None:
         """Removes the inode's entry but keeps the inode (for rename)."""
         parent = self.inodes[inode.parent]
-        del parent.children[inode.name]  # type: ignore[union-attr]
+        parent.children.remove(inode.name, inode.entry_id)  # type: ignore[union-attr]
         if inode.is_dir:
-            parent.subdirs -= 1
+            parent.children.subdirs -= 1  # type: ignore[union-attr]
         parent.mtime_ns = parent.ctime_ns = now_ns
         if parent.watchers:
             self.changes.append((parent.watchers, parent.ino, inode.name, False))
@@ -170,6 +219,32 @@ class Namespace:
             self.dirty.add(inode.ino)
             if inode.is_file:
                 self.files -= 1
+            elif inode.watchers:
+                self.unwatch(inode, inode.watchers)
+
+    def reference(self, inode: Inode, node: int) -> None:
+        """Node `node`'s kernel holds a lookup reference to the inode."""
+        if inode.ino != ROOT_INO and not inode.refs & (1 << node):
+            inode.refs |= 1 << node
+            self.referenced_by.setdefault(node, set()).add(inode.ino)
+
+    def unreference(self, inode: Inode, node: int) -> None:
+        if inode.ino != ROOT_INO and inode.refs & (1 << node):
+            inode.refs &= ~(1 << node)
+            held = self.referenced_by.get(node)
+            if held is not None:
+                held.discard(inode.ino)
+
+    def watch(self, directory: Inode, node: int) -> None:
+        directory.watchers |= 1 << node
+        self.watched_by.setdefault(node, set()).add(directory.ino)
+
+    def unwatch(self, directory: Inode, nodes: int) -> None:
+        """The nodes with a bit set in `nodes` no longer watch the directory."""
+        directory.watchers &= ~nodes
+        for node, watched in self.watched_by.items():
+            if nodes & (1 << node):
+                watched.discard(directory.ino)
 
     def restore(self, inodes: list[Inode]) -> None:
         """Rebuilds the tree from saved inodes (each knows its parent, name and entry id)."""
@@ -181,9 +256,9 @@ class Namespace:
                 self.files += 1
         for inode in sorted(inodes, key=lambda i: i.entry_id):
             if inode.parent:
-                parent = self.inodes[inode.parent]
-                parent.children[inode.name] = (inode.ino, inode.entry_id)  # type: ignore[index]
-                parent.subdirs += inode.is_dir
+                entries = self.inodes[inode.parent].children
+                entries.add(inode.name, inode.ino, inode.entry_id)  # type: ignore[union-attr]
+                entries.subdirs += inode.is_dir  # type: ignore[union-attr]
         self.dirty.clear()
 
     def is_ancestor(self, ancestor: int, ino: int) -> bool:
@@ -194,11 +269,7 @@ class Namespace:
         return ancestor == ROOT_INO
 
     def listing(self, directory: Inode, start_id: int, limit: int) -> list[tuple[bytes, Inode, int]]:
-        out = []
-        for name, (ino, entry_id) in directory.children.items():  # type: ignore[union-attr]
-            if entry_id <= start_id:
-                continue
-            out.append((name, self.inodes[ino], entry_id))
-            if len(out) >= limit:
-                break
-        return out
+        """Up to `limit` entries after entry `start_id`: O(log n + limit) (kvfs.cluster.entries)."""
+        inodes = self.inodes
+        return [(inode.name, inode, entry_id) for inode, entry_id in
+                ((inodes[ino], entry_id) for ino, entry_id in directory.children.page(start_id, limit))]  # type: ignore[union-attr]

@@ -8,30 +8,72 @@ until its last open handle is released: readers keep the bytes they opened.
 from __future__ import annotations
 
 import errno
-from dataclasses import dataclass, field
+from array import array
+from itertools import compress
+from typing import Sequence
 
 from kvfs.errors import MetadataError
 
 
-@dataclass(slots=True, eq=False)
+SHARED_SIZES = 4096  # distinct file sizes whose int objects versions share
+_SEALED, _CURRENT, _ON_DISK, _HELD, _GONE = 1, 2, 4, 8, 16
+_NO_SUMS = b""
+
+
+def _flag(bit: int, doc: str) -> property:
+    def get(self: FileVersion) -> bool:
+        return bool(self._flags & bit)
+
+    def put(self: FileVersion, value: bool) -> None:
+        self._flags = self._flags | bit if value else self._flags & ~bit
+
+    return property(get, put, doc=doc)
+
+
 class FileVersion:
-    version: int
-    ino: int
-    node: int  # the node that stores the bytes
-    size: int = 0
-    sealed: bool = False
-    current: bool = True  # still the version its file's name refers to
-    readers: int = 0
-    writers: int = 0
-    checksums: list[int] = field(default_factory=list)
-    on_disk: bool = False  # a copy is safe on the node's SSD
-    hits: int = 0
-    last_access_ns: int = 0
-    held: bool = False  # retired, but an inode a kernel references still shows it (see master)
+    """One version of a file's bytes. Slots only, its four flags in one int and its chunk
+    checksums packed 8 bytes each: a master holds millions (docs/cluster.md, "Memory per
+    file"). `checksums` reads and takes a list of ints, as the wire and the saved state do."""
+
+    __slots__ = ("version", "ino", "node", "size", "_flags", "readers", "writers", "_sums", "hits",
+                 "last_access_ns")
+
+    def __init__(self, version: int, ino: int, node: int, size: int = 0, sealed: bool = False,
+                 current: bool = True, readers: int = 0, writers: int = 0, checksums: Sequence[int] = (),
+                 on_disk: bool = False, hits: int = 0, last_access_ns: int = 0, held: bool = False) -> None:
+        self.version, self.ino = version, ino
+        self.node = node  # the node that stores the bytes
+        self.size = size
+        self._flags = (_SEALED if sealed else 0) | (_CURRENT if current else 0) | (_ON_DISK if on_disk else 0) \
+            | (_HELD if held else 0)
+        self.readers, self.writers = readers, writers
+        self._sums = _pack(checksums)
+        self.hits, self.last_access_ns = hits, last_access_ns
+
+    sealed = _flag(_SEALED, "its bytes are final")
+    current = _flag(_CURRENT, "still the version its file's name refers to")
+    on_disk = _flag(_ON_DISK, "a copy is safe on the node's SSD")
+    held = _flag(_HELD, "retired, but an inode a kernel references still shows it (see master)")
+    gone = _flag(_GONE, "its node registered again without it: hidden until it is forgotten (not saved)")
+
+    @property
+    def checksums(self) -> list[int]:
+        return memoryview(self._sums).cast("Q").tolist() if self._sums else []
+
+    @checksums.setter
+    def checksums(self, value: Sequence[int]) -> None:
+        self._sums = _pack(value)
 
     @property
     def in_use(self) -> bool:
         return self.readers > 0 or self.writers > 0
+
+    def __repr__(self) -> str:
+        return f"FileVersion({self.version}, ino {self.ino}, node {self.node}, {self.size} bytes)"
+
+
+def _pack(checksums: Sequence[int]) -> bytes:
+    return array("Q", checksums).tobytes() if checksums else _NO_SUMS
 
 
 class ObjectDirectory:
@@ -40,6 +82,13 @@ class ObjectDirectory:
         self.next_version = 1
         self.sealed_bytes = 0
         self.dirty: set[int] = set()  # versions changed since the owner last saved them
+        # node -> its versions' ids (append-only, 8 bytes each; ids of versions forgotten since
+        # stay until they are half of the array): a node's death, registration and removal
+        # touch that node's versions only, never every version.
+        self.by_node: dict[int, array[int]] = {}
+        self._node_versions: dict[int, int] = {}  # node -> how many versions it stores
+        self._sizes: dict[int, int] = {}  # sizes seen, each one int object (see `seal`)
+        self.retired: set[int] = set()  # versions no longer current, kept while open or held (a few)
         # Versions dropped since the master last routed them to the nodes that store them.
         self.dropped_log: list[FileVersion] = []
 
@@ -52,14 +101,14 @@ class ObjectDirectory:
     def create(self, ino: int, node: int) -> FileVersion:
         version = FileVersion(self.next_version, ino, node)
         self.next_version += 1
-        self.versions[version.version] = version
+        self._add(version)
         self.dirty.add(version.version)
         return version
 
     def restore(self, version_id: int, ino: int, node: int, size: int, checksums: list[int]) -> FileVersion:
         """A sealed version found on a node's SSD after a restart keeps its id."""
         version = FileVersion(version_id, ino, node, on_disk=True)
-        self.versions[version_id] = version
+        self._add(version)
         self.next_version = max(self.next_version, version_id + 1)
         self.seal(version, size, checksums)
         return version
@@ -67,13 +116,45 @@ class ObjectDirectory:
     def load(self, versions: list[FileVersion], next_version: int) -> None:
         """Saved versions after a master restart (no open handles yet: nodes report theirs)."""
         for version in versions:
-            self.versions[version.version] = version
+            self._add(version)
+            if not version.current:
+                self.retired.add(version.version)
             if version.sealed:
                 self.sealed_bytes += version.size
         self.next_version = max([next_version] + [v.version + 1 for v in versions])
         self.dirty.clear()
 
+    def _add(self, version: FileVersion) -> None:
+        self.versions[version.version] = version
+        ids = self.by_node.get(version.node)
+        if ids is None:
+            ids = self.by_node[version.node] = array("Q")
+        ids.append(version.version)
+        self._node_versions[version.node] = self._node_versions.get(version.node, 0) + 1
+
+    def of_node(self, node: int) -> list[FileVersion]:
+        """The versions stored on a node (O(its versions), not of every version)."""
+        versions = self.versions
+        ids = self.by_node.get(node, ())
+        if len(ids) == self._node_versions.get(node, 0):  # no forgotten ids among them
+            return [versions[version_id] for version_id in ids]
+        found = []
+        for version_id in dict.fromkeys(ids):  # (an id forgotten, then restored, is there twice)
+            version = versions.get(version_id)
+            if version is not None and version.node == node:
+                found.append(version)
+        return found
+
+    def count(self, node: int) -> int:
+        """How many versions the node stores."""
+        return self._node_versions.get(node, 0)
+
     def seal(self, version: FileVersion, size: int, checksums: list[int]) -> None:
+        # KV-cache blocks come in a few sizes: one int object per size, not one per version.
+        if len(self._sizes) < SHARED_SIZES:
+            size = self._sizes.setdefault(size, size)
+        else:
+            size = self._sizes.get(size, size)
         version.sealed, version.size, version.checksums = True, size, checksums
         self.sealed_bytes += size
         self.dirty.add(version.version)
@@ -82,6 +163,8 @@ class ObjectDirectory:
         """The version is no longer its file's content; drop it once nobody has it open."""
         version.current = False
         self.dirty.add(version.version)
+        if version.version in self.versions:
+            self.retired.add(version.version)
         self._drop_if_unused(version, dropped)
 
     def release(self, version: FileVersion, writer: bool, dropped: list[int]) -> None:
@@ -99,6 +182,14 @@ class ObjectDirectory:
     def forget(self, version: FileVersion) -> None:
         """Removes a version from the directory; its node is told to free the bytes."""
         del self.versions[version.version]
+        self.retired.discard(version.version)
+        node = version.node
+        left = self._node_versions[node] = self._node_versions[node] - 1
+        if not left:
+            del self._node_versions[node], self.by_node[node]
+        elif len(self.by_node[node]) > 2 * left + 64:  # mostly forgotten ids: keep the live ones (in C)
+            ids = self.by_node[node]
+            self.by_node[node] = array("Q", compress(ids, map(self.versions.__contains__, ids)))
         if version.sealed:
             self.sealed_bytes -= version.size
         self.dirty.add(version.version)

@@ -87,6 +87,10 @@ async def expire_forever(service: MetadataService, server: MetadataServer, confi
             stalls = service.liveness.stalls
             known = dict(service.registry.by_name)
             dead = service.expire_nodes()
+            while service.pending_work(0.05):  # a dead node's files, in slices: requests run between
+                changed("pending work")
+                server.wake_pushers()
+                await trio.sleep(0)
             for name in known.keys() - service.registry.by_name.keys():
                 log.warning("node %s was dead for over %s: forgotten, as by kvfs remove-node (its files left "
                             "the namespace)", name, format_duration(config.forget_dead_after_s))
