@@ -30,6 +30,7 @@ VIRTUAL_XATTRS = (b"user.kvfs.tier", b"user.kvfs.size", b"user.kvfs.version", b"
                   b"user.kvfs.node", b"user.kvfs.node_name", b"user.kvfs.on_ssd", b"user.kvfs.leases",
                   b"user.kvfs.ssd_extents", b"user.kvfs.info")
 VIRTUAL_PREFIX = b"user.kvfs."
+USER_PREFIX = b"user."  # the only namespace a setxattr may use (kvfs.cluster.validate)
 ROOT_STATS = b"user.kvfs.stats"  # JSON counters of the node's store, on the root directory
 ROOT_USAGE = b"user.kvfs.usage"  # JSON use per top-level directory (`kvfs du`), on the root directory
 ROOT_USAGE_COUNTERS = b"user.kvfs.usage_counters"  # the same without summing the files (cheap)
@@ -69,6 +70,11 @@ class NodeXattrs:
             return msgspec.json.encode(usage)
         if name.startswith(VIRTUAL_PREFIX):
             return await self._virtual_xattr(ino, name)
+        if not name.startswith(USER_PREFIX):
+            # Only user.* attributes can be set, so no other exists: answered here. The
+            # kernel asks for security.capability before every write to a file (to clear
+            # it), which would otherwise be a master round trip per write.
+            raise StorageError(errno.ENODATA, f"no xattr {name!r} on inode {ino} (only user.* attributes exist)")
         return (await self.master.call(m.GetXattr(ino, name))).value
 
     async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
