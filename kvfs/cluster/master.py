@@ -610,6 +610,20 @@ class MetadataService:
         return m.Done(dropped)
 
     def _seal(self, req: m.Seal) -> m.Attr:
+        if not req.release:
+            return self._seal_version(req)
+        release = m.Release(req.version, writer=True)  # the last writer's: one request per close, not two
+        try:
+            attr = self._seal_version(req)
+        except MetadataError:  # refused: released all the same, what it drops goes with a heartbeat
+            node = self.registry.nodes.get(self._caller)
+            dropped = self._release(release).dropped
+            if node is not None:
+                node.outbox_dropped.extend(dropped)
+            raise
+        return m.sealed(attr, self._release(release).dropped)
+
+    def _seal_version(self, req: m.Seal) -> m.Attr:
         version = self.objects.get(req.version)
         newly = not version.sealed
         if newly:

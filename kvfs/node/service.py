@@ -566,15 +566,16 @@ class Node:
         state.mtime_ns = state.ctime_ns = self.clock.wall_ns()
         return len(data)
 
-    async def _finish_writing(self, handle: OpenFile) -> None:
+    def _finish_writing(self, handle: OpenFile) -> m.Seal | None:
         """A writer's release. The last one seals the version, as on a local file system a
         file is final once its last open file description is gone: a descriptor closed while
         a duplicate of it (dup, a shell's `> file`) is still open ends nothing, since the
-        kernel sends RELEASE only when every duplicate is closed."""
+        kernel sends RELEASE only when every duplicate is closed. Returns the seal for the
+        master (None if writers remain)."""
         state = self._writing[handle.version]
         state.writers -= 1
         if state.writers:
-            return
+            return None
         del self._writing[handle.version]  # the last writer is done: the bytes are final
         self.unsealed.credit(state.uid, state.charged)
         checksums = self.store.seal(handle.version, state.size)
@@ -582,29 +583,39 @@ class Node:
             reader.size = state.size
         # Until the master confirms, a registration reports the seal (with its mtime) itself.
         self.membership.unreported_seals[handle.version] = state.mtime_ns
-        try:
-            attr = await self.master.call(m.Seal(handle.version, state.size, state.mtime_ns, checksums,
-                                                 state.ctime_ns))
-        except MasterUnavailable:
-            log.warning("inode %d: the master is unreachable; its seal is reported on reconnection", handle.ino)
-            return
-        self.membership.unreported_seals.pop(handle.version, None)
-        self._remember_local(handle.ino, handle.version, attr)
+        return m.Seal(handle.version, state.size, state.mtime_ns, checksums, state.ctime_ns)
 
     async def release(self, handle: OpenFile) -> None:
         self._count_open(handle.version, handle.writable, -1)
+        seal = None
         try:
             if handle.source is not None:
                 self.store.close_read(handle.source)
                 self._forget_early_reader(handle)
             if handle.writable:
-                await self._finish_writing(handle)
+                seal = self._finish_writing(handle)
         finally:  # the reference goes even if sealing failed, or the version would leak
-            if handle.leased:
+            if seal is not None:
+                seal.release = handle.leased  # one request: the master seals, then releases
+                await self._seal(handle, seal)
+            elif handle.leased:
                 try:
                     self.drop((await self.master.call(m.Release(handle.version, handle.writable))).dropped)
                 except MasterUnavailable:
                     pass  # a new registration reports only the handles still open
+
+    async def _seal(self, handle: OpenFile, seal: m.Seal) -> None:
+        """Tells the master (the RELEASE is answered once it has the seal: an acknowledged
+        close is durable there); with `seal.release`, the lease goes in the same request,
+        released by the master even if the seal is refused."""
+        try:
+            sealed = await self.master.call(seal)
+        except MasterUnavailable:
+            log.warning("inode %d: the master is unreachable; its seal is reported on reconnection", handle.ino)
+            return  # (and a new registration reports only the handles still open)
+        self.membership.unreported_seals.pop(handle.version, None)
+        self._remember_local(handle.ino, handle.version, sealed)
+        self.drop(sealed.dropped)
 
     def _forget_early_reader(self, handle: OpenFile) -> None:
         readers = self._early_readers.get(handle.version)
