@@ -451,7 +451,7 @@ class MetadataService:
         inode.version = version.version
         self._link(directory, req.name, inode, now)
         self._unpublished[inode.ino] = None
-        return m.Opened(self._referenced(inode), version.version)
+        return m.Opened(self._referenced(inode), version.version, parent=self.attr(directory))
 
     def _existing(self, parent: int, name: bytes) -> Inode:
         inode = self._entry(parent, name)
@@ -511,7 +511,8 @@ class MetadataService:
         self._unpublished.pop(source.ino, None)  # renamed: published
         self.ns.detach(source, now)
         self._link(new_parent, req.name_new, source, now)
-        return m.Done(dropped, self._files_on_disk(source))
+        directories = [self.attr(self.ns.inodes[ino]) for ino in dict.fromkeys((req.parent_old, req.parent_new))]
+        return m.Done(dropped, self._files_on_disk(source), directories)
 
     def _files_on_disk(self, inode: Inode) -> list[int]:
         """Current versions on SSD at or below an inode (their recorded paths change with it)."""

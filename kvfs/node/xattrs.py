@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -44,6 +44,9 @@ class XattrNode(Protocol):
 
     async def getattr(self, ino: int) -> m.Attr:
         """A file's attributes as the kernel sees them."""
+
+    async def change(self, request: m.Request) -> Any:
+        """A change of this node, sent to the master: its answer."""
 
     def store_stats(self) -> dict[str, float]:
         """The node's store and activity counters."""
@@ -82,13 +85,13 @@ class NodeXattrs:
             return await self._control(value.decode(errors="replace").strip())
         if name.startswith(VIRTUAL_PREFIX):
             raise StorageError(errno.EPERM, f"xattr {name!r} is read-only (maintained by kvfs)")
-        await self.master.call(m.SetXattr(ino, name, value))
+        await self.node.change(m.SetXattr(ino, name, value))
         await self._refresh_file_record(ino)
 
     async def removexattr(self, ino: int, name: bytes) -> None:
         if name.startswith(VIRTUAL_PREFIX):
             raise StorageError(errno.EPERM, f"xattr {name!r} is read-only (maintained by kvfs)")
-        await self.master.call(m.RemoveXattr(ino, name))
+        await self.node.change(m.RemoveXattr(ino, name))
         await self._refresh_file_record(ino)
 
     async def _refresh_file_record(self, ino: int) -> None:

@@ -392,6 +392,9 @@ class Done(msgspec.Struct):
 
     dropped: list[int] = []
     relocated: list[int] = []
+    # A rename's: the attributes of the directories it changed, after it (the kernel asks for
+    # them next, having dropped its own copy).
+    directories: list[Attr] = []
 
 
 class Entry(msgspec.Struct):
@@ -416,6 +419,9 @@ class Opened(msgspec.Struct):
     node: int = 0
     address: str = ""
     checksums: list[int] = []
+    # A create's: the attributes of the directory it added the name to, after it (the
+    # kernel asks for them next, having dropped its own copy).
+    parent: Attr | None = None
 
 
 class Removed(msgspec.Struct):
