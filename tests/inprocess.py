@@ -619,7 +619,9 @@ class Link:
             if not self._up.is_set():
                 raise MasterUnavailable("the link to the master is cut")
         await self.cluster.running()
-        return await self.client.call(request, wait_s)
+        answer = await self.client.call(request, wait_s)
+        await trio.lowlevel.checkpoint()  # the pushes the request queued go out with its reply, as over the network
+        return answer
 
 
 ClusterScenario = Callable[[Cluster], Awaitable[None]]

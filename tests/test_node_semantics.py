@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import functools
 import errno
+import json
 import os
+import re
 import signal
+import stat
 import subprocess
 import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -182,3 +186,90 @@ def test_a_file_closed_on_one_node_opens_for_writing_at_once_on_another(two_node
             f.seek(10)
             f.write(b"B")
         assert (a.path / path).read_bytes() == b"a" * 10 + b"B" + b"a" * 65525
+
+
+def master_requests(node: KvfsMount) -> dict[str, float]:
+    """The node's requests to the master so far, by type (its metrics)."""
+    text = urllib.request.urlopen(node.metrics_url, timeout=10).read().decode()
+    counts: dict[str, float] = {}
+    for request, value in re.findall(r'^kvfs_master_rpc_total\{request="(\w+)",result="\w+"\} (\S+)$', text, re.M):
+        counts[request] = counts.get(request, 0.0) + float(value)
+    return counts
+
+
+def store_like_vllm(directory: Path, name: str, data: bytes) -> None:
+    tmp = directory / f"{name}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        assert os.write(fd, data) == len(data)
+    finally:
+        os.close(fd)
+    os.rename(tmp, directory / name)
+
+
+def test_a_file_stored_through_a_node_takes_three_master_requests(two_nodes) -> None:
+    """vLLM's store (create a temp file, one write, close, rename): the create, the seal with
+    the writer's release, and the rename. The kernel's getattr of the directory after each
+    change is answered with the attributes that came with it, its security.capability check
+    before the write by the node (only user.* attributes exist)."""
+    a, _ = two_nodes
+    directory = a.path / "kv"
+    directory.mkdir()
+    store_like_vllm(directory, "first.bin", b"x" * 4096)  # the node copies the directory meanwhile
+    store_like_vllm(directory, "second.bin", b"x" * 4096)
+    before = master_requests(a)
+    files = 20
+    for i in range(files):
+        store_like_vllm(directory, f"{i:064x}.bin", os.urandom(4096))
+    spent = {request: count - before.get(request, 0.0) for request, count in master_requests(a).items()}
+    assert (spent.get("Create"), spent.get("Seal"), spent.get("Rename")) == (files, files, files), spent
+    assert spent.get("Release", 0) == spent.get("GetXattr", 0) == spent.get("Lookup", 0) == 0, spent
+    assert spent.get("GetAttr", 0) <= files // 10, spent  # (the kernel may refresh a file's own)
+    with pytest.raises(OSError) as raised:
+        os.getxattr(directory / "first.bin", "security.capability")
+    assert raised.value.errno == errno.ENODATA
+
+
+def test_directory_attributes_after_a_nodes_own_changes_are_the_masters(two_nodes) -> None:
+    """The attributes that answer the kernel after a node's create or rename are exactly what
+    the master holds, and a change that brings none (mkdir, chmod, setxattr) is never hidden
+    behind them: another node that never looked at the directory sees the same."""
+    a, b = two_nodes
+    directory = a.path / "attrs"
+    directory.mkdir()
+    first = os.stat(directory)
+    store_like_vllm(directory, "k.bin", b"k" * 4096)
+    stored = os.stat(directory)
+    assert stored.st_mtime_ns > first.st_mtime_ns and stored.st_ctime_ns > first.st_ctime_ns
+    (directory / "sub").mkdir()
+    assert os.stat(directory).st_nlink == 3
+    os.rename(directory / "k.bin", directory / "sub" / "k.bin")  # both directories change
+    moved = os.stat(directory)
+    assert moved.st_mtime_ns > stored.st_mtime_ns and moved.st_nlink == 3
+    os.chmod(directory, 0o711)
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o711
+    os.setxattr(directory, "user.tag", b"1")
+    tagged = os.stat(directory).st_ctime_ns
+    assert tagged > moved.st_ctime_ns
+    store_like_vllm(directory / "sub", "j.bin", b"j" * 4096)
+    shown = {name: os.stat(node.path / "attrs" / "sub") for name, node in (("a", a), ("b", b))}
+    shown.update({f"{name}-parent": os.stat(node.path / "attrs") for name, node in (("a", a), ("b", b))})
+    for suffix in ("", "-parent"):
+        mine, theirs = shown["a" + suffix], shown["b" + suffix]
+        assert (mine.st_mode, mine.st_nlink, mine.st_mtime_ns, mine.st_ctime_ns) == \
+            (theirs.st_mode, theirs.st_nlink, theirs.st_mtime_ns, theirs.st_ctime_ns), suffix
+
+
+def test_a_file_removed_while_written_is_freed_at_its_close(two_nodes) -> None:
+    """The close's single request (seal and release) hands back the version the release
+    frees: the bytes of a file unlinked while it was written leave the node's tier."""
+    a, b = two_nodes
+    stats = lambda: json.loads(os.getxattr(a.path, "user.kvfs.stats"))  # noqa: E731
+    used = stats()["dram_used"]
+    path = a.path / "gone.bin"
+    with open(path, "wb") as file:
+        file.write(os.urandom(2 * MiB))
+        os.unlink(path)
+        assert stats()["dram_used"] >= used + 2 * MiB
+    wait_until(lambda: stats()["dram_used"] == used, what="the unlinked file's bytes freed at its close")
+    assert not (b.path / "gone.bin").exists()

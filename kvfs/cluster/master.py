@@ -466,7 +466,7 @@ class MetadataService:
         self._link(directory, req.name, inode, now)
         self._unpublished[inode.ino] = None
         self._unpublished_peak = max(self._unpublished_peak, len(self._unpublished))
-        return m.Opened(self._referenced(inode), version.version)
+        return m.Opened(self._referenced(inode), version.version, parent=self.attr(directory))
 
     def _existing(self, parent: int, name: bytes) -> Inode:
         inode = self._entry(parent, name)
@@ -526,7 +526,8 @@ class MetadataService:
         self._unpublished.pop(source.ino, None)  # renamed: published
         self.ns.detach(source, now)
         self._link(new_parent, req.name_new, source, now)
-        return m.Done(dropped, self._files_on_disk(source))
+        directories = [self.attr(self.ns.inodes[ino]) for ino in dict.fromkeys((req.parent_old, req.parent_new))]
+        return m.Done(dropped, self._files_on_disk(source), directories)
 
     def _files_on_disk(self, inode: Inode) -> list[int]:
         """Current versions on SSD at or below an inode (their recorded paths change with it)."""
@@ -625,6 +626,20 @@ class MetadataService:
         return m.Done(dropped)
 
     def _seal(self, req: m.Seal) -> m.Attr:
+        if not req.release:
+            return self._seal_version(req)
+        release = m.Release(req.version, writer=True)  # the last writer's: one request per close, not two
+        try:
+            attr = self._seal_version(req)
+        except MetadataError:  # refused: released all the same, what it drops goes with a heartbeat
+            node = self.registry.nodes.get(self._caller)
+            dropped = self._release(release).dropped
+            if node is not None:
+                node.outbox_dropped.extend(dropped)
+            raise
+        return m.sealed(attr, self._release(release).dropped)
+
+    def _seal_version(self, req: m.Seal) -> m.Attr:
         version = self.objects.get(req.version)
         newly = not version.sealed
         if newly:

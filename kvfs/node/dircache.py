@@ -22,9 +22,10 @@ connection to the master is lost, since pushes may have been missed.
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 
-from kvfs.wire.messages import Entry
+from kvfs.wire.messages import Attr, Entry
 
 LOOKUPS_BEFORE_COPY = 2  # lookups in a directory answered by the master before its names are fetched
 
@@ -119,3 +120,54 @@ class DirectoryCache:
 
     def __len__(self) -> int:
         return len(self._names)
+
+
+class OwnChanges:
+    """Directory attributes as the master answered them right after this node's own change,
+    to answer the kernel's getattr that follows it (pure).
+
+    The kernel drops its copy of a directory's attributes after every create, rename or
+    unlink in it and asks again at the next permission check of a path walk: in vLLM's
+    store (create, write, close, rename) twice per file, each a master round trip. The
+    node asks for them in the same round trip as the change (pipelined behind it on the
+    connection, which the master answers in order) and answers from them while they are
+    certain to include every change of its own: only when no other change of this node was
+    in flight when the change began, and none began since. Changes made through other
+    nodes show after at most `fresh_s` (a kernel caches attributes far longer: 60 s)."""
+
+    def __init__(self, fresh_s: float) -> None:
+        self.fresh_s = fresh_s
+        self.generation = 0  # changes of this node begun so far
+        self.in_flight = 0
+        self._attrs: dict[int, tuple[Attr, int, float]] = {}  # ino -> (attributes, generation, when)
+        self.answered = 0  # getattrs answered from here
+
+    def begin(self) -> int | None:
+        """A change of this node begins. Returns its token when the attributes answered
+        after it may be kept (nothing else in flight), else None."""
+        self.generation += 1
+        self.in_flight += 1
+        self._attrs.clear()  # none holds this change
+        return self.generation if self.in_flight == 1 else None
+
+    def invalidate(self) -> None:
+        """Directories changed behind this node's back (names removed by eviction, say)."""
+        self.generation += 1
+        self._attrs.clear()
+
+    def end(self, token: int | None, attrs: list[Attr], now: float) -> None:
+        """The change was answered, with the attributes asked behind it (kept if `token` still holds)."""
+        self.in_flight -= 1
+        if token is not None and token == self.generation:
+            for attr in attrs:
+                self._attrs[attr.ino] = (attr, token, now)
+
+    def get(self, ino: int, now: float) -> Attr | None:
+        kept = self._attrs.get(ino)
+        if kept is None:
+            return None
+        attr, generation, when = kept
+        if generation != self.generation or now - when > self.fresh_s:
+            return None
+        self.answered += 1
+        return copy.copy(attr)

@@ -18,7 +18,7 @@ import os
 import stat
 import time
 from dataclasses import asdict, dataclass
-from typing import Awaitable, Callable, Iterable, Iterator
+from typing import Any, Awaitable, Callable, Iterable, Iterator
 
 import msgspec
 import trio
@@ -26,7 +26,7 @@ import trio
 from kvfs import progress
 from kvfs.clock import Clock
 from kvfs.wire import messages as m
-from kvfs.node.dircache import DirectoryCache
+from kvfs.node.dircache import DirectoryCache, OwnChanges
 from kvfs.cluster.embedded import MasterClient
 from kvfs.node.prefetch import Prefetches
 from kvfs.node.quota import UnsealedBytes
@@ -83,6 +83,7 @@ PEER_BUDGET_S = 3.0  # an open of another node's file tries that long, then fail
 RETRY_PAUSE_S = 0.05  # the first pause before asking the master and the owner again (doubling)
 SEAL_WAIT_S = 2.0  # the longest an open waits for another node's writer to seal a file it closed
 TIERS = ("dram", "ssd", "peer")  # where a reader is served from (ReadSource.tier)
+OWN_CHANGE_ATTRS_S = 1.0  # directory attributes fetched with a change answer getattr that long (OwnChanges)
 
 
 @contextlib.contextmanager
@@ -112,7 +113,7 @@ class Node:
         store.owner = self
         self.clock = clock
         self.node_id = node_id
-        self.forget_entries = forget_entries  # tells the kernel that names were removed behind its back
+        self._forget_entries = forget_entries  # tells the kernel that names were removed behind its back
         self.transport = transport  # chunk fetches from other nodes (cluster mode)
         # Cluster mode: a file written on another node may be cached by this kernel with the
         # attributes (size) of an older version; opening a newer one drops them first.
@@ -131,6 +132,7 @@ class Node:
         # Readers of versions still being written here: their size is the seal's once it comes.
         self._early_readers: dict[int, list[OpenFile]] = {}
         self._dir_attrs: dict[int, m.Attr] = {}  # last known directory attributes (for a master outage)
+        self.own_changes = OwnChanges(OWN_CHANGE_ATTRS_S)  # directory attributes that came with a change
         self.evicted_files = 0
         self.evictions = EvictionSummary()  # logged at INFO, at most every few seconds
         self.remote_reads = 0
@@ -145,6 +147,12 @@ class Node:
         # Registration, heartbeats and the directory copies' fetches and pushes.
         self.membership = Membership(master, store, self.dircache, self)
         self.xattrs = NodeXattrs(master, store, self)  # user.* and the virtual user.kvfs.* attributes
+
+    def forget_entries(self, entries: list[tuple[int, bytes, int]]) -> None:
+        """Names removed behind the kernel's back (eviction, collection, another node): their
+        directories changed, so attributes fetched with a change of this node no longer answer."""
+        self.own_changes.invalidate()
+        self._forget_entries(entries)
 
     def use_master(self, master: MasterClient) -> None:
         """Cluster mode: the link to the master process replaces the embedded one (every
@@ -210,8 +218,12 @@ class Node:
 
     async def getattr(self, ino: int) -> m.Attr:
         # The kernel re-reads a directory's attributes after every change in it (to check
-        # permissions on path walks): while the master is unreachable the last known ones
-        # do, so that files stored here stay readable.
+        # permissions on path walks): those that came with this node's own change answer
+        # (kvfs.node.dircache.OwnChanges); while the master is unreachable the last known
+        # ones do, so that files stored here stay readable.
+        fresh = self.own_changes.get(ino, self.clock.monotonic())
+        if fresh is not None:
+            return fresh
         cached = self._dir_attrs.get(ino)
         if cached is None and ino in self._local:
             cached = self._local[ino][1]
@@ -238,7 +250,7 @@ class Node:
         if size is not None:
             await self._truncate(ino, size, handle)
         if (mode, uid, gid, atime_ns, mtime_ns) != (None,) * 5:
-            attr = await self.master.call(m.SetAttr(ino, mode, uid, gid, atime_ns, mtime_ns))
+            attr = await self.change(m.SetAttr(ino, mode, uid, gid, atime_ns, mtime_ns))
             state = self._writing.get(attr.version)
             if mtime_ns is not None and state is not None:  # else the seal would put back the last write's
                 state.mtime_ns = mtime_ns
@@ -284,14 +296,14 @@ class Node:
     # Namespace -----------------------------------------------------------------------------
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> m.Attr:
-        attr = await self.master.call(m.MkDir(parent, name, mode, uid, gid))
+        attr = await self.change(m.MkDir(parent, name, mode, uid, gid))
         self._remember_dir(attr)
         self.membership.names.seen(parent, name, attr)
         self._own_change(parent, name, present=True)
         return attr
 
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> m.Attr:
-        attr = await self.master.call(m.Symlink(parent, name, target, uid, gid))
+        attr = await self.change(m.Symlink(parent, name, target, uid, gid))
         self._own_change(parent, name, present=True)
         return attr
 
@@ -299,21 +311,40 @@ class Node:
         return (await self.master.call(m.ReadLink(ino))).target
 
     async def unlink(self, parent: int, name: bytes) -> None:
-        self.drop((await self.master.call(m.Unlink(parent, name))).dropped)
+        self.drop((await self.change(m.Unlink(parent, name))).dropped)
         self._own_change(parent, name, present=False)
 
     async def rmdir(self, parent: int, name: bytes) -> None:
-        await self.master.call(m.RmDir(parent, name))
+        await self.change(m.RmDir(parent, name))
         self._own_change(parent, name, present=False)
 
     async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes, noreplace: bool) -> None:
-        done = await self.master.call(m.Rename(parent_old, name_old, parent_new, name_new, noreplace))
+        done = await self.change(m.Rename(parent_old, name_old, parent_new, name_new, noreplace))
         self.membership.names.moved(parent_old, name_old, parent_new, name_new)
         self._own_change(parent_old, name_old, present=False)
         self._own_change(parent_new, name_new, present=True)
         self.drop(done.dropped)
         for version in done.relocated:  # before replying: a crash must not resurrect the old name
             await self.store.refresh_record(version)
+
+    async def change(self, request: m.Request) -> Any:
+        """This node's change of the namespace or of attributes: the master's answer. The
+        attributes of directories that come with it (a create's, a rename's) answer the
+        kernel's getattr that follows, while no other change of this node can have moved
+        them (kvfs.node.dircache.OwnChanges)."""
+        token = self.own_changes.begin()
+        directories: list[m.Attr] = []
+        try:
+            answer = await self.master.call(request)
+            if isinstance(answer, m.Opened) and answer.parent is not None:
+                directories = [answer.parent]
+            elif isinstance(answer, m.Done):
+                directories = answer.directories
+            for attr in directories:
+                self._remember_dir(attr)
+            return answer
+        finally:
+            self.own_changes.end(token, directories, self.clock.monotonic())
 
     def _own_change(self, parent: int, name: bytes, present: bool) -> None:
         """This node's own change, in its directory copies before the reply (the master's
@@ -337,7 +368,7 @@ class Node:
     # Files ---------------------------------------------------------------------------------
 
     async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int, exclusive: bool) -> tuple[OpenFile, m.Attr]:
-        opened = await self.master.call(m.Create(parent, name, mode, uid, gid, self.node_id, exclusive))
+        opened = await self.change(m.Create(parent, name, mode, uid, gid, self.node_id, exclusive))
         self._own_change(parent, name, present=True)
         self.membership.names.seen(parent, name, opened.attr)
         handle = await self._start_writing(opened, truncate=False, uid=uid)
@@ -587,15 +618,16 @@ class Node:
         state.mtime_ns = state.ctime_ns = self.clock.wall_ns()
         return len(data)
 
-    async def _finish_writing(self, handle: OpenFile) -> None:
+    def _finish_writing(self, handle: OpenFile) -> m.Seal | None:
         """A writer's release. The last one seals the version, as on a local file system a
         file is final once its last open file description is gone: a descriptor closed while
         a duplicate of it (dup, a shell's `> file`) is still open ends nothing, since the
-        kernel sends RELEASE only when every duplicate is closed."""
+        kernel sends RELEASE only when every duplicate is closed. Returns the seal for the
+        master (None if writers remain)."""
         state = self._writing[handle.version]
         state.writers -= 1
         if state.writers:
-            return
+            return None
         del self._writing[handle.version]  # the last writer is done: the bytes are final
         self.unsealed.credit(state.uid, state.charged)
         checksums = self.store.seal(handle.version, state.size)
@@ -603,29 +635,39 @@ class Node:
             reader.size = state.size
         # Until the master confirms, a registration reports the seal (with its mtime) itself.
         self.membership.unreported_seals[handle.version] = state.mtime_ns
-        try:
-            attr = await self.master.call(m.Seal(handle.version, state.size, state.mtime_ns, checksums,
-                                                 state.ctime_ns))
-        except MasterUnavailable:
-            log.warning("inode %d: the master is unreachable; its seal is reported on reconnection", handle.ino)
-            return
-        self.membership.unreported_seals.pop(handle.version, None)
-        self._remember_local(handle.ino, handle.version, attr)
+        return m.Seal(handle.version, state.size, state.mtime_ns, checksums, state.ctime_ns)
 
     async def release(self, handle: OpenFile) -> None:
         self._count_open(handle.version, handle.writable, -1)
+        seal = None
         try:
             if handle.source is not None:
                 self.store.close_read(handle.source)
                 self._forget_early_reader(handle)
             if handle.writable:
-                await self._finish_writing(handle)
+                seal = self._finish_writing(handle)
         finally:  # the reference goes even if sealing failed, or the version would leak
-            if handle.leased:
+            if seal is not None:
+                seal.release = handle.leased  # one request: the master seals, then releases
+                await self._seal(handle, seal)
+            elif handle.leased:
                 try:
                     self.drop((await self.master.call(m.Release(handle.version, handle.writable))).dropped)
                 except MasterUnavailable:
                     pass  # a new registration reports only the handles still open
+
+    async def _seal(self, handle: OpenFile, seal: m.Seal) -> None:
+        """Tells the master (the RELEASE is answered once it has the seal: an acknowledged
+        close is durable there); with `seal.release`, the lease goes in the same request,
+        released by the master even if the seal is refused."""
+        try:
+            sealed = await self.master.call(seal)
+        except MasterUnavailable:
+            log.warning("inode %d: the master is unreachable; its seal is reported on reconnection", handle.ino)
+            return  # (and a new registration reports only the handles still open)
+        self.membership.unreported_seals.pop(handle.version, None)
+        self._remember_local(handle.ino, handle.version, sealed)
+        self.drop(sealed.dropped)
 
     def _forget_early_reader(self, handle: OpenFile) -> None:
         readers = self._early_readers.get(handle.version)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -30,6 +30,7 @@ VIRTUAL_XATTRS = (b"user.kvfs.tier", b"user.kvfs.size", b"user.kvfs.version", b"
                   b"user.kvfs.node", b"user.kvfs.node_name", b"user.kvfs.on_ssd", b"user.kvfs.leases",
                   b"user.kvfs.ssd_extents", b"user.kvfs.info")
 VIRTUAL_PREFIX = b"user.kvfs."
+USER_PREFIX = b"user."  # the only namespace a setxattr may use (kvfs.cluster.validate)
 ROOT_STATS = b"user.kvfs.stats"  # JSON counters of the node's store, on the root directory
 ROOT_USAGE = b"user.kvfs.usage"  # JSON use per top-level directory (`kvfs du`), on the root directory
 ROOT_USAGE_COUNTERS = b"user.kvfs.usage_counters"  # the same without summing the files (cheap)
@@ -43,6 +44,9 @@ class XattrNode(Protocol):
 
     async def getattr(self, ino: int) -> m.Attr:
         """A file's attributes as the kernel sees them."""
+
+    async def change(self, request: m.Request) -> Any:
+        """A change of this node, sent to the master: its answer."""
 
     def store_stats(self) -> dict[str, float]:
         """The node's store and activity counters."""
@@ -69,6 +73,11 @@ class NodeXattrs:
             return msgspec.json.encode(usage)
         if name.startswith(VIRTUAL_PREFIX):
             return await self._virtual_xattr(ino, name)
+        if not name.startswith(USER_PREFIX):
+            # Only user.* attributes can be set, so no other exists: answered here. The
+            # kernel asks for security.capability before every write to a file (to clear
+            # it), which would otherwise be a master round trip per write.
+            raise StorageError(errno.ENODATA, f"no xattr {name!r} on inode {ino} (only user.* attributes exist)")
         return (await self.master.call(m.GetXattr(ino, name))).value
 
     async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
@@ -76,13 +85,13 @@ class NodeXattrs:
             return await self._control(value.decode(errors="replace").strip())
         if name.startswith(VIRTUAL_PREFIX):
             raise StorageError(errno.EPERM, f"xattr {name!r} is read-only (maintained by kvfs)")
-        await self.master.call(m.SetXattr(ino, name, value))
+        await self.node.change(m.SetXattr(ino, name, value))
         await self._refresh_file_record(ino)
 
     async def removexattr(self, ino: int, name: bytes) -> None:
         if name.startswith(VIRTUAL_PREFIX):
             raise StorageError(errno.EPERM, f"xattr {name!r} is read-only (maintained by kvfs)")
-        await self.master.call(m.RemoveXattr(ino, name))
+        await self.node.change(m.RemoveXattr(ino, name))
         await self._refresh_file_record(ino)
 
     async def _refresh_file_record(self, ino: int) -> None:

@@ -62,6 +62,18 @@ class Attr(msgspec.Struct):
     sealed: bool = True
 
 
+class Sealed(Attr):
+    """A seal's answer: the file's attributes and, with `Seal.release`, the versions the
+    writer's release dropped (the node frees them)."""
+
+    dropped: list[int] = []
+
+
+def sealed(attr: Attr, dropped: list[int]) -> Sealed:
+    return Sealed(attr.ino, attr.mode, attr.nlink, attr.uid, attr.gid, attr.size, attr.atime_ns, attr.mtime_ns,
+                  attr.ctime_ns, attr.version, attr.sealed, dropped)
+
+
 class DirEntry(msgspec.Struct):
     name: bytes
     attr: Attr
@@ -211,6 +223,9 @@ class Seal(Request):
     mtime_ns: int
     checksums: Checksums
     ctime_ns: int = 0  # the last write's (0: mtime_ns), later than mtime_ns after a utimensat
+    # The last writer's Release too, in the same request (one round trip per close): the
+    # answer is then a `Sealed`, with the versions the release dropped.
+    release: bool = False
 
 
 class GetXattr(Request):
@@ -377,6 +392,9 @@ class Done(msgspec.Struct):
 
     dropped: list[int] = []
     relocated: list[int] = []
+    # A rename's: the attributes of the directories it changed, after it (the kernel asks for
+    # them next, having dropped its own copy).
+    directories: list[Attr] = []
 
 
 class Entry(msgspec.Struct):
@@ -401,6 +419,9 @@ class Opened(msgspec.Struct):
     node: int = 0
     address: str = ""
     checksums: list[int] = []
+    # A create's: the attributes of the directory it added the name to, after it (the
+    # kernel asks for them next, having dropped its own copy).
+    parent: Attr | None = None
 
 
 class Removed(msgspec.Struct):
@@ -535,7 +556,7 @@ class DirUsageInfo(msgspec.Struct):
 RESPONSE_TYPES: dict[type, type] = {
     Lookup: Entry, GetAttr: Attr, SetAttr: Attr, MkDir: Attr, Create: Opened, Unlink: Done, RmDir: Done,
     Rename: Done, ReadDir: Listing, Forget: Done, OpenRead: Opened, OpenWrite: Opened, Release: Done,
-    Seal: Attr, GetXattr: XattrValue, SetXattr: Done, ListXattr: XattrNames, RemoveXattr: Done,
+    Seal: Sealed, GetXattr: XattrValue, SetXattr: Done, ListXattr: XattrNames, RemoveXattr: Done,
     GetVersion: VersionInfo, Reclaim: Removed, Offloaded: Done, GetRecord: FileRecord, Lost: Removed,
     Restore: Restored, CollectOrphans: Removed, Stats: MasterStats, Register: Registered, Report: Reported,
     FinishRegistration: Done, Heartbeat: Beat, ClusterStatus: ClusterInfo, WatchNames: Names, Unwatch: Done,
