@@ -8,13 +8,15 @@ Part 1 (measure). The leader's cost per request by type, on this machine:
   every request (kvfs/cluster/persist.py) timed beside it;
 - through a real `kvfs master` process over TLS 1.3 (a `RemoteMaster` with a node's
   certificate, the requests a node sends, 16 in flight): the master process's CPU time per
-  request (from /proc, its idle rate subtracted), which is what a leader spends on one
+  request (from /proc schedstat, its idle rate subtracted), which is what a leader spends on one
   request including framing, TLS and the save; and the round trip of one request at a time.
 
 Part 2 (simulate). A discrete-event simulation (seeded, no sleeps) of N nodes, each one
 vLLM instance with its fs tier: one lookup thread, 16 load threads and 16 store threads.
-Requests come from a Mooncake trace (arrival times scaled to the swept request rate; block
-hashes give the chunk files, 512 / --chunk-tokens files per trace block). Per request: the
+Requests come from a Mooncake trace (arrival times spread within the trace's timestamp
+steps and scaled to the swept request rate; block hashes give the chunk files, 512 /
+--chunk-tokens files per trace block), each sent to a node chosen at random; the chunks
+of the --warm requests before them are in the namespace already. Per request: the
 lookup thread checks its chunks in order (`access`) until the first miss; the hits are
 loaded as one job (open, read, close: OpenRead and Release at the leader); the misses are
 stored as one job (access, parents, O_EXCL create of a temp name, write, close: Seal and
@@ -30,7 +32,7 @@ Usage:
   python scripts/simulate_leader.py                      # measure, then sweep
   python scripts/simulate_leader.py --quick              # small, for tests
   python scripts/simulate_leader.py --costs-out c.json   # keep the measured costs
-  python scripts/simulate_leader.py --costs c.json --nodes 1,10,100 --rates 0.05,0.1,0.2
+  python scripts/simulate_leader.py --costs c.json --nodes 1,10,100 --rates 0.5,1
 """
 
 from __future__ import annotations
@@ -365,7 +367,6 @@ def measure_remote(files: int, batch: int, seed: int, scratch: Path, in_flight: 
                 async def stores(names: list[bytes], kinds: bool) -> list[tuple[int, bytes, int]]:
                     """vLLM's stores of `names`, phase by phase (each phase's CPU measured if `kinds`)."""
                     run_phase = phase if kinds else (lambda kind, requests: each(requests))
-                    leaves = []
                     for level in (0, 1):
                         wanted = sorted({chunk_dirs(n)[:level + 1] for n in names} - dirs.keys())
                         made = await run_phase("mkdir", [lambda p=p: m.MkDir(dirs[p[:-1]], p[-1], 0o755, 0, 0)
@@ -936,8 +937,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=None, help="trace requests per point (default 1500)")
     parser.add_argument("--warm", type=int, default=None,
                         help="trace requests stored before the simulated ones (default: as many as --requests)")
-    parser.add_argument("--nodes", default=None, help="node counts (default 1,2,5,10,20,50,100)")
-    parser.add_argument("--rates", default=None, help="requests/s per node (default 0.05,0.1,0.2,0.5)")
+    parser.add_argument("--nodes", default=None, help="node counts (default 1,10,20,50,100)")
+    parser.add_argument("--rates", default=None, help="requests/s per node (default 0.1,0.2,0.5,1,2)")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk file (vLLM's chunk)")
     parser.add_argument("--steps", action="store_true",
                         help="keep the trace's arrival steps (every request of a step at one instant)")
@@ -950,8 +951,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rounds = args.rounds if args.rounds is not None else (200 if quick else 2000)
     args.requests = args.requests if args.requests is not None else (120 if quick else 1500)
     args.warm = args.warm if args.warm is not None else args.requests
-    args.nodes = [int(x) for x in (args.nodes or ("1,4,16" if quick else "1,2,5,10,20,50,100")).split(",")]
-    args.rates = [float(x) for x in (args.rates or ("0.05,0.5,5" if quick else "0.05,0.1,0.2,0.5")).split(",")]
+    args.nodes = [int(x) for x in (args.nodes or ("1,4,16" if quick else "1,10,20,50,100")).split(",")]
+    args.rates = [float(x) for x in (args.rates or ("0.05,1,50" if quick else "0.1,0.2,0.5,1,2")).split(",")]
     return args
 
 
