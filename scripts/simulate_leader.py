@@ -52,10 +52,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterator
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -567,7 +567,7 @@ class Node:
         self.dentries: dict[tuple[bytes, bytes], tuple[bool, float]] = {}  # (dir, name) -> (present, until)
         self.asked: dict[bytes, int] = defaultdict(int)
         self.copies: set[bytes] = set()
-        self.lookup_queue: list[Any] = []
+        self.lookup_queue: deque[Job] = deque()
         self.lookup_busy = False
         self.pools = {"load": Pool(sim, THREADS), "store": Pool(sim, THREADS)}
 
@@ -658,7 +658,7 @@ class Node:
             self.lookup_busy = False
             return
         self.lookup_busy = True
-        request = self.lookup_queue.pop(0)
+        request = self.lookup_queue.popleft()
 
         def looked_up() -> None:
             self._next_lookup()
@@ -680,7 +680,8 @@ class Pool:
     """A fixed number of threads taking jobs in order (vLLM's read or write threads)."""
 
     def __init__(self, sim: "Simulation", threads: int) -> None:
-        self.sim, self.idle, self.queue = sim, threads, []  # type: ignore[var-annotated]
+        self.sim, self.idle = sim, threads
+        self.queue: deque[tuple[Process, Callable[[], None]]] = deque()
 
     def submit(self, process: Process, done: Callable[[], None]) -> None:
         self.queue.append((process, done))
@@ -689,7 +690,7 @@ class Pool:
     def _start(self) -> None:
         while self.idle and self.queue:
             self.idle -= 1
-            process, done = self.queue.pop(0)
+            process, done = self.queue.popleft()
 
             def finished(done: Callable[[], None] = done) -> None:
                 self.idle += 1
@@ -737,7 +738,7 @@ class Result:
 class Simulation:
     def __init__(self, costs: Costs, trace: list[TraceRequest], nodes: int, rate_per_node: float, seed: int,
                  chunk_tokens: int, load_gbs: float = LOAD_GBS, store_gbs: float = STORE_GBS,
-                 steps: bool = False, warm: list[TraceRequest] = ()) -> None:  # type: ignore[assignment]
+                 steps: bool = False, warm: Sequence[TraceRequest] = ()) -> None:
         self.costs, self.rng = costs, random.Random(seed)
         if not steps:
             trace = spread(trace, self.rng)
@@ -862,7 +863,7 @@ class Simulation:
 
 
 def sweep(costs: Costs, trace: list[TraceRequest], nodes: list[int], rates: list[float], seed: int,
-          chunk_tokens: int, steps: bool = False, warm: list[TraceRequest] = ()) -> list[Result]:  # type: ignore[assignment]
+          chunk_tokens: int, steps: bool = False, warm: Sequence[TraceRequest] = ()) -> list[Result]:
     results = []
     for rate in rates:
         for count in nodes:
