@@ -284,6 +284,8 @@ def master_process(scratch: Path) -> Iterator[tuple[subprocess.Popen[bytes], str
     ca.issue(scratch / "ca", "sim0", "node", scratch / "tls-sim0", ["127.0.0.1"])
     log_path = scratch / "master.log"
     env = dict(os.environ, KVFS_METRICS_LISTEN="127.0.0.1:0")
+    # --dead-after: the measuring node heartbeats, but on a loaded machine a beat may come
+    # late, and a node declared dead mid-measurement would hide its files.
     with open(log_path, "ab") as out:
         process = subprocess.Popen([sys.executable, "-m", "kvfs", "master", "--listen", "127.0.0.1:0",
                                     "--data", str(scratch / "master-data"), "--tls-dir", str(scratch / "tls-master"),
