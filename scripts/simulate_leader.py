@@ -8,13 +8,15 @@ Part 1 (measure). The leader's cost per request by type, on this machine:
   every request (kvfs/cluster/persist.py) timed beside it;
 - through a real `kvfs master` process over TLS 1.3 (a `RemoteMaster` with a node's
   certificate, the requests a node sends, 16 in flight): the master process's CPU time per
-  request (from /proc, its idle rate subtracted), which is what a leader spends on one
+  request (from /proc schedstat, its idle rate subtracted), which is what a leader spends on one
   request including framing, TLS and the save; and the round trip of one request at a time.
 
 Part 2 (simulate). A discrete-event simulation (seeded, no sleeps) of N nodes, each one
 vLLM instance with its fs tier: one lookup thread, 16 load threads and 16 store threads.
-Requests come from a Mooncake trace (arrival times scaled to the swept request rate; block
-hashes give the chunk files, 512 / --chunk-tokens files per trace block). Per request: the
+Requests come from a Mooncake trace (arrival times spread within the trace's timestamp
+steps and scaled to the swept request rate; block hashes give the chunk files, 512 /
+--chunk-tokens files per trace block), each sent to a node chosen at random; the chunks
+of the --warm requests before them are in the namespace already. Per request: the
 lookup thread checks its chunks in order (`access`) until the first miss; the hits are
 loaded as one job (open, read, close: OpenRead and Release at the leader); the misses are
 stored as one job (access, parents, O_EXCL create of a temp name, write, close: Seal and
@@ -30,7 +32,7 @@ Usage:
   python scripts/simulate_leader.py                      # measure, then sweep
   python scripts/simulate_leader.py --quick              # small, for tests
   python scripts/simulate_leader.py --costs-out c.json   # keep the measured costs
-  python scripts/simulate_leader.py --costs c.json --nodes 1,10,100 --rates 0.05,0.1,0.2
+  python scripts/simulate_leader.py --costs c.json --nodes 1,10,100 --rates 0.5,1
 """
 
 from __future__ import annotations
@@ -50,10 +52,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterator
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -282,6 +284,8 @@ def master_process(scratch: Path) -> Iterator[tuple[subprocess.Popen[bytes], str
     ca.issue(scratch / "ca", "sim0", "node", scratch / "tls-sim0", ["127.0.0.1"])
     log_path = scratch / "master.log"
     env = dict(os.environ, KVFS_METRICS_LISTEN="127.0.0.1:0")
+    # --dead-after: the measuring node heartbeats, but on a loaded machine a beat may come
+    # late, and a node declared dead mid-measurement would hide its files.
     with open(log_path, "ab") as out:
         process = subprocess.Popen([sys.executable, "-m", "kvfs", "master", "--listen", "127.0.0.1:0",
                                     "--data", str(scratch / "master-data"), "--tls-dir", str(scratch / "tls-master"),
@@ -365,7 +369,6 @@ def measure_remote(files: int, batch: int, seed: int, scratch: Path, in_flight: 
                 async def stores(names: list[bytes], kinds: bool) -> list[tuple[int, bytes, int]]:
                     """vLLM's stores of `names`, phase by phase (each phase's CPU measured if `kinds`)."""
                     run_phase = phase if kinds else (lambda kind, requests: each(requests))
-                    leaves = []
                     for level in (0, 1):
                         wanted = sorted({chunk_dirs(n)[:level + 1] for n in names} - dirs.keys())
                         made = await run_phase("mkdir", [lambda p=p: m.MkDir(dirs[p[:-1]], p[-1], 0o755, 0, 0)
@@ -566,7 +569,7 @@ class Node:
         self.dentries: dict[tuple[bytes, bytes], tuple[bool, float]] = {}  # (dir, name) -> (present, until)
         self.asked: dict[bytes, int] = defaultdict(int)
         self.copies: set[bytes] = set()
-        self.lookup_queue: list[Any] = []
+        self.lookup_queue: deque[Job] = deque()
         self.lookup_busy = False
         self.pools = {"load": Pool(sim, THREADS), "store": Pool(sim, THREADS)}
 
@@ -657,7 +660,7 @@ class Node:
             self.lookup_busy = False
             return
         self.lookup_busy = True
-        request = self.lookup_queue.pop(0)
+        request = self.lookup_queue.popleft()
 
         def looked_up() -> None:
             self._next_lookup()
@@ -679,7 +682,8 @@ class Pool:
     """A fixed number of threads taking jobs in order (vLLM's read or write threads)."""
 
     def __init__(self, sim: "Simulation", threads: int) -> None:
-        self.sim, self.idle, self.queue = sim, threads, []  # type: ignore[var-annotated]
+        self.sim, self.idle = sim, threads
+        self.queue: deque[tuple[Process, Callable[[], None]]] = deque()
 
     def submit(self, process: Process, done: Callable[[], None]) -> None:
         self.queue.append((process, done))
@@ -688,7 +692,7 @@ class Pool:
     def _start(self) -> None:
         while self.idle and self.queue:
             self.idle -= 1
-            process, done = self.queue.pop(0)
+            process, done = self.queue.popleft()
 
             def finished(done: Callable[[], None] = done) -> None:
                 self.idle += 1
@@ -736,7 +740,7 @@ class Result:
 class Simulation:
     def __init__(self, costs: Costs, trace: list[TraceRequest], nodes: int, rate_per_node: float, seed: int,
                  chunk_tokens: int, load_gbs: float = LOAD_GBS, store_gbs: float = STORE_GBS,
-                 steps: bool = False, warm: list[TraceRequest] = ()) -> None:  # type: ignore[assignment]
+                 steps: bool = False, warm: Sequence[TraceRequest] = ()) -> None:
         self.costs, self.rng = costs, random.Random(seed)
         if not steps:
             trace = spread(trace, self.rng)
@@ -861,7 +865,7 @@ class Simulation:
 
 
 def sweep(costs: Costs, trace: list[TraceRequest], nodes: list[int], rates: list[float], seed: int,
-          chunk_tokens: int, steps: bool = False, warm: list[TraceRequest] = ()) -> list[Result]:  # type: ignore[assignment]
+          chunk_tokens: int, steps: bool = False, warm: Sequence[TraceRequest] = ()) -> list[Result]:
     results = []
     for rate in rates:
         for count in nodes:
@@ -936,8 +940,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=None, help="trace requests per point (default 1500)")
     parser.add_argument("--warm", type=int, default=None,
                         help="trace requests stored before the simulated ones (default: as many as --requests)")
-    parser.add_argument("--nodes", default=None, help="node counts (default 1,2,5,10,20,50,100)")
-    parser.add_argument("--rates", default=None, help="requests/s per node (default 0.05,0.1,0.2,0.5)")
+    parser.add_argument("--nodes", default=None, help="node counts (default 1,10,20,50,100)")
+    parser.add_argument("--rates", default=None, help="requests/s per node (default 0.1,0.2,0.5,1,2)")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk file (vLLM's chunk)")
     parser.add_argument("--steps", action="store_true",
                         help="keep the trace's arrival steps (every request of a step at one instant)")
@@ -950,8 +954,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rounds = args.rounds if args.rounds is not None else (200 if quick else 2000)
     args.requests = args.requests if args.requests is not None else (120 if quick else 1500)
     args.warm = args.warm if args.warm is not None else args.requests
-    args.nodes = [int(x) for x in (args.nodes or ("1,4,16" if quick else "1,2,5,10,20,50,100")).split(",")]
-    args.rates = [float(x) for x in (args.rates or ("0.05,0.5,5" if quick else "0.05,0.1,0.2,0.5")).split(",")]
+    args.nodes = [int(x) for x in (args.nodes or ("1,4,16" if quick else "1,10,20,50,100")).split(",")]
+    args.rates = [float(x) for x in (args.rates or ("0.05,1,50" if quick else "0.1,0.2,0.5,1,2")).split(",")]
     return args
 
 

@@ -17,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = "scripts/simulate_leader.py"
 NODES = (1, 4, 16)
-RATES = (0.05, 0.5, 5.0)  # requests/s per node: from idle to past one leader
+RATES = (0.05, 1.0, 50.0)  # requests/s per node: from idle to far past one leader, on any machine
 
 
 def write_trace(path: Path, requests: int = 300, seed: int = 7) -> None:
