@@ -319,11 +319,13 @@ def test_a_frozen_leader_is_replaced_and_fenced_when_it_resumes(ha: Ha) -> None:
                    timeout=30)
     finally:
         load.finish()
+    followed = sum("leaving master " + old.address in node.log_text() for node in ha.nodes)
     deposed = kvfs_status(old.address)
     current = kvfs_status(ha.etcd_address)
     print(f"\nleader {old.root.name} (epoch {old_epoch}) frozen; {new.root.name} elected (epoch {new_epoch}) in "
           f"{elected_s:.2f} s; {len(load.acked)} stores acknowledged, {len(load.store_failures)} failed "
-          f"({len(load.uncertain)} at the rename); the resumed one answers: {deposed.stderr.strip()[:120]}")
+          f"({len(load.uncertain)} at the rename); {followed} nodes left it once etcd named the new one; the resumed "
+          f"one answers: {deposed.stderr.strip()[:120]}")
     assert new is not old and new_epoch > old_epoch
     assert deposed.returncode != 0  # it answers nobody, not even a status request
     assert current.returncode == 0, current.stderr  # etcd:// leads a command to the current leader
