@@ -38,6 +38,8 @@ def free_ports(count: int) -> list[int]:
 
 class EtcdCluster:
     def __init__(self, root: Path, members: int = 3) -> None:
+        if not os.access(ETCD, os.X_OK):
+            raise RuntimeError(f"no etcd at {ETCD}: install it (Debian: etcd-server) or set KVFS_TEST_ETCD")
         self.root = root / "etcd"
         self.root.mkdir(parents=True, exist_ok=True)
         ports = free_ports(2 * members)

@@ -129,3 +129,20 @@ def test_no_endpoint_answers_names_each(tmp_path) -> None:  # type: ignore[no-un
         run(client.get, b"x")
     for port in ports:
         assert f"127.0.0.1:{port}" in str(caught.value)
+
+
+def test_a_member_restarted_under_idle_connections_answers_at_once(etcd_cluster) -> None:  # type: ignore[no-untyped-def]
+    """The client's idle connection to a restarted member is dead: the call goes on a new one
+    to the same member, not to the next endpoint and not as an error."""
+    client = EtcdClient(etcd_cluster.urls[:1])
+
+    async def get() -> None:
+        await client.txn([], [put(b"/t/r", b"1")])
+
+    trio.run(get)
+    etcd_cluster.kill(0)
+    etcd_cluster.restart(0)
+    etcd_cluster.wait_healthy()
+    trio.run(get)
+    assert client.failovers == 0
+    trio.run(client.aclose)

@@ -63,3 +63,34 @@ def test_a_failed_save_keeps_the_changes_dirty_and_the_retry_writes_them(tmp_pat
         assert any("saved the master state again" in r.message for r in caplog.records)
     process.state.close()
     assert names_on_disk(data) == set(names) == set(process.service.ns.inodes[ROOT_INO].children)
+
+
+def test_nodes_are_written_only_when_the_registry_changed() -> None:
+    from kvfs.cluster import records
+    from kvfs.cluster.records import Kind
+
+    service = MetadataService(SystemClock(), LruPolicy(), MasterSettings(cluster=True))
+    written: dict[int, tuple[str, str]] = {}
+
+    def take() -> list[tuple[Kind, int, bool]]:
+        nonlocal written
+        changes = records.changes(service, written)
+        if service.registry.dirty:
+            written = records.saved_nodes(service)
+        records.clear_dirty(service)
+        return [(c.kind, c.number, c.value is not None) for c in changes if c.kind is Kind.NODE]
+
+    node = service.handle(m.Register("a", "10.0.0.1:1"), 0).node
+    service.handle(m.Report([]), node)
+    service.handle(m.FinishRegistration(), node)
+    assert take() == [(Kind.NODE, node, True)]
+    for i in range(3):  # requests that leave the registry alone write no node
+        service.handle(m.MkDir(ROOT_INO, b"d%d" % i, 0o755, 0, 0), node)
+        assert take() == []
+    other = service.handle(m.Register("b", "10.0.0.2:1"), 0).node
+    assert take() == [(Kind.NODE, other, True)]  # only the new one
+    # A node the store wrote that the registry no longer has (forgotten) is deleted with
+    # the registry's next change.
+    written[99] = ("gone", "10.0.0.9:1")
+    service.handle(m.Register("c", "10.0.0.3:1"), 0)
+    assert take() == [(Kind.NODE, service.registry.by_name["c"], True), (Kind.NODE, 99, False)]

@@ -124,30 +124,30 @@ class EtcdClient:
 
     # -- transport -----------------------------------------------------------
 
-    def _connection(self, endpoint: str) -> http.client.HTTPConnection:
-        idle = self._idle[endpoint]
-        try:
-            return idle.pop()
-        except IndexError:
-            parts = urlsplit(endpoint)
-            return http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.timeout_s)
+    def _new_connection(self, endpoint: str) -> http.client.HTTPConnection:
+        parts = urlsplit(endpoint)
+        return http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.timeout_s)
 
     def _post_blocking(self, endpoint: str, path: str, body: bytes) -> dict:
         """One attempt at one endpoint (in a worker thread). Raises OSError or
         http.client.HTTPException when the endpoint cannot answer, EtcdError for an answer
         that is an error."""
-        connection = self._connection(endpoint)
-        try:
-            connection.request("POST", path, body, {"Content-Type": "application/json"})
-            response = connection.getresponse()
-            data = response.read()
-        except BaseException:
-            connection.close()
-            raise
+        idle = self._idle[endpoint]
+        connection = idle.pop() if idle else None
+        if connection is not None:
+            try:
+                response, data = self._exchange(connection, path, body)
+            except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected):
+                # An idle connection the member closed (it restarted, or timed it out): it never
+                # saw the request. Once more on a new connection.
+                connection = None
+        if connection is None:
+            connection = self._new_connection(endpoint)
+            response, data = self._exchange(connection, path, body)
         if response.status != 200 or response.will_close:
             connection.close()
         else:
-            self._idle[endpoint].append(connection)
+            idle.append(connection)
         try:
             answer = json.loads(data) if data else {}
         except ValueError:
@@ -161,6 +161,17 @@ class EtcdClient:
         if not isinstance(answer, dict):
             raise EtcdError(f"etcd {endpoint}{path}: unexpected answer {data[:200]!r}")
         return answer
+
+    @staticmethod
+    def _exchange(connection: http.client.HTTPConnection, path: str,
+                  body: bytes) -> tuple[http.client.HTTPResponse, bytes]:
+        try:
+            connection.request("POST", path, body, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            return response, response.read()
+        except BaseException:
+            connection.close()
+            raise
 
     def _call_blocking(self, path: str, request: dict) -> dict:
         body = json.dumps(request).encode()
