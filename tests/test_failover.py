@@ -368,6 +368,10 @@ def test_one_etcd_member_killed_changes_nothing(ha: Ha) -> None:
     assert ok > 0 and not failed_loads, failed_loads[:3]
     assert ha.leading()[1] == epoch  # the same leadership throughout
     check_namespace(ha, load, set())
+    checked = subprocess.run([sys.executable, "-m", "kvfs", "check", "--master", ha.etcd_address, "--no-metrics"],
+                             capture_output=True, text=True, timeout=60)
+    leader_line = next(line for line in checked.stdout.splitlines() if line.startswith("master "))
+    assert leader_line.split()[1] == "ok" and ha.leading()[0].address in leader_line, checked.stdout
 
 
 def test_etcd_quorum_lost_then_back(ha: Ha) -> None:
