@@ -478,6 +478,22 @@ async def _etcd_leader(target) -> str:  # type: ignore[no-untyped-def]
     return found[0]
 
 
+def _check_master(master: str) -> preflight.Check:
+    """`check --master`: whether the master's port answers; with etcd://, the leader's that etcd names."""
+    import trio
+
+    from kvfs.config import parse_master
+    from kvfs.net.etcd import EtcdError
+
+    if not master.startswith("etcd://"):
+        return preflight.check_master(master)  # (a malformed address fails there, as a check)
+    try:
+        leader = trio.run(_etcd_leader, parse_master(master, "--master"))
+    except (ConfigError, EtcdError) as error:
+        return preflight.Check("master", preflight.FAIL, f"{master}: {error}")
+    return preflight.check_master(leader)
+
+
 def run_remove_node(args: argparse.Namespace) -> int:
     removed = ask_master(args, m.RemoveNode(args.name))
     print(f"removed node {args.name}: {len(removed.entries)} files, {format_size(removed.freed_bytes)}")
@@ -620,7 +636,7 @@ def run_check(args: argparse.Namespace) -> int:
     if args.master or os.path.exists(args.tls_dir):
         checks.append(preflight.check_credentials(args.tls_dir))
     if args.master:
-        checks.append(preflight.check_master(args.master))
+        checks.append(_check_master(args.master))
     print(preflight.render(checks))
     return 1 if preflight.failures(checks) else 0
 

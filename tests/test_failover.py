@@ -319,11 +319,13 @@ def test_a_frozen_leader_is_replaced_and_fenced_when_it_resumes(ha: Ha) -> None:
                    timeout=30)
     finally:
         load.finish()
+    followed = sum("leaving master " + old.address in node.log_text() for node in ha.nodes)
     deposed = kvfs_status(old.address)
     current = kvfs_status(ha.etcd_address)
     print(f"\nleader {old.root.name} (epoch {old_epoch}) frozen; {new.root.name} elected (epoch {new_epoch}) in "
           f"{elected_s:.2f} s; {len(load.acked)} stores acknowledged, {len(load.store_failures)} failed "
-          f"({len(load.uncertain)} at the rename); the resumed one answers: {deposed.stderr.strip()[:120]}")
+          f"({len(load.uncertain)} at the rename); {followed} nodes left it once etcd named the new one; the resumed "
+          f"one answers: {deposed.stderr.strip()[:120]}")
     assert new is not old and new_epoch > old_epoch
     assert deposed.returncode != 0  # it answers nobody, not even a status request
     assert current.returncode == 0, current.stderr  # etcd:// leads a command to the current leader
@@ -366,6 +368,10 @@ def test_one_etcd_member_killed_changes_nothing(ha: Ha) -> None:
     assert ok > 0 and not failed_loads, failed_loads[:3]
     assert ha.leading()[1] == epoch  # the same leadership throughout
     check_namespace(ha, load, set())
+    checked = subprocess.run([sys.executable, "-m", "kvfs", "check", "--master", ha.etcd_address, "--no-metrics"],
+                             capture_output=True, text=True, timeout=60)
+    leader_line = next(line for line in checked.stdout.splitlines() if line.startswith("master "))
+    assert leader_line.split()[1] == "ok" and ha.leading()[0].address in leader_line, checked.stdout
 
 
 def test_etcd_quorum_lost_then_back(ha: Ha) -> None:
