@@ -120,7 +120,15 @@ class KvfsMount:
         self.stop_status = None
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
-        self.wait_ready(start_offset)
+        try:
+            self.wait_ready(start_offset)
+        except BaseException:  # a daemon that never became ready is not left running, nor its mount
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            if find_mount(str(self.path)) is not None:
+                subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+            raise
 
     def wait_ready(self, start_offset: int, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
@@ -345,12 +353,20 @@ class Cluster:
 
     def close(self) -> list[str]:
         errors = self.errors()
-        for node in reversed(self.nodes):
-            if node.process is not None and node.process.poll() is None:
-                node.stop()
-            elif find_mount(str(node.path)) is not None:
-                subprocess.run(["fusermount3", "-u", "-z", str(node.path)], capture_output=True)
-        self.master.stop()
+        failures: list[BaseException] = []
+        try:
+            for node in reversed(self.nodes):  # every node is stopped, even after one failed to stop
+                try:
+                    if node.process is not None and node.process.poll() is None:
+                        node.stop()
+                    elif find_mount(str(node.path)) is not None:
+                        subprocess.run(["fusermount3", "-u", "-z", str(node.path)], capture_output=True)
+                except AssertionError as failure:
+                    failures.append(failure)
+        finally:
+            self.master.stop()
+        if failures:
+            raise failures[0]
         return errors
 
 
