@@ -94,3 +94,66 @@ def test_nodes_are_written_only_when_the_registry_changed() -> None:
     written[99] = ("gone", "10.0.0.9:1")
     service.handle(m.Register("c", "10.0.0.3:1"), 0)
     assert take() == [(Kind.NODE, service.registry.by_name["c"], True), (Kind.NODE, 99, False)]
+
+
+def node_records(directory: Path) -> dict[bytes, bytes]:
+    state = MasterState(directory)
+    try:
+        with state.env.begin() as txn:
+            return {key: bytes(value) for key, value in txn.cursor(db=state._meta) if key.startswith(b"node/")}
+    finally:
+        state.close()
+
+
+def test_lmdb_writes_a_node_record_only_when_the_registry_changed(tmp_path: Path) -> None:
+    service = MetadataService(SystemClock(), LruPolicy(), MasterSettings(cluster=True))
+    state = MasterState(tmp_path)
+    node = service.handle(m.Register("a", "10.0.0.1:1"), 0).node
+    service.handle(m.Report([]), node)
+    service.handle(m.FinishRegistration(), node)
+    state.save(service)
+    with state.env.begin() as txn:
+        first = {key: txn.get(key, db=state._meta) for key, _ in txn.cursor(db=state._meta)}
+    for i in range(5):
+        service.handle(m.MkDir(ROOT_INO, b"d%d" % i, 0o755, 0, 0), node)
+        state.save(service)
+    with state.env.begin() as txn:
+        # one record per node beside the counters (no list of every node rewritten with each save;
+        # which saves write a node record is test_nodes_are_written_only_when_the_registry_changed)
+        after = {key: txn.get(key, db=state._meta) for key, _ in txn.cursor(db=state._meta)}
+    assert after.keys() == first.keys() == {b"counters", b"node/" + node.to_bytes(8, "big")}
+    assert after[b"counters"] != first[b"counters"]
+    state.close()
+    assert set(node_records(tmp_path)) == {b"node/" + node.to_bytes(8, "big")}
+    assert names_on_disk(tmp_path) == {b"d%d" % i for i in range(5)}
+
+
+def test_a_data_directory_of_the_first_layout_loads_and_is_upgraded(tmp_path: Path) -> None:
+    """Nodes and counters in one `meta` record (the first layout): loaded as they were, and the
+    next save writes them as records of their own and drops the old record."""
+    from kvfs.cluster import records
+
+    service = MetadataService(SystemClock(), LruPolicy(), MasterSettings(cluster=True))
+    node = service.handle(m.Register("a", "10.0.0.1:1"), 0).node
+    service.handle(m.Report([]), node)
+    service.handle(m.FinishRegistration(), node)
+    service.handle(m.MkDir(ROOT_INO, b"kept", 0o755, 0, 0), node)
+    state = MasterState(tmp_path)
+    with state.env.begin(write=True) as txn:  # what the first layout's save wrote
+        for change in records.changes(service, {}):
+            if change.kind is records.Kind.INODE and change.value is not None:
+                txn.put(change.number.to_bytes(8, "big"), change.value, db=state._inodes)
+        txn.put(b"meta", records.encode_meta(service), db=state._meta)
+    state.close()
+
+    reloaded = MetadataService(SystemClock(), LruPolicy(), MasterSettings(cluster=True))
+    state = MasterState(tmp_path)
+    state.load(reloaded)
+    assert set(reloaded.ns.inodes[ROOT_INO].children) == {b"kept"}
+    assert reloaded.registry.by_name == {"a": node}
+    state.save(reloaded)
+    with state.env.begin() as txn:
+        assert txn.get(b"meta", db=state._meta) is None
+    state.close()
+    assert set(node_records(tmp_path)) == {b"node/" + node.to_bytes(8, "big")}
+    assert names_on_disk(tmp_path) == {b"kept"}

@@ -27,6 +27,11 @@ from kvfs.cluster.records import Kind
 log = logging.getLogger(__name__)
 
 
+COUNTERS_KEY = b"counters"  # the next inode, entry and version numbers
+NODE_PREFIX = b"node/"  # + the node id: its name and peer address
+OLD_META_KEY = b"meta"  # the first layout: counters and every node in one record, rewritten by every save
+
+
 def _key(number: int) -> bytes:
     return number.to_bytes(8, "big")
 
@@ -40,38 +45,62 @@ class MasterState:
         self._versions = self.env.open_db(b"versions")
         self._meta = self.env.open_db(b"meta")
         self.commits = 0
+        self._written_nodes: dict[int, tuple[str, str]] = {}  # the nodes as last written
+        self._upgrade = False  # the old meta record is still there
 
     def load(self, service: MetadataService) -> int:
         """Fills a fresh service with the saved state; returns the number of files."""
         loaded = records.Loaded()
         with self.env.begin() as txn:
-            raw_meta = txn.get(b"meta", db=self._meta)
-            if raw_meta is None:
+            raw_counters = txn.get(COUNTERS_KEY, db=self._meta)
+            raw_meta = txn.get(OLD_META_KEY, db=self._meta)
+            if raw_counters is not None:
+                loaded.add(Kind.COUNTERS, 0, raw_counters)
+                for key, value in txn.cursor(db=self._meta):
+                    if key.startswith(NODE_PREFIX):
+                        loaded.add(Kind.NODE, int.from_bytes(key[len(NODE_PREFIX):], "big"), value)
+            elif raw_meta is not None:  # a data directory of the first layout: nodes inside the meta record
+                loaded.add_meta(raw_meta)
+            else:
                 return 0
-            loaded.add_meta(raw_meta)
             for key, value in txn.cursor(db=self._inodes):
                 loaded.add(Kind.INODE, int.from_bytes(key, "big"), value)
             for key, value in txn.cursor(db=self._versions):
                 loaded.add(Kind.VERSION, int.from_bytes(key, "big"), value)
-        return loaded.into(service)
+        files = loaded.into(service)
+        if raw_counters is not None:
+            self._written_nodes = {number: (name, address) for number, name, address in loaded.nodes}
+        else:  # the next save writes the nodes as records of their own and drops the old meta record
+            self._upgrade = True
+            service.registry.dirty = True
+        return files
 
     def save(self, service: MetadataService) -> None:
-        """Writes what changed since the last save, in one transaction."""
+        """Writes what changed since the last save, in one transaction. Nodes are written
+        only when the registry changed (a registration, a node forgotten), not with every
+        request; the counters are one small record."""
         if not records.is_dirty(service):
             return
         dbs = {Kind.INODE: self._inodes, Kind.VERSION: self._versions}
+        nodes = records.saved_nodes(service) if service.registry.dirty else None
         with self.env.begin(write=True) as txn:
-            # Nodes live in the meta record here (the layout of existing data directories).
-            for change in records.changes(service, {}):
-                db = dbs.get(change.kind)
-                if db is None:
-                    continue
-                if change.value is None:
-                    txn.delete(_key(change.number), db=db)
+            for change in records.changes(service, self._written_nodes):
+                if change.kind is Kind.COUNTERS:
+                    key, db = COUNTERS_KEY, self._meta
+                elif change.kind is Kind.NODE:
+                    key, db = NODE_PREFIX + _key(change.number), self._meta
                 else:
-                    txn.put(_key(change.number), change.value, db=db)
-            txn.put(b"meta", records.encode_meta(service), db=self._meta)
+                    key, db = _key(change.number), dbs[change.kind]
+                if change.value is None:
+                    txn.delete(key, db=db)
+                else:
+                    txn.put(key, change.value, db=db)
+            if self._upgrade:
+                txn.delete(OLD_META_KEY, db=self._meta)
         records.clear_dirty(service)
+        self._upgrade = False
+        if nodes is not None:
+            self._written_nodes = nodes
         self.commits += 1
 
     def sync(self) -> None:
