@@ -22,7 +22,7 @@ from kvfs.cluster.master import MetadataService
 from kvfs.cluster.namespace import Inode
 from kvfs.cluster.objects import FileVersion
 
-LAYOUT = 1  # of the records themselves (lmdb keeps nodes and counters apart since its second layout)
+LAYOUT = 1
 
 
 class SavedInode(msgspec.Struct, array_like=True):
