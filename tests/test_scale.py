@@ -194,8 +194,7 @@ def test_files_past_their_publish_grace_are_forgotten_as_publishing() -> None:
 def test_compact_records_read_and_take_what_they_did() -> None:
     version = FileVersion(7, 3, 1, checksums=[0, 2**64 - 1, 5], on_disk=True)
     assert version.checksums == [0, 2**64 - 1, 5] and isinstance(version.checksums, list)
-    assert (version.sealed, version.current, version.on_disk, version.held, version.gone) == (
-        False, True, True, False, False)
+    assert (version.sealed, version.current, version.on_disk, version.held) == (False, True, True, False)
     version.held, version.on_disk = True, False
     assert (version.sealed, version.current, version.on_disk, version.held) == (False, True, False, True)
     version.checksums = []
