@@ -152,6 +152,25 @@ def test_files_a_node_registers_again_without_are_hidden_at_once_and_go_in_slice
     assert len(service.handle(m.Heartbeat(0, 0), b).forget) == count - 1  # b's kernel forgets the names
 
 
+def test_a_reference_taken_again_survives_the_slices_of_the_previous_incarnation() -> None:
+    service, a, _ = cluster()
+    inos = [store(service, ROOT_INO, b"f%05d" % i, a, forget=False) for i in range(3 * STEP_ITEMS)]
+    service.handle(m.Register("a", "a:1"), 0)  # a restarts: its kernel references go, in slices
+    held = [m.Held(v.version, v.size, True, False, 0, v.checksums) for v in service.objects.of_node(a)]
+    service.handle(m.Report(held), a)
+    service.handle(m.FinishRegistration(), a)
+    assert len(service.backlog) == 1
+    last = inos[-1]  # not reached by the first slice
+    assert service.ns.inodes[last].refs & (1 << a)
+    service.handle(m.Lookup(ROOT_INO, b"f%05d" % (len(inos) - 1)), a)  # the new kernel looks it up
+    while service.pending_work(0.0):
+        pass
+    assert service.ns.inodes[last].refs & (1 << a)  # still referenced: the new kernel holds it
+    assert not service.ns.inodes[inos[-2]].refs & (1 << a)
+    service.handle(m.Unlink(ROOT_INO, b"f%05d" % (len(inos) - 1)), a)
+    assert last in service.ns.inodes  # unlinked, but kept while the kernel references it
+
+
 def test_a_node_dead_past_its_time_is_forgotten_in_slices() -> None:
     service, a, b = cluster(forget_dead_after_s=60.0)
     directory = service.handle(m.MkDir(ROOT_INO, b"d", 0o755, 0, 0), a).ino
@@ -194,8 +213,7 @@ def test_files_past_their_publish_grace_are_forgotten_as_publishing() -> None:
 def test_compact_records_read_and_take_what_they_did() -> None:
     version = FileVersion(7, 3, 1, checksums=[0, 2**64 - 1, 5], on_disk=True)
     assert version.checksums == [0, 2**64 - 1, 5] and isinstance(version.checksums, list)
-    assert (version.sealed, version.current, version.on_disk, version.held, version.gone) == (
-        False, True, True, False, False)
+    assert (version.sealed, version.current, version.on_disk, version.held) == (False, True, True, False)
     version.held, version.on_disk = True, False
     assert (version.sealed, version.current, version.on_disk, version.held) == (False, True, False, True)
     version.checksums = []

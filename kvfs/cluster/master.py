@@ -279,7 +279,7 @@ class MetadataService:
 
     def available(self, version: FileVersion) -> bool:
         """Whether a version's bytes can be had: its node is live and still holds it."""
-        return not version.gone and self.registry.is_live(version.node)
+        return self.registry.is_live(version.node) and version.version not in self.objects.gone
 
     def _entry(self, parent: int, name: bytes) -> Inode | None:
         return self._visible(self.ns.lookup(parent, name))

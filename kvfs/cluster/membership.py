@@ -108,7 +108,7 @@ class Membership:
                 dropped.append(held.version)
                 continue
             node.reported.add(held.version)
-            version.gone = False
+            self.objects.gone.discard(version.version)
             if held.sealed and not version.sealed:  # sealed on the node while the master was away
                 self.objects.seal(version, held.size, held.checksums)
                 inode = self.ns.inodes.get(version.ino)
@@ -138,12 +138,12 @@ class Membership:
         # Reported versions are the node's: if as many of them are still known as it stores, none
         # is gone (the usual case: a count in C instead of a walk of its versions).
         still = sum(map(self.objects.versions.__contains__, reported))
-        gone = [] if still == self.objects.count(node.node_id) else [
-            version for version in self.objects.of_node(node.node_id) if version.version not in reported]
+        if still != self.objects.count(node.node_id):  # some are gone: found with set operations, in C
+            gone = set(self.objects.by_node.get(node.node_id, ())).difference(reported)
+            self._forget_in_slices(set(filter(self.objects.versions.__contains__, gone)), node.node_id)
         # Retired versions that were open before a restart and are open no more.
         unused = [version for version in (self.objects.versions[v] for v in list(self.objects.retired))
                   if version.node == node.node_id and version.version in reported and not version.in_use]
-        self._forget_in_slices(gone, node.node_id)
         for version in unused:
             self.objects.forget(version)
         node.registering, node.live, node.reported = False, True, set()
@@ -186,22 +186,23 @@ class Membership:
             for node in [n for n in self.registry.nodes.values() if not (n.live or n.registering)
                          and n.address and now - n.last_seen > self.forget_dead_after_s]:
                 self._unregister(node)  # its name is free now; its hidden files go in slices
-                self._forget_in_slices(self.objects.of_node(node.node_id), node.node_id)
+                self._forget_in_slices({v.version for v in self.objects.of_node(node.node_id)}, node.node_id)
                 self.forgotten += 1
         return [node.node_id for node in dead]
 
-    def _forget_in_slices(self, versions: list[FileVersion], node_id: int) -> None:
+    def _forget_in_slices(self, version_ids: set[int], node_id: int) -> None:
         """Versions a node no longer holds (it registered again without them, or it is
-        forgotten) are hidden at once (`gone`) and leave the namespace in slices."""
-        for version in versions:
-            version.gone = True
-        if versions:
-            self.backlog.add(self._forget_job(versions, node_id))
+        forgotten) are hidden at once (`objects.gone`) and leave the namespace in slices."""
+        if version_ids:
+            self.objects.gone |= version_ids
+            self.backlog.add(self._forget_job(list(version_ids), node_id))
 
-    def _forget_job(self, versions: list[FileVersion], node_id: int) -> Iterator[None]:
-        for start in range(0, len(versions), STEP_ITEMS):
+    def _forget_job(self, version_ids: list[int], node_id: int) -> Iterator[None]:
+        versions, gone = self.objects.versions, self.objects.gone
+        for start in range(0, len(version_ids), STEP_ITEMS):
             # (one its node reported again meanwhile is no longer gone, and stays)
-            self._forget_versions([v for v in versions[start:start + STEP_ITEMS] if v.gone])
+            self._forget_versions([versions[v] for v in version_ids[start:start + STEP_ITEMS]
+                                   if v in gone and versions[v].node == node_id])
             self.files.route_outcomes(node_id)  # (their node does not hold them: nothing to free)
             yield
 

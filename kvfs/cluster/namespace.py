@@ -224,8 +224,10 @@ class Namespace:
 
     def reference(self, inode: Inode, node: int) -> None:
         """Node `node`'s kernel holds a lookup reference to the inode."""
-        if inode.ino != ROOT_INO and not inode.refs & (1 << node):
+        if inode.ino != ROOT_INO:
             inode.refs |= 1 << node
+            # Added even when the bit is set: a previous incarnation's bit may still wait for
+            # its slice (kvfs.cluster.membership), which leaves inodes in this set alone.
             self.referenced_by.setdefault(node, set()).add(inode.ino)
 
     def unreference(self, inode: Inode, node: int) -> None:

@@ -16,7 +16,7 @@ from kvfs.errors import MetadataError
 
 
 SHARED_SIZES = 4096  # distinct file sizes whose int objects versions share
-_SEALED, _CURRENT, _ON_DISK, _HELD, _GONE = 1, 2, 4, 8, 16
+_SEALED, _CURRENT, _ON_DISK, _HELD = 1, 2, 4, 8
 _NO_SUMS = b""
 
 
@@ -54,7 +54,6 @@ class FileVersion:
     current = _flag(_CURRENT, "still the version its file's name refers to")
     on_disk = _flag(_ON_DISK, "a copy is safe on the node's SSD")
     held = _flag(_HELD, "retired, but an inode a kernel references still shows it (see master)")
-    gone = _flag(_GONE, "its node registered again without it: hidden until it is forgotten (not saved)")
 
     @property
     def checksums(self) -> list[int]:
@@ -89,6 +88,9 @@ class ObjectDirectory:
         self._node_versions: dict[int, int] = {}  # node -> how many versions it stores
         self._sizes: dict[int, int] = {}  # sizes seen, each one int object (see `seal`)
         self.retired: set[int] = set()  # versions no longer current, kept while open or held (a few)
+        # Versions their node no longer holds (it registered again without them, or it was
+        # forgotten): hidden until they are forgotten, a slice at a time (not saved).
+        self.gone: set[int] = set()
         # Versions dropped since the master last routed them to the nodes that store them.
         self.dropped_log: list[FileVersion] = []
 
@@ -183,6 +185,7 @@ class ObjectDirectory:
         """Removes a version from the directory; its node is told to free the bytes."""
         del self.versions[version.version]
         self.retired.discard(version.version)
+        self.gone.discard(version.version)
         node = version.node
         left = self._node_versions[node] = self._node_versions[node] - 1
         if not left:
