@@ -30,12 +30,19 @@ class MasterClient(Protocol):
 
 
 class EmbeddedMaster:
+    """The single-node mount's master: nothing saves its state, so what each request changed
+    is forgotten at once (the dirty sets would otherwise grow with every file ever made)."""
+
     def __init__(self, service: MetadataService) -> None:
         self.service = service
         self.calls = OperationStats()  # by request type: the master's part of each operation
 
     async def call(self, request: Request, wait_s: float | None = None) -> Any:
-        return self.calls.timed(type(request).__name__, lambda: self.service.handle(request))
+        try:
+            return self.calls.timed(type(request).__name__, lambda: self.service.handle(request))
+        finally:
+            self.service.ns.dirty.clear()
+            self.service.objects.dirty.clear()
 
 
 Notify = Callable[[m.NameChanges], None]

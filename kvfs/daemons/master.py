@@ -11,6 +11,7 @@ With --etcd, masters elect a leader and keep the state in etcd instead
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import time
@@ -78,11 +79,25 @@ def owner_finder(service: MetadataService) -> Callable[[int], int | None]:
     return owner_of
 
 
+def keep_heap_out_of_full_collections(service: MetadataService, frozen_files: int) -> int:
+    """Moves the objects alive now (the namespace's inodes, versions, names) out of the garbage
+    collector's reach once the files grew by a quarter since the last time: a full collection
+    walks every tracked object, 0.9 s at 1M files, on the request loop. Freezing costs O(1);
+    the namespace's objects hold no reference cycles, so none leak. Returns the files now."""
+    files = service.ns.files
+    if files > frozen_files + frozen_files // 4 + 1000:
+        gc.freeze()
+        return files
+    return frozen_files
+
+
 async def expire_forever(service: MetadataService, server: MetadataServer, config: MasterConfig,
                          changed: Callable[[str], Any]) -> None:
     """Declares silent nodes dead and forgets long-dead ones; `changed(cause)` saves."""
+    frozen_files = -1
     while True:
         await trio.sleep(service.settings.expire_interval_s)
+        frozen_files = keep_heap_out_of_full_collections(service, frozen_files)
         try:
             stalls = service.liveness.stalls
             known = dict(service.registry.by_name)
