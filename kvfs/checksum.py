@@ -22,6 +22,19 @@ def piece_checksums(data: memoryview | bytes) -> list[int]:
     return [xxhash.xxh3_64_intdigest(view[start : start + PIECE_SIZE]) for start in range(0, len(view), PIECE_SIZE)]
 
 
+def chunk_and_piece_checksums(data: memoryview | bytes) -> tuple[int, list[int]]:
+    """A chunk's checksum and its pieces' in one pass over memory: each piece is hashed
+    for both while it is in cache."""
+    view = memoryview(data)
+    whole = xxhash.xxh3_64()
+    pieces = []
+    for start in range(0, len(view), PIECE_SIZE):
+        piece = view[start : start + PIECE_SIZE]
+        pieces.append(xxhash.xxh3_64_intdigest(piece))
+        whole.update(piece)
+    return whole.intdigest(), pieces
+
+
 def chunk_hasher() -> xxhash.xxh3_64:
     """A chunk's checksum computed piece by piece as they arrive (`intdigest()` at the end
     equals `chunk_checksum` of the whole): each piece is hashed while it is still in cache."""

@@ -4,13 +4,15 @@ A reader's node asks the node that stores a version for a run of its chunks
 (`FetchChunks`); the owner answers with one frame per chunk, its payload sent
 straight from the DRAM arena (or from the SSD read buffer), and the reader
 receives each payload straight into a read buffer with `recv_into`: no copy in
-Python on either side. Where the owner keeps the writer's piece checksums of a chunk
-(`kvfs.checksum.PIECE_SIZE` pieces, computed at seal), its frame header carries them and
-the reader verifies and hands on each piece as it arrives, so that the kernel's first
-READs of a chunk are served while its last bytes are still on their way; the whole
-chunk is then verified against its chunk checksum as before. A connection carries one fetch at a time; a node keeps
+Python on either side. A connection carries one fetch at a time; a node keeps
 a few connections per peer, so that a file's chunk runs and different files are
 fetched in parallel.
+
+Where the owner keeps the writer's piece checksums of a chunk (`kvfs.checksum.PIECE_SIZE`
+pieces, computed at seal), the chunk's frame header carries them, and the reader verifies
+and hands on each piece as it arrives: the kernel's first READs of a chunk are served
+while its last bytes are still on their way. The whole chunk is then verified against
+its chunk checksum, as a chunk without pieces is.
 
 `Transport` is what the node calls; an RDMA transport (one-sided reads from the
 registered arena) implements the same method.
@@ -104,9 +106,9 @@ class Transport(Protocol):
         `on_answer()` runs once the peer has started sending (it has the version), before
         the first payload is in; `on_piece(index, verified)` whenever the first `verified`
         bytes of a chunk not yet whole are in and verified against the writer's piece
-        checksums (only where the owner sent them). Raises StorageError: ENOENT if the peer refuses the
-        connection or no longer has the version, EIO if it is too slow to connect or goes
-        silent for PEER_SILENCE_S (or sends bad bytes)."""
+        checksums (only where the owner sent them). Raises StorageError: ENOENT if the
+        peer refuses the connection or no longer has the version, EIO if it is too slow
+        to connect or goes silent for PEER_SILENCE_S (or sends bad bytes)."""
 
 
 def _tune(sock: trio.socket.SocketType) -> None:
@@ -307,10 +309,10 @@ class MeasuredTransport:
     """A `Transport` whose fetches are timed and counted by outcome (`fetches`); subclasses
     implement `_fetch`."""
 
+    reports_pieces = True  # its fetches take `on_piece`
+
     def __init__(self) -> None:
         self.fetches = OperationStats()  # one "fetch" per chunk run, by outcome
-
-    reports_pieces = True
 
     async def fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
                     checksums: list[int], on_chunk: Callable[[int], None],

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfs.checksum import chunk_checksum, piece_checksums
+from kvfs.checksum import chunk_and_piece_checksums, piece_checksums
 from kvfs.chunks import CHUNK_SIZE, chunk_count
 from kvfs.errors import NoSpace
 from kvfs.store.arena import PAGE_SIZE, Arena
@@ -168,16 +168,16 @@ class DramTier:
             length = min(self.chunk_size, size - index * self.chunk_size)
             extent = extents[index] if index < len(extents) else None
             if extent is None:  # a hole: checksum of zeros, no storage
-                checksums.append(chunk_checksum(bytes(length)))
-                pieces.append(piece_checksums(bytes(length)))
-                continue
-            if extent.filled < length:
-                self.arena.zero(extent.offset + extent.filled, length - extent.filled)
-                extent.filled = length
-            self._compact(extent, length)
-            data = self.arena.view[extent.offset : extent.offset + length]
-            checksums.append(chunk_checksum(data))
-            pieces.append(piece_checksums(data))
+                data: memoryview | bytes = bytes(length)
+            else:
+                if extent.filled < length:
+                    self.arena.zero(extent.offset + extent.filled, length - extent.filled)
+                    extent.filled = length
+                self._compact(extent, length)
+                data = self.arena.view[extent.offset : extent.offset + length]
+            whole, parts = chunk_and_piece_checksums(data)
+            checksums.append(whole)
+            pieces.append(parts)
         self._pieces[version] = pieces
         return checksums
 
