@@ -53,6 +53,7 @@ BLOCK = bytes(4096)  # one small KV block per file: the metadata path dominates
 CONCURRENT = 8  # callers per RemoteMaster client
 CLIENTS = 2  # RemoteMaster connections (as two nodes)
 WRITERS = (1, 16)
+PAGE = 256  # entries per ReadDir, as a node asks (kvfs.fuse.operations.READDIR_BATCH)
 
 
 def parse_count(text: str) -> int:
@@ -138,7 +139,7 @@ def pure_service(count: int, base: Path, results: Results, traced: bool) -> None
     started = time.perf_counter()
     listed, start_id = 0, 0
     while True:
-        page = service.handle(m.ReadDir(directory, start_id, m.READDIR_MAX), node).entries
+        page = service.handle(m.ReadDir(directory, start_id, PAGE), node).entries
         listed += len(page)
         if not page:
             break
@@ -244,7 +245,7 @@ def remote_master(count: int, base: Path, bundles: dict[str, Path], results: Res
             results.record(layer, "lookups_per_s", count / await in_parallel(lookup, clients))
             started = time.perf_counter()
             start_id = listed = 0
-            while page := (await remote.call(m.ReadDir(directory, start_id, m.READDIR_MAX))).entries:
+            while page := (await remote.call(m.ReadDir(directory, start_id, PAGE))).entries:
                 listed += len(page)
                 start_id = page[-1].next_id
             results.record(layer, "listing_s", time.perf_counter() - started)
