@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import time
 from typing import Any
 
@@ -27,7 +26,7 @@ import trio
 from kvfs import systemd
 from kvfs.cluster.election import Leadership, renew_interval
 from kvfs.config import split_address
-from kvfs.daemons.master import MasterConfig, expire_forever, new_service, owner_finder
+from kvfs.daemons.master import MasterConfig, expire_forever, until_stopped, new_service, owner_finder
 from kvfs.histogram import OperationStats
 from kvfs.metrics.exporter import serve_metrics
 from kvfs.metrics.master import MasterMetrics
@@ -213,13 +212,7 @@ class ElectedMaster:
                 nursery.start_soon(trio.serve_listeners, self._dispatch, listeners)
                 nursery.start_soon(self._lead_or_stand_by)
                 nursery.start_soon(systemd.keep_watchdog_fed)
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    task_status.started()
-                    systemd.notify("READY=1\nSTATUS=standing by")
-                    async for signum in signals:
-                        log.info("received %s, stopping", signal.Signals(signum).name)
-                        break
-                systemd.notify("STOPPING=1")
+                await until_stopped(task_status.started, "standing by")
                 nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):

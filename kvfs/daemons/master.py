@@ -91,6 +91,17 @@ def keep_heap_out_of_full_collections(service: MetadataService, frozen_files: in
     return frozen_files
 
 
+async def until_stopped(started: Callable[[], None], status: str) -> None:
+    """Tells the caller and systemd that the master is up, then waits for SIGINT or SIGTERM."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        started()
+        systemd.notify(f"READY=1\nSTATUS={status}")
+        async for signum in signals:
+            log.info("received %s, stopping", signal.Signals(signum).name)
+            break
+    systemd.notify("STOPPING=1")
+
+
 async def expire_forever(service: MetadataService, server: MetadataServer, config: MasterConfig,
                          changed: Callable[[str], Any]) -> None:
     """Declares silent nodes dead and forgets long-dead ones; `changed(cause)` saves."""
@@ -183,13 +194,7 @@ class MasterProcess:
                 nursery.start_soon(expire_forever, self.service, self.server, self.config, self.save)
                 nursery.start_soon(self._sync_forever)
                 nursery.start_soon(systemd.keep_watchdog_fed)
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    task_status.started(bound)
-                    systemd.notify(f"READY=1\nSTATUS=serving on {host}:{bound}")
-                    async for signum in signals:
-                        log.info("received %s, stopping", signal.Signals(signum).name)
-                        break
-                systemd.notify("STOPPING=1")
+                await until_stopped(lambda: task_status.started(bound), f"serving on {host}:{bound}")
                 nursery.cancel_scope.cancel()
         finally:
             if not self.save("stop"):
