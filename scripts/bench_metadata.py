@@ -62,6 +62,11 @@ def parse_count(text: str) -> int:
     return int(float(text.rstrip("KM")) * scale)
 
 
+def short(count: int) -> str:
+    """10K, 100K, 1M."""
+    return f"{count // 1000_000}M" if count >= 1000_000 and not count % 1000_000 else f"{count // 1000}K"
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -110,7 +115,7 @@ def pure_service(count: int, base: Path, results: Results, traced: bool) -> None
     from kvfs.policy import make_policy
     from kvfs.wire import messages as m
 
-    layer = f"service {count // 1000}K"
+    layer = f"service {short(count)}"
     gc.collect()
     rss_before = rss_bytes(os.getpid())
     if traced:
@@ -194,7 +199,7 @@ def remote_master(count: int, base: Path, bundles: dict[str, Path], results: Res
     from kvfs.security.credentials import Tls
     from kvfs.wire import messages as m
 
-    layer = f"master {count // 1000}K"
+    layer = f"master {short(count)}"
     data = base / f"master-{count}"
     process, address = start_master(base, bundles["master"], data)
     host, port = address.rsplit(":", 1)
@@ -329,7 +334,7 @@ def fuse_round(targets: dict[str, Any], count: int, round_: int, results: Result
             directory.mkdir()
             before = scrape(target.metrics, "master_rpc") if target.metrics else {}
             rate = store(directory, "k", count, writers)
-            results.record(f"fuse {count // 1000}K {name}", f"creates_per_s x{writers}", rate)
+            results.record(f"fuse {short(count)} {name}", f"creates_per_s x{writers}", rate)
             if target.metrics:
                 after = scrape(target.metrics, "master_rpc")
                 for request, total in after.items():
@@ -337,7 +342,7 @@ def fuse_round(targets: dict[str, Any], count: int, round_: int, results: Result
                     if per_create >= 0.01:
                         results.record(f"rpc x{writers}", request, per_create)
     for name, target in targets.items():
-        layer = f"fuse {count // 1000}K {name}"
+        layer = f"fuse {short(count)} {name}"
         directory = target.path / f"s{count}-{round_}-1"
         rate, missing = present_lookups(directory, "k", count)
         results.record(layer, "lookups_per_s", rate)
@@ -372,7 +377,7 @@ def fuse_layers(counts: list[int], rounds: int, base: Path, bundles: dict[str, P
                 print(f"FUSE {count} files, round {round_ + 1}/{rounds}", file=sys.stderr, flush=True)
                 fuse_round({"node": node, "single": single}, count, round_, results)
             files = count * len(WRITERS) * rounds
-            label = f"{count // 1000}K"
+            label = f"{short(count)}"
             node_growth = rss_bytes(node.process.pid) - rss["node"] + rss_bytes(master.pid) - rss["master"]
             results.record(f"fuse {label} node", "bytes_per_file", node_growth / files)
             results.record(f"fuse {label} single", "bytes_per_file",
@@ -404,7 +409,7 @@ def report(results: Results, counts: list[int], fuse_counts: list[int], layers: 
 
     print(f"{'layer':<22}" + "".join(f"{metric:>16}" for metric in METRICS + ("rss_bytes/file",)))
     for count in counts:
-        for layer in (f"service {count // 1000}K", f"master {count // 1000}K"):
+        for layer in (f"service {short(count)}", f"master {short(count)}"):
             row = [results.median(layer, metric) for metric in METRICS]
             row.append(results.median(layer, "rss_bytes_per_file"))
             if any(value is not None for value in row):
@@ -422,7 +427,7 @@ def report(results: Results, counts: list[int], fuse_counts: list[int], layers: 
     fuse_metrics = [f"creates_per_s x{w}" for w in WRITERS] + ["lookups_per_s", "listing_s", "bytes_per_file"]
     print(f"{'FUSE':<22}" + "".join(f"{metric:>20}" for metric in fuse_metrics))
     for count in counts:
-        label = f"{count // 1000}K"
+        label = f"{short(count)}"
         if count not in fuse_counts:
             if "fuse" in layers:
                 print(f"{label:<22}not measured through FUSE (above --fuse-max: too slow for one run)")

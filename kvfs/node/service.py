@@ -667,7 +667,8 @@ class Node:
             return  # (and a new registration reports only the handles still open)
         self.membership.unreported_seals.pop(handle.version, None)
         self._remember_local(handle.ino, handle.version, sealed)
-        self.drop(sealed.dropped)
+        if isinstance(sealed, m.Sealed):  # (an in-process master answers a seal without release with Attr)
+            self.drop(sealed.dropped)
 
     def _forget_early_reader(self, handle: OpenFile) -> None:
         readers = self._early_readers.get(handle.version)
