@@ -197,7 +197,10 @@ class InProcess:
         node = rng.choice(self.nodes)
         self.call("heartbeat", m.Heartbeat(64 << 30, 32 << 30), node)
         model = self.service.ns.inodes[self.dirs[()]]
-        start = rng.choice(list(model.children.values()))[1] if model.children else 0
+        if model.children:  # a page that starts after a random entry
+            start = self.service.ns.inodes[model.children.get(rng.choice(list(model.children)))].entry_id
+        else:
+            start = 0
         self.call("readdir_page", m.ReadDir(self.dirs[()], start, READDIR_PAGE))
         watcher = self.nodes[-1]
         self.call("watch", m.WatchNames(parent, WATCH_LIMIT), watcher)

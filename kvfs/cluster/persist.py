@@ -45,7 +45,6 @@ class MasterState:
         self._versions = self.env.open_db(b"versions")
         self._meta = self.env.open_db(b"meta")
         self.commits = 0
-        self._written_nodes: dict[int, tuple[str, str]] = {}  # the nodes as last written
         self._upgrade = False  # the old meta record is still there
 
     def load(self, service: MetadataService) -> int:
@@ -68,9 +67,7 @@ class MasterState:
             for key, value in txn.cursor(db=self._versions):
                 loaded.add(Kind.VERSION, int.from_bytes(key, "big"), value)
         files = loaded.into(service)
-        if raw_counters is not None:
-            self._written_nodes = {number: (name, address) for number, name, address in loaded.nodes}
-        else:  # the next save writes the nodes as records of their own and drops the old meta record
+        if raw_counters is None:  # the next save writes the nodes as records of their own and drops the old meta record
             self._upgrade = True
             service.registry.dirty = True
         return files
@@ -82,9 +79,10 @@ class MasterState:
         if not records.is_dirty(service):
             return
         dbs = {Kind.INODE: self._inodes, Kind.VERSION: self._versions}
-        nodes = records.saved_nodes(service) if service.registry.dirty else None
         with self.env.begin(write=True) as txn:
-            for change in records.changes(service, self._written_nodes):
+            # the nodes as stored, read only when the registry changed (rarely; a few records)
+            written = self._stored_nodes(txn) if service.registry.dirty else {}
+            for change in records.changes(service, written):
                 if change.kind is Kind.COUNTERS:
                     key, db = COUNTERS_KEY, self._meta
                 elif change.kind is Kind.NODE:
@@ -99,9 +97,14 @@ class MasterState:
                 txn.delete(OLD_META_KEY, db=self._meta)
         records.clear_dirty(service)
         self._upgrade = False
-        if nodes is not None:
-            self._written_nodes = nodes
         self.commits += 1
+
+    def _stored_nodes(self, txn: lmdb.Transaction) -> dict[int, tuple[str, str]]:
+        loaded = records.Loaded()
+        for key, value in txn.cursor(db=self._meta):
+            if key.startswith(NODE_PREFIX):
+                loaded.add(Kind.NODE, int.from_bytes(key[len(NODE_PREFIX):], "big"), value)
+        return {number: (name, address) for number, name, address in loaded.nodes}
 
     def sync(self) -> None:
         started = time.monotonic()
