@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import foreign_tls, load_tls
-from kvfs.checksum import chunk_checksum
+from kvfs.checksum import PIECE_SIZE, chunk_checksum, piece_checksums
 from kvfs.wire.protocol import PREFIX, FrameKind, encode_frame
 from kvfs.wire.protocol import VERSION as WIRE_VERSION
 from kvfs.net.handshake import PEER_CLIENTS, Gate, connect
@@ -215,6 +215,115 @@ def test_a_remote_open_returns_on_the_answer_and_a_transfer_cut_later_fails_read
                     await reader.read(source, 0, CHUNK)
                 assert raised.value.errno == errno.EIO and "lost peer" in str(raised.value)
                 reader.close_read(source)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+# Pieces: a chunk's first bytes served, verified, before its last ones are in -------------
+
+BIG = 4 * PIECE_SIZE  # a chunk of four pieces, as the node's own chunks are
+
+
+def big_store(data: bytes) -> TieredStore:
+    store = TieredStore(DramTier(4 * BIG, chunk_size=BIG), None, read_buffers=ReadBufferPool(4, BIG))
+    store.create(VERSION)
+    store.dram.write(VERSION, 0, data)
+    store.seal(VERSION, len(data))
+    return store
+
+
+def serve_big(store: TieredStore, test) -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(store.run)
+            port = await nursery.start(PeerServer(store, OWNER).serve, "127.0.0.1", 0)
+            with trio.fail_after(20):
+                await test(f"127.0.0.1:{port}")
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_each_piece_is_handed_on_verified_before_its_chunk_is_whole() -> None:
+    data = os.urandom(BIG + PIECE_SIZE + 4321)  # chunk 1: a piece and a short one
+    chunk_lengths = [BIG, len(data) - BIG]
+    checksums = [chunk_checksum(data[:BIG]), chunk_checksum(data[BIG:])]
+
+    async def test(address: str) -> None:
+        transport = TcpTransport(READER)
+        targets = [memoryview(bytearray(BIG)) for _ in chunk_lengths]
+        events: list[object] = []
+        await transport.fetch(address, VERSION, 0, targets, chunk_lengths, checksums, events.append,
+                              lambda: events.append("answer"), lambda index, verified: events.append((index, verified)))
+        assert events == ["answer", (0, PIECE_SIZE), (0, 2 * PIECE_SIZE), (0, 3 * PIECE_SIZE), 0,
+                          (1, PIECE_SIZE), 1]
+        assert bytes(targets[0]) + bytes(targets[1][: chunk_lengths[1]]) == data
+        await transport.aclose()
+
+    serve_big(big_store(data), test)
+
+
+def test_a_corrupt_piece_fails_the_fetch_with_eio_after_the_good_pieces_before_it() -> None:
+    data = os.urandom(BIG)
+    store = big_store(data)
+    at = store.dram.chunk_offsets(VERSION, 0, 1)[0]
+    assert at is not None
+    store.dram.arena.view[at + PIECE_SIZE + 7] ^= 0xFF  # the owner's copy of piece 1 goes bad after the seal
+
+    async def test(address: str) -> None:
+        transport = TcpTransport(READER)
+        pieces: list[tuple[int, int]] = []
+        with pytest.raises(StorageError) as raised:
+            await transport.fetch(address, VERSION, 0, [memoryview(bytearray(BIG))], [BIG], [chunk_checksum(data)],
+                                  lambda index: None, lambda: None, lambda index, verified: pieces.append((index, verified)))
+        assert raised.value.errno == errno.EIO and "piece 1" in str(raised.value)
+        assert pieces == [(0, PIECE_SIZE)]  # only the good piece before it was handed on
+        assert transport.checksum_failures == 1
+        await transport.aclose()
+
+    serve_big(store, test)
+
+
+def test_a_read_of_a_first_piece_returns_while_the_rest_of_its_chunk_is_held_back() -> None:
+    """An owner that sends a chunk's first piece and then waits: the reader's read of that
+    piece returns (verified), a read of the next piece waits until the owner goes on."""
+    data = os.urandom(BIG)
+    gate = Gate(OWNER, PEER_CLIENTS)
+    first_read = trio.Event()
+
+    async def holding_peer(stream: trio.SocketStream) -> None:
+        admitted = await gate.admit(stream)
+        assert admitted is not None
+        frames, _ = admitted
+        request = await frames.receive()
+        header = ChunkData(0, BIG, piece_checksums(data))
+        await frames.send_encoded(encode_frame(FrameKind.RESPONSE, request.prefix.request_id, header, BIG))
+        await frames.send_encoded(data[:PIECE_SIZE])
+        await first_read.wait()
+        await frames.send_encoded(data[PIECE_SIZE:])
+        await _until_closed_or_quiet(frames.stream)
+
+    async def main() -> None:
+        reader = TieredStore(DramTier(2 * BIG, chunk_size=BIG), None, read_buffers=ReadBufferPool(2, BIG))
+        transport = TcpTransport(READER)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader.run)
+            port = await nursery.start(serve_tcp, holding_peer, "127.0.0.1", 0)
+
+            async def fetch(source, start: int, stop: int) -> None:
+                await transport.fetch(f"127.0.0.1:{port}", VERSION, start, source.chunks[start:stop], [BIG],
+                                      [chunk_checksum(data)], lambda index: source.ready[index].set(),
+                                      source.answered.set, source.piece_arrived)
+
+            with trio.fail_after(10):
+                source = await reader.open_remote(VERSION, BIG, fetch, streams=1)
+                assert bytes(await reader.read(source, 0, PIECE_SIZE)) == data[:PIECE_SIZE]
+                assert not source.ready[0].is_set()  # the chunk is not whole: its first piece was served
+                first_read.set()
+                assert bytes(await reader.read(source, PIECE_SIZE, 3 * PIECE_SIZE)) == data[PIECE_SIZE:]
+                reader.close_read(source)
+            await transport.aclose()
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -298,7 +298,8 @@ class RdmaTransport(MeasuredTransport):
         table[key] = table.get(key, 0) + 1
 
     async def _fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
-                     checksums: list[int], on_chunk: Callable[[int], None], on_answer: Callable[[], None]) -> None:
+                     checksums: list[int], on_chunk: Callable[[int], None], on_answer: Callable[[], None],
+                     on_piece: Callable[[int, int], None] = lambda index, verified: None) -> None:
         delivered: set[int] = set()
         answered = False
 
@@ -334,7 +335,7 @@ class RdmaTransport(MeasuredTransport):
             return
         start = missing[0] - first  # one TCP run from the first chunk not delivered
         await self.tcp.fetch(address, version, first + start, targets[start:], lengths[start:], checksums,
-                             deliver, answer)
+                             deliver, answer, on_piece)
 
     async def _read_run(self, peer: _RdmaPeer, version: int, first: int, targets: list[memoryview],
                         lengths: list[int], checksums: list[int], deliver: Callable[[int], None],

@@ -8,6 +8,12 @@ Python on either side. A connection carries one fetch at a time; a node keeps
 a few connections per peer, so that a file's chunk runs and different files are
 fetched in parallel.
 
+Where the owner keeps the writer's piece checksums of a chunk (`kvfs.checksum.PIECE_SIZE`
+pieces, computed at seal), the chunk's frame header carries them, and the reader verifies
+and hands on each piece as it arrives: the kernel's first READs of a chunk are served
+while its last bytes are still on their way. The whole chunk is then verified against
+its chunk checksum, as a chunk without pieces is.
+
 `Transport` is what the node calls; an RDMA transport (one-sided reads from the
 registered arena) implements the same method.
 """
@@ -23,7 +29,7 @@ from typing import Any, Awaitable, Callable, Protocol, Union
 import msgspec
 import trio
 
-from kvfs.checksum import chunk_checksum
+from kvfs.checksum import PIECE_SIZE, chunk_checksum, chunk_hasher
 from kvfs.wire.protocol import ErrorReply, FrameKind, Head, HeaderDecoder, ProtocolError, encode_frame
 from kvfs.wire.rdma_messages import RDMA_REQUESTS, Unlease
 from kvfs.wire.text import printable
@@ -64,6 +70,7 @@ class FetchChunks(msgspec.Struct, tag=True):
 class ChunkData(msgspec.Struct, tag=True):
     index: int
     length: int
+    pieces: list[int] = []  # the writer's checksum of each PIECE_SIZE piece, if the owner has them
 
 
 class Pulse(msgspec.Struct, tag=True):
@@ -79,17 +86,29 @@ class ChunkSource(Protocol):
                            send: Callable[[int, memoryview | bytes], Awaitable[None]]) -> None:
         """Calls `send(index, data)` for each chunk in order; raises StorageError."""
 
+    # Optional: `piece_checksums(version, index) -> list[int] | None`, the writer's checksums
+    # of a chunk's pieces where the source keeps them (a source without it sends whole chunks).
+
+
+def _no_pieces(index: int, verified: int) -> None:
+    pass
+
 
 class Transport(Protocol):
+    reports_pieces: bool  # whether `fetch` takes `on_piece`
+
     async def fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
                     checksums: list[int], on_chunk: Callable[[int], None],
-                    on_answer: Callable[[], None] = lambda: None) -> None:
+                    on_answer: Callable[[], None] = lambda: None,
+                    on_piece: Callable[[int, int], None] = _no_pieces) -> None:
         """Fills `targets` with chunks first, first+1, ... of `version` stored at `address`,
         verifying each against its checksum and calling `on_chunk(index)` as each arrives.
         `on_answer()` runs once the peer has started sending (it has the version), before
-        the first payload is in. Raises StorageError: ENOENT if the peer refuses the
-        connection or no longer has the version, EIO if it is too slow to connect or goes
-        silent for PEER_SILENCE_S (or sends bad bytes)."""
+        the first payload is in; `on_piece(index, verified)` whenever the first `verified`
+        bytes of a chunk not yet whole are in and verified against the writer's piece
+        checksums (only where the owner sent them). Raises StorageError: ENOENT if the
+        peer refuses the connection or no longer has the version, EIO if it is too slow
+        to connect or goes silent for PEER_SILENCE_S (or sends bad bytes)."""
 
 
 def _tune(sock: trio.socket.SocketType) -> None:
@@ -202,10 +221,14 @@ class PeerServer:
         if self._send_threads is None:
             self._send_threads = trio.CapacityLimiter(SEND_THREADS)
         answer = _Answer(frames, request_id, self._count_served, self._send_threads, self.send_stall_s)
+        pieces = getattr(self.store, "piece_checksums", None)
+
+        async def send(index: int, data: memoryview | bytes) -> None:
+            await answer.chunk(index, data, pieces(request.version, index) if pieces is not None else None)
 
         async def serve() -> None:
             try:  # the store checks the chunk range, for this path and the RDMA one
-                await self.store.serve_chunks(request.version, request.first, request.count, answer.chunk)
+                await self.store.serve_chunks(request.version, request.first, request.count, send)
             except KvfsError as error:
                 await answer.error(error)
             finally:
@@ -234,8 +257,9 @@ class _Answer:
         self._last_sent = trio.current_time()
         self._sent = sent  # payload bytes, as each chunk goes out
 
-    async def chunk(self, index: int, data: memoryview | bytes) -> None:
-        header = encode_frame(FrameKind.RESPONSE, self.request_id, ChunkData(index, len(data)), len(data))
+    async def chunk(self, index: int, data: memoryview | bytes, pieces: list[int] | None = None) -> None:
+        header = encode_frame(FrameKind.RESPONSE, self.request_id, ChunkData(index, len(data), pieces or []),
+                              len(data))
         # The header alone first, so that the reader's open returns while the payload is
         # still on its way (with a large send buffer the kernel would hold it back with
         # the payload); the payload from a worker thread, which encrypts it there: the
@@ -285,17 +309,21 @@ class MeasuredTransport:
     """A `Transport` whose fetches are timed and counted by outcome (`fetches`); subclasses
     implement `_fetch`."""
 
+    reports_pieces = True  # its fetches take `on_piece`
+
     def __init__(self) -> None:
         self.fetches = OperationStats()  # one "fetch" per chunk run, by outcome
 
     async def fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
                     checksums: list[int], on_chunk: Callable[[int], None],
-                    on_answer: Callable[[], None] = lambda: None) -> None:
+                    on_answer: Callable[[], None] = lambda: None,
+                    on_piece: Callable[[int, int], None] = _no_pieces) -> None:
         await self.fetches.measure("fetch", self._fetch(address, version, first, targets, lengths, checksums,
-                                                        on_chunk, on_answer))
+                                                        on_chunk, on_answer, on_piece))
 
     async def _fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
-                     checksums: list[int], on_chunk: Callable[[int], None], on_answer: Callable[[], None]) -> None:
+                     checksums: list[int], on_chunk: Callable[[int], None], on_answer: Callable[[], None],
+                     on_piece: Callable[[int, int], None]) -> None:
         raise NotImplementedError
 
 
@@ -341,17 +369,20 @@ class TcpTransport(MeasuredTransport):
             connection.close()
 
     async def _fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
-                     checksums: list[int], on_chunk: Callable[[int], None], on_answer: Callable[[], None]) -> None:
+                     checksums: list[int], on_chunk: Callable[[int], None], on_answer: Callable[[], None],
+                     on_piece: Callable[[int, int], None] = _no_pieces) -> None:
         try:
-            await self._fetch_once(address, version, first, targets, lengths, checksums, on_chunk, on_answer)
+            await self._fetch_once(address, version, first, targets, lengths, checksums, on_chunk, on_answer,
+                                   on_piece)
         except _Unanswered:  # a pooled connection the peer had dropped (a restart): once more on a new one
             log.debug("version %d: the pooled connection to %s was stale; reconnecting", version, address)
             await self._fetch_once(address, version, first, targets, lengths, checksums, on_chunk, on_answer,
-                                   pooled=False)
+                                   on_piece, pooled=False)
 
     async def _fetch_once(self, address: str, version: int, first: int, targets: list[memoryview],
                           lengths: list[int], checksums: list[int], on_chunk: Callable[[int], None],
-                          on_answer: Callable[[], None], pooled: bool = True) -> None:
+                          on_answer: Callable[[], None], on_piece: Callable[[int, int], None],
+                          pooled: bool = True) -> None:
         try:
             connection, reused = await self._connect(address, pooled)
         except TimeoutError as error:  # slow is not absent: the peer may be alive and loaded
@@ -368,10 +399,13 @@ class TcpTransport(MeasuredTransport):
         def answered() -> None:
             token.run_sync_soon(on_answer)
 
+        def piece(index: int, verified: int) -> None:
+            token.run_sync_soon(on_piece, index, verified)
+
         reusable = False
         try:
             await trio.to_thread.run_sync(self._exchange, connection, request_id, address, version, first, targets,
-                                          lengths, checksums, arrived, answered)
+                                          lengths, checksums, arrived, answered, piece)
             reusable = True
         except _RemoteError:
             reusable = True  # the peer answered; the connection is in step
@@ -406,7 +440,8 @@ class TcpTransport(MeasuredTransport):
 
     def _exchange(self, connection: BlockingFrames, request_id: int, address: str, version: int, first: int,
                   targets: list[memoryview], lengths: list[int], checksums: list[int],
-                  arrived: Callable[[int], None], answered: Callable[[], None]) -> None:
+                  arrived: Callable[[int], None], answered: Callable[[], None],
+                  piece: Callable[[int, int], None]) -> None:
         """One fetch, in a worker thread: the request, then a frame per chunk into its target."""
         try:
             connection.send(FrameKind.REQUEST, request_id, FetchChunks(version, first, len(targets)))
@@ -426,14 +461,40 @@ class TcpTransport(MeasuredTransport):
             reply = self._chunks.decode(header)
             if reply.index != index or reply.length != length or prefix.payload_length != length:
                 raise ProtocolError(f"chunk {reply.index} of {reply.length} bytes, expected chunk {index} of {length}")
+            if reply.pieces and len(reply.pieces) != -(-length // PIECE_SIZE):
+                raise ProtocolError(f"chunk {index} of {length} bytes with {len(reply.pieces)} piece checksums")
             if not offset:
                 answered()
-            connection.receive_payload(target[:length])
-            if index < len(checksums) and chunk_checksum(target[:length]) != checksums[index]:
+            if reply.pieces:
+                whole = self._receive_pieces(connection, target[:length], reply.pieces, index, version, address,
+                                             piece)
+            else:
+                connection.receive_payload(target[:length])
+                whole = chunk_checksum(target[:length])
+            if index < len(checksums) and whole != checksums[index]:
                 self.checksum_failures += 1
                 raise StorageError(errno.EIO, f"version {version} chunk {index} from {address} fails its checksum")
             self.fetched_bytes += length
             arrived(index)
+
+    def _receive_pieces(self, connection: BlockingFrames, target: memoryview, pieces: list[int], index: int,
+                        version: int, address: str, piece: Callable[[int, int], None]) -> int:
+        """A chunk's payload piece by piece, each verified against the writer's piece checksum
+        and handed on (`piece`) before the next is received (the last one goes with the whole
+        chunk); returns the whole chunk's checksum, computed on the way."""
+        whole = chunk_hasher()
+        for number, checksum in enumerate(pieces):
+            start = number * PIECE_SIZE
+            received = target[start : start + PIECE_SIZE]
+            connection.receive_payload(received)
+            if chunk_checksum(received) != checksum:
+                self.checksum_failures += 1
+                raise StorageError(errno.EIO, f"version {version} chunk {index} piece {number} from {address} "
+                                              f"fails its checksum")
+            whole.update(received)
+            if number < len(pieces) - 1:
+                piece(index, start + len(received))
+        return whole.intdigest()
 
     async def aclose(self) -> None:
         for connections in self._idle.values():

@@ -451,12 +451,17 @@ class Node:
         transport = self.transport
         assert transport is not None
 
+        # A transport that verifies pieces hands each on as it arrives: the kernel's READs of
+        # a chunk's first pieces are answered while its last ones are still on their way.
+        by_piece = getattr(transport, "reports_pieces", False)
+
         async def fetch(source: ReadSource, start: int, stop: int) -> None:
+            pieces = {"on_piece": source.piece_arrived} if by_piece else {}
             async with turns or contextlib.nullcontext():
                 await transport.fetch(address, version, start, source.chunks[start:stop],
                                       [min(self.chunk_size, size - i * self.chunk_size) for i in range(start, stop)],
                                       checksums, lambda index: source.ready[index].set(),
-                                      source.answered.set if start == 0 else lambda: None)
+                                      source.answered.set if start == 0 else lambda: None, **pieces)
 
         return self.store.start_remote(version, size, fetch, REMOTE_STREAMS)
 

@@ -4,7 +4,9 @@ A version is a list of chunk extents. While a version is written, each chunk
 owns a block and remembers how far it has been written (`filled`); bytes past
 `filled` read as zeros, so holes and truncate-then-extend never expose bytes of
 an older file. Sealing fills those gaps, trims the last block to its length and
-computes the per-chunk checksums.
+computes the per-chunk checksums, and the per-piece ones it keeps for peers (a reader
+on another node verifies each piece as it arrives and serves it before the chunk's
+last byte is in).
 
 A chunk being written takes a whole chunk-sized block when one is free (no
 copy as it grows). When none is, it takes the smallest block its bytes need
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfs.checksum import chunk_checksum
+from kvfs.checksum import chunk_and_piece_checksums, piece_checksums
 from kvfs.chunks import CHUNK_SIZE, chunk_count
 from kvfs.errors import NoSpace
 from kvfs.store.arena import PAGE_SIZE, Arena
@@ -38,6 +40,9 @@ class DramTier:
         if populate:
             self.arena.populate()
         self._versions: dict[int, list[Extent | None]] = {}
+        # Per sealed version, per chunk, its pieces' checksums: computed from the same bytes
+        # as the chunk checksums (at seal, or when a promotion has verified them).
+        self._pieces: dict[int, list[list[int]]] = {}
 
     @property
     def capacity(self) -> int:
@@ -158,19 +163,34 @@ class DramTier:
         """Makes the version dense and compact, and returns its chunk checksums."""
         self.truncate(version, size)
         extents = self._versions[version]
-        checksums = []
+        checksums, pieces = [], []
         for index in range(chunk_count(size, self.chunk_size)):
             length = min(self.chunk_size, size - index * self.chunk_size)
             extent = extents[index] if index < len(extents) else None
             if extent is None:  # a hole: checksum of zeros, no storage
-                checksums.append(chunk_checksum(bytes(length)))
-                continue
-            if extent.filled < length:
-                self.arena.zero(extent.offset + extent.filled, length - extent.filled)
-                extent.filled = length
-            self._compact(extent, length)
-            checksums.append(chunk_checksum(self.arena.view[extent.offset : extent.offset + length]))
+                data: memoryview | bytes = bytes(length)
+            else:
+                if extent.filled < length:
+                    self.arena.zero(extent.offset + extent.filled, length - extent.filled)
+                    extent.filled = length
+                self._compact(extent, length)
+                data = self.arena.view[extent.offset : extent.offset + length]
+            whole, parts = chunk_and_piece_checksums(data)
+            checksums.append(whole)
+            pieces.append(parts)
+        self._pieces[version] = pieces
         return checksums
+
+    def keep_pieces(self, version: int, lengths: list[int]) -> None:
+        """Computes the piece checksums of a sealed version whose chunks were just verified
+        against their chunk checksums (a promotion from SSD)."""
+        self._pieces[version] = [piece_checksums(self.read(version, index * self.chunk_size, length))
+                                 for index, length in enumerate(lengths)]
+
+    def pieces(self, version: int, index: int) -> list[int] | None:
+        """The piece checksums of one chunk of a sealed version, if this tier has them."""
+        pieces = self._pieces.get(version)
+        return pieces[index] if pieces is not None and index < len(pieces) else None
 
     def _compact(self, extent: Extent, length: int) -> None:
         """Gives a sealed chunk the smallest block that holds it. A short chunk moves into
@@ -239,6 +259,7 @@ class DramTier:
 
     def drop(self, version: int) -> None:
         """Frees every chunk of a version (unknown versions are ignored)."""
+        self._pieces.pop(version, None)
         for extent in self._versions.pop(version, ()):
             if extent is not None:
                 self.arena.free(extent.offset)

@@ -121,6 +121,8 @@ class LocalReads:
         try:
             await self.read_from_disk(version, targets)
             promoted = self.residency.end_promote(version)  # False: the file went while we read it
+            if promoted:  # its chunks were just verified: their pieces' checksums, for peers
+                self.dram.keep_pieces(version, lengths)
         finally:
             del self._promotions[version]
             done.set()

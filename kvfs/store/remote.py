@@ -72,6 +72,11 @@ class PeerChunks:
         finally:
             self.read_buffers.give_back(buffer)
 
+    def piece_checksums(self, version: int, index: int) -> list[int] | None:
+        """The writer's checksums of one chunk's pieces, where the DRAM tier keeps them (they
+        come with the chunk, so that the peer serves its first pieces before the last is in)."""
+        return self.dram.pieces(version, index)
+
     def lease_dram(self, version: int, first: int, count: int) -> tuple[list[int | None], list[int]] | None:
         """Pins a sealed version's DRAM copy for a peer that READs it over RDMA: the arena
         offsets and lengths of chunks first..first+count-1, or None when the version is not

@@ -1,7 +1,8 @@
 """An open reader's bytes: `ReadSource`, and the life of the read buffers behind it.
 
 A source is served from the DRAM tier (no buffers of its own) or from read buffers that
-fill chunk by chunk, from SSD or from another node, while the reader is served. A reader
+fill chunk by chunk, from SSD or from another node, while the reader is served (from
+another node piece by piece, where the owner sends piece checksums). A reader
 that closes while its chunks still arrive leaves the buffers to the stream, which gives
 them back when it ends.
 """
@@ -31,6 +32,15 @@ class ReadSource:
     streaming: bool = False
     closed: bool = False
     remote: bool = False  # streamed from another node
+    # Per chunk not yet whole, how many of its first bytes are in and verified (piece by
+    # piece). A piece sets the chunk's `ready` event and puts a new one in its place, so
+    # that its readers wake and serve what they can; `ready[index]` set means the chunk is
+    # whole (or failed).
+    verified: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.verified) != len(self.chunks):
+            self.verified = [0] * len(self.chunks)
 
     @property
     def tier(self) -> str:
@@ -42,12 +52,21 @@ class ReadSource:
         """A source with one read buffer (and one ready event) per chunk."""
         return cls(version, False, [buffers.take() for _ in lengths], [trio.Event() for _ in lengths], remote=remote)
 
+    def piece_arrived(self, index: int, verified: int) -> None:
+        """The first `verified` bytes of chunk `index` are in and verified."""
+        self.verified[index] = max(self.verified[index], verified)
+        waiting, self.ready[index] = self.ready[index], trio.Event()
+        waiting.set()
+
     async def read_chunks(self, offset: int, length: int, chunk_size: int) -> memoryview | bytes:
-        """The bytes at offset..offset+length from the buffers, once their chunks are in."""
+        """The bytes at offset..offset+length from the buffers, once they are in and verified
+        (their whole chunk, or the pieces that hold them)."""
         first, last = offset // chunk_size, (offset + length - 1) // chunk_size
+        end = offset + length
         for index in range(first, last + 1):
-            if not self.ready[index].is_set():
-                await self.ready[index].wait()
+            needed = min(end - index * chunk_size, chunk_size)
+            while not self.ready[index].is_set() and self.verified[index] < needed:
+                await self.ready[index].wait()  # (a piece wakes it too: see `verified`)
             if index in self.failures:  # good chunks are still served; this one never
                 raise self.failures[index]
         within = offset - first * chunk_size

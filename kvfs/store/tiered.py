@@ -224,6 +224,10 @@ class TieredStore:
         """Hands chunks of a sealed version to `send` in order (the peer server's source)."""
         await self.peers.serve_chunks(version, first, count, send)
 
+    def piece_checksums(self, version: int, index: int) -> list[int] | None:
+        """The writer's checksums of one chunk's pieces, if kept (sent with the chunk)."""
+        return self.peers.piece_checksums(version, index)
+
     def lease_dram(self, version: int, first: int, count: int) -> tuple[list[int | None], list[int]] | None:
         """Pins a sealed version's DRAM copy for a peer's RDMA READs (None: not in DRAM)."""
         return self.peers.lease_dram(version, first, count)
