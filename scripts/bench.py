@@ -57,12 +57,21 @@ def warm_guest_memory(nbytes: int) -> None:
     region.close()
 
 
+def available_memory() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def prepare_machine() -> None:
-    """Refuses to run without root, then warms guest memory (half of it, at most 12 GiB)."""
+    """Refuses to run without root, then warms guest memory (half of what is available, at
+    most 12 GiB: half of all memory got a run killed by the OOM killer while other work
+    held much of it)."""
     if os.geteuid() != 0:
         raise SystemExit("run as root: the benchmark mounts file systems and drops the page cache")
     print("warming guest memory", file=sys.stderr, flush=True)
-    warm_guest_memory(min(12 << 30, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2))
+    warm_guest_memory(min(12 << 30, available_memory() // 2))
 
 
 def drop_page_cache() -> None:

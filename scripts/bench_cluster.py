@@ -50,7 +50,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from multiprocessing import Process
 from pathlib import Path
@@ -69,6 +69,7 @@ REPO = Path(__file__).resolve().parent.parent
 PARALLEL = 4  # readers (raw TCP streams, Mooncake reader processes) in the parallel rows
 BATCH = 8  # objects per Mooncake batch_get_into
 HOG_SHARE = 0.8  # of one core, the competing load of --hog
+Record = Callable[[str, float], None]  # appends one round's figure to a metric
 
 
 def issue_bundles(base: Path) -> dict[str, Path]:
@@ -339,6 +340,7 @@ def main() -> None:
         os.environ["KVFS_TLS_DIR"] = str(bundles["bench"])
         master, address = start_master(base, bundles["master"])
         processes = [master]
+        # The writer's segment holds one size's objects of a round (and the allocator's slack).
         mooncake = (mooncake_peer.MooncakeSide(venv, base, PARALLEL, total + PARALLEL * max(sizes) + 256 * MiB,
                                                max(sizes), BATCH) if venv is not None else nullcontext())
         try:
@@ -364,7 +366,7 @@ def main() -> None:
     report(results, sizes, venv is not None, args.hog, args.transfers_only)
 
 
-def transfers(record, round_: int, size: int, total: int, a: Path, b: Path, single: Path,  # type: ignore[no-untyped-def]
+def transfers(record: Record, round_: int, size: int, total: int, a: Path, b: Path, single: Path,
               bundles: dict[str, Path], mooncake: mooncake_peer.MooncakeSide | None, loads: list[str]) -> None:
     """One round of one size: raw TCP and TLS, kvfs B<-A beside Mooncake (alternating), local."""
     count = max(PARALLEL, total // size)
@@ -407,7 +409,7 @@ def transfers(record, round_: int, size: int, total: int, a: Path, b: Path, sing
         mooncake.remove(prefix, count)
 
 
-def lookups(record, round_: int, a: Path, b: Path, single: Path, count: int) -> None:  # type: ignore[no-untyped-def]
+def lookups(record: Record, round_: int, a: Path, b: Path, single: Path, count: int) -> None:
     for name, target in (("node", b), ("single", single)):
         misses = [target / f"{round_}-{i:062x}.miss" for i in range(count)]
         record(f"absent lookups/s {name}", lookups_per_second(misses, 1))
