@@ -32,6 +32,7 @@ from kvfs.store.tiered import TieredStore
 
 MiB = 1 << 20
 ETH_P_ALL = 0x0003
+SO_RCVBUFFORCE = 33
 
 
 def marked(size: int) -> tuple[bytes, bytes]:
@@ -44,7 +45,8 @@ def marked(size: int) -> tuple[bytes, bytes]:
 
 class LoopbackCapture:
     """Every packet on the loopback interface, as the kernel hands them to a packet socket:
-    counts the packets' bytes and the packets that hold MARKER, until stopped."""
+    counts the packets' bytes and the packets that hold MARKER, until stopped (and the packets
+    queued until then are read)."""
 
     def __init__(self, marker: bytes) -> None:
         self.marker = marker
@@ -52,20 +54,24 @@ class LoopbackCapture:
         self.hits = 0
         self._stop = threading.Event()
         self._socket = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * MiB)
+        # Room for the whole transfer (as root, past net.core.rmem_max): a packet the thread
+        # had no time for is queued, not dropped.
+        self._socket.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 256 * MiB)
         self._socket.bind(("lo", 0))
         self._socket.settimeout(0.2)
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        buffer = bytearray(1 << 18)
-        while not self._stop.is_set():
+        buffer = bytearray(1 << 20)
+        while True:
             try:
                 count = self._socket.recv_into(buffer)
-            except TimeoutError:
+            except TimeoutError:  # all queued packets read: done, once stopped
+                if self._stop.is_set():
+                    return
                 continue
             self.captured += count
-            if self.marker in memoryview(buffer)[:count]:
+            if buffer.find(self.marker, 0, count) >= 0:
                 self.hits += 1
 
     def __enter__(self) -> LoopbackCapture:
