@@ -11,6 +11,8 @@ import os
 import re
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -114,6 +116,10 @@ def test_both_nodes_off_read_across_in_the_clear(cluster: Cluster) -> None:
     owner, reader, capture = read_across(cluster, ("--peer-encryption", "off"), ("--peer-encryption", "off"))
     assert capture.hits > 0, "the file's bytes should cross loopback in the clear"
     assert scrape(owner.metrics_url, "kvfs_peer_connections_plaintext_total") >= 1
+    status = subprocess.run([sys.executable, "-m", "kvfs", "status", "--master", cluster.master.address],
+                            capture_output=True, text=True, timeout=60)  # as the tests' admin (KVFS_TLS_DIR)
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.count(" tcp-plain ") == 2, status.stdout  # each node's TRANSPORT
     for node in (owner, reader):
         assert "peer encryption is off" in node.log_text()  # told at start, as a WARNING
         assert re.search(r"WARNING.*peer encryption is off", node.log_text())

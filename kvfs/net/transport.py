@@ -355,6 +355,7 @@ class TcpTransport(MeasuredTransport):
         super().__init__()
         self.tls = tls
         self.plaintext = plaintext
+        self.kind = "tcp-plain" if plaintext else "tcp"  # as `kvfs status` shows it
         self.connections = 0  # opened, ...
         self.plaintext_connections = 0  # ... of which left TLS
         self.streams_per_peer = streams_per_peer
