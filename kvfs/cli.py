@@ -178,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "tcp, or rdma (refuse to start without it)")
     node.add_argument("--rdma-device", default=None,
                       help="the RDMA device to use, e.g. mlx5_0 (default: the first active port)")
+    node.add_argument("--peer-encryption", default="on", choices=["on", "off"],
+                      help="chunks between nodes in TLS (on), or, with peers that have it off too, in the clear "
+                           "after an authenticated TLS setup (off: a trusted, isolated network only)")
     _add_store_options(node, ENTRY_TIMEOUT_S["node"])
     _add_metrics(node, DEFAULT_NODE_METRICS)
     _add_common(node)
@@ -365,7 +368,8 @@ def run_node(args: argparse.Namespace) -> int:
     tls = _node_tls(args)
     config = _mount_config(args, master=args.master, listen=args.listen, advertise=args.advertise,
                            node_name=tls.identity.name, tls=tls, master_wait_s=args.master_wait,
-                           transport=args.transport, rdma_device=args.rdma_device)
+                           transport=args.transport, rdma_device=args.rdma_device,
+                           peer_encryption=args.peer_encryption == "on")
     return _start(config, args)
 
 

@@ -140,6 +140,9 @@ class MountConfig:
     metrics_listen: str | None = DEFAULT_NODE_METRICS  # the Prometheus endpoint; None: off
     transport: str = "auto"  # chunks between nodes: auto (RDMA where both have it), tcp, rdma
     rdma_device: str | None = None  # e.g. mlx5_0; None: the first active RoCE v2 / InfiniBand port
+    # Chunks between nodes in TLS (True), or in the clear after a TLS setup with peers that
+    # have it off too (False: a trusted, isolated network only; docs/cluster.md, Security).
+    peer_encryption: bool = True
 
     def __post_init__(self) -> None:
         if self.dram_bytes < (16 << 20):

@@ -28,11 +28,13 @@ kvfs's and Mooncake's loads alternate (which goes first swaps every round), and 
 busy, so that each one's loss under a competing CPU load is shown. Rounds interleave
 the transfers; the tables show medians and kvfs/Mooncake ratios of medians.
 
-kvfs's cluster connections are always TLS 1.3 (there is no plaintext setting); raw
-Python TCP and TLS in the same run show what encryption costs.
+kvfs's cluster connections are TLS 1.3; with --peer-encryption off both nodes run with
+`kvfs node --peer-encryption off`, so that B's chunk connections to A leave TLS after their
+setup (docs/cluster.md, Security). Raw Python TCP and TLS in the same run show what
+encryption costs.
 
 Usage (as root): python scripts/bench_cluster.py [--sizes 2,32] [--total 512M] [--rounds 3]
-                 [--hog] [--install-mooncake] [--mooncake-venv DIR] [--transfers-only] [--json FILE]
+                 [--hog] [--peer-encryption on|off] [--install-mooncake] [--mooncake-venv DIR] [--transfers-only] [--json FILE]
        python scripts/bench_cluster.py --report FILE [--sizes ...]   (the tables of a saved run)
 """
 
@@ -283,9 +285,11 @@ def start_master(base: Path, bundle: Path) -> tuple[subprocess.Popen, str]:
     return process, found.group(1)
 
 
-def node_command(name: str, master: str, mountpoint: Path, dram: str, bundle: Path) -> list[str]:
+def node_command(name: str, master: str, mountpoint: Path, dram: str, bundle: Path,
+                 peer_encryption: str = "on") -> list[str]:
     return [sys.executable, "-m", "kvfs", "node", "--master", master, "--mount", str(mountpoint), "--name", name,
-            "--tls-dir", str(bundle), "-f", "--dram", dram, "--log-level", "warning"]
+            "--tls-dir", str(bundle), "-f", "--dram", dram, "--log-level", "warning",
+            "--peer-encryption", peer_encryption]
 
 
 def mooncake_venv(args: argparse.Namespace) -> Path | None:
@@ -317,6 +321,8 @@ def main() -> None:
                         help="the venv that holds Mooncake Store's package")
     parser.add_argument("--install-mooncake", action="store_true",
                         help=f"create that venv and pip install {mooncake_peer.PACKAGE} if it is missing")
+    parser.add_argument("--peer-encryption", default="on", choices=["on", "off"],
+                        help="both nodes' --peer-encryption (off: chunks from A to B in the clear after TLS setup)")
     parser.add_argument("--report", metavar="JSON", help="print the tables of a run's --json file, measuring nothing")
     args = parser.parse_args()
     sizes = [int(s) * MiB for s in args.sizes.split(",")]
@@ -344,8 +350,11 @@ def main() -> None:
         mooncake = (mooncake_peer.MooncakeSide(venv, base, PARALLEL, total + PARALLEL * max(sizes) + 256 * MiB,
                                                max(sizes), BATCH) if venv is not None else nullcontext())
         try:
-            a = start_daemon("node-a", node_command("a", address, base / "a", args.dram, bundles["a"]), base / "a")
-            b = start_daemon("node-b", node_command("b", address, base / "b", args.dram, bundles["b"]), base / "b")
+            encryption = args.peer_encryption
+            a = start_daemon("node-a", node_command("a", address, base / "a", args.dram, bundles["a"], encryption),
+                             base / "a")
+            b = start_daemon("node-b", node_command("b", address, base / "b", args.dram, bundles["b"], encryption),
+                             base / "b")
             single = start_daemon("single", [sys.executable, "-m", "kvfs", "mount", str(base / "single"), "-f",
                                              "--dram", "256M", "--log-level", "warning"], base / "single")
             processes += [a.process, b.process, single.process]

@@ -84,7 +84,7 @@ class Daemon:
         self.rdma: RdmaDevice | None = None
         if config.master is not None:
             assert read_buffers is not None
-            transport = TcpTransport(config.tls)
+            transport = TcpTransport(config.tls, plaintext=not config.peer_encryption)
             self.rdma = open_rdma(config.transport, config.rdma_device)
             if self.rdma is not None:
                 transport = RdmaTransport(self.rdma, config.tls, transport, read_buffers)
@@ -202,7 +202,11 @@ class Daemon:
             exporter = RdmaExporter(self.rdma, self.store)
             nursery.start_soon(self.rdma.run_completions)
             nursery.start_soon(exporter.expire_leases)
-        self.peer_server = PeerServer(self.store, config.tls, exporter)
+        self.peer_server = PeerServer(self.store, config.tls, exporter, plaintext=not config.peer_encryption)
+        if not config.peer_encryption:
+            log.warning("peer encryption is off: chunks to and from nodes that have it off too cross the network "
+                        "in the clear, after an authenticated TLS setup (checksums detect corruption, not "
+                        "forgery; for a trusted, isolated network only)")
         bound = await nursery.start(self.peer_server.serve, host, port)
         advertised = config.advertise or (host if host not in ("0.0.0.0", "::", "") else socket.gethostname())
         address = f"{advertised}:{bound}"

@@ -116,6 +116,8 @@ class NodeMetrics:
             out.counter("peer_served_bytes", "bytes sent to other nodes", self.peer_server.served_bytes)
             out.counter("peer_connections_refused", "peer connections that failed authentication",
                         self.peer_server.refused)
+            out.counter("peer_connections_plaintext", "peer connections served in the clear after their TLS setup "
+                        "(peer encryption off on both nodes)", self.peer_server.plaintext_connections)
         if node.prefetches is not None:
             prefetches = node.prefetches
             out.counters("prefetches", "remote files fetched at lookup, by outcome", ("outcome",),

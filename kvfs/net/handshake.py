@@ -8,6 +8,13 @@ identity is the certificate's name and role; the rules of who may connect to who
 kvfs.cluster.authority. After TLS the server checks the client's role and answers with a
 `Welcome` or an ERROR frame that says why not.
 
+A peer port of a node with peer encryption off offers, in its Welcome, to carry the
+connection's frames in the clear; the client answers (`Encryption`) and, when it runs with
+peer encryption off too, both sides end TLS (`TlsStream.unwrap`) right there, inside the
+setup's time limit. Identities are authenticated and refusals made exactly as before; only
+the frames after admission are plain. Offer and answer travel inside TLS, so nobody on the
+path can turn encryption off, and an end that keeps it on keeps the connection encrypted.
+
 Before that, a connection costs little: the gate holds at most `max_handshakes` of them at
 once (and `max_per_source` per source address), each for at most `timeout_s`, with tiny
 frame limits, and takes new connections from one address at a bounded rate (each costs a
@@ -28,7 +35,7 @@ import trio
 
 from kvfs.cluster.authority import MASTER_CLIENTS, PEER_CLIENTS, may_connect
 from kvfs.security.credentials import Identity, Tls, identity_of_peer
-from kvfs.wire.auth import HANDSHAKE_MAX_HEADER, HANDSHAKE_MAX_PAYLOAD, AuthError, Welcome
+from kvfs.wire.auth import HANDSHAKE_MAX_HEADER, HANDSHAKE_MAX_PAYLOAD, AuthError, Encryption, Welcome
 from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder, ProtocolError
 from kvfs.wire.text import printable
 from kvfs.net.streams import FrameStream, TlsStream, peer_name
@@ -49,6 +56,7 @@ REFUSAL_WINDOW_S = 10.0
 
 _welcomes = HeaderDecoder(Welcome)
 _errors = HeaderDecoder(ErrorReply)
+_encryptions = HeaderDecoder(Encryption)
 
 # What a failed setup raises, on either side.
 REFUSALS = (AuthError, ProtocolError, ssl.SSLError, trio.TooSlowError, EOFError, trio.BrokenResourceError)
@@ -70,13 +78,23 @@ def _wrap(stream: trio.SocketStream, context: ssl.SSLContext, server_side: bool)
         raise
 
 
+async def _leave_tls(frames: FrameStream) -> None:
+    """Ends TLS on an admitted connection (both sides agreed); its frames go on in the clear."""
+    if frames.parser.buffered:  # the peer sent frames before TLS ended: not this protocol
+        raise ProtocolError(f"{frames.parser.buffered} bytes before the end of TLS")
+    assert isinstance(frames.stream, TlsStream)
+    await frames.stream.unwrap()
+    frames.plaintext = True
+
+
 async def connect(host: str, port: int, tls: Tls, server_role: str,
                   tune: Callable[[Any], None] | None = None,
-                  timeout_s: float = HANDSHAKE_TIMEOUT_S) -> FrameStream:
+                  timeout_s: float = HANDSHAKE_TIMEOUT_S, plaintext: bool = False) -> FrameStream:
     """An admitted connection to the server at HOST:PORT, whose certificate must have
     SERVER_ROLE ("master", or "node" for a peer). `tune(socket)` runs before TLS. Raises
     OSError, or one of REFUSALS; nothing is left open then. The server's identity is the
-    returned stream's `peer`."""
+    returned stream's `peer`. PLAINTEXT: leave TLS after admission if the server offers to
+    (a peer with peer encryption off); the returned stream's `plaintext` says if it did."""
     stream = await trio.open_tcp_stream(host, port)
     try:
         if tune is not None:
@@ -99,6 +117,10 @@ async def connect(host: str, port: int, tls: Tls, server_role: str,
             if frame.prefix.kind != FrameKind.HELLO:
                 raise ProtocolError(f"expected a welcome, got a {frame.prefix.kind.name} frame")
             welcome = _welcomes.decode(frame.header)
+            if welcome.plaintext:  # the server offers to leave TLS and waits for our answer
+                await frames.send(FrameKind.HELLO, 0, Encryption(plaintext))
+                if plaintext:
+                    await _leave_tls(frames)
     except trio.BrokenResourceError as error:
         with trio.CancelScope(shield=True):
             await tls_stream.aclose()
@@ -167,8 +189,11 @@ class Gate:
 
     def __init__(self, tls: Tls, client_roles: frozenset[str], what: str = "connection",
                  timeout_s: float = HANDSHAKE_TIMEOUT_S, max_handshakes: int = MAX_HANDSHAKES,
-                 max_per_source: int = MAX_HANDSHAKES_PER_SOURCE, epoch: Callable[[], int] = lambda: 0) -> None:
+                 max_per_source: int = MAX_HANDSHAKES_PER_SOURCE, epoch: Callable[[], int] = lambda: 0,
+                 plaintext: bool = False) -> None:
         self.tls = tls
+        self.plaintext = plaintext  # offer to leave TLS after admission (a peer port, peer encryption off)
+        self.plaintext_admitted = 0  # connections that did
         self.epoch = epoch
         self.client_roles = client_roles
         self.what = what
@@ -225,7 +250,9 @@ class Gate:
                     await tls_stream.aclose()
                     return None
                 await frames.send(FrameKind.HELLO, 0, Welcome(self.tls.identity.name, self.tls.identity.role,
-                                                                  self.epoch()))
+                                                                  self.epoch(), self.plaintext))
+                if self.plaintext and await self._client_leaves_tls(frames):
+                    await _leave_tls(frames)
         except REFUSALS as error:
             if isinstance(error, trio.TooSlowError):
                 self._count("timeout", peer, f"no TLS handshake within {self.timeout_s:g} s")
@@ -239,7 +266,18 @@ class Gate:
             raise
         frames.authenticated()
         frames.peer = client
+        if frames.plaintext:
+            self.plaintext_admitted += 1
         return frames, client
+
+    @staticmethod
+    async def _client_leaves_tls(frames: FrameStream) -> bool:
+        """The client's answer to our offer to leave TLS: whether it runs without encryption too."""
+        frame = await frames.receive()
+        if frame.prefix.kind != FrameKind.HELLO or frame.payload:
+            raise ProtocolError(f"expected an answer to the offer of plain frames, got a {frame.prefix.kind.name} "
+                                f"frame")
+        return _encryptions.decode(frame.header).plaintext
 
     async def _refuse_role(self, frames: FrameStream, peer: Any, client: Identity) -> None:
         reason = f"this {self.what} does not serve {client} (only {', '.join(sorted(self.client_roles))})"

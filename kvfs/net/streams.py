@@ -7,12 +7,18 @@ encrypts a chunk's payload there (`send_all_blocking`), and the reader switches 
 to blocking mode and decrypts each payload straight into its buffer (`BlockingFrames`).
 OpenSSL releases the GIL while it encrypts and decrypts, so neither stalls the event loop.
 
+A peer data connection between two nodes that both run with peer encryption off is set
+up in TLS as every other one, then leaves it (`TlsStream.unwrap`: the TLS shutdown, after
+which the same TCP socket carries plain frames); from then on `TlsStream`, `send_some` and
+`BlockingFrames` work on the plain socket in the same way.
+
 `FrameStream` reads and writes whole frames on a trio stream; every connection (master
 requests, peer data, RDMA control) starts as one.
 """
 
 from __future__ import annotations
 
+import socket
 import ssl
 from typing import Any, Callable
 
@@ -25,14 +31,16 @@ READ_SIZE = 65536  # bytes asked of the stream at a time once authenticated
 
 
 class TlsStream(trio.abc.Stream):
-    """A trio stream over a non-blocking TLS socket (handshake done by `handshake()`).
+    """A trio stream over a non-blocking TLS socket (handshake done by `handshake()`), or over
+    the plain socket it leaves once `unwrap()` ends TLS on the connection (`plaintext`).
 
     TLS keeps state across a write that could not finish: a send cut short (cancelled) leaves
     the stream broken, and every later use raises BrokenResourceError."""
 
     def __init__(self, sock: ssl.SSLSocket) -> None:
         sock.setblocking(False)
-        self.socket = sock
+        self.socket: ssl.SSLSocket | socket.socket = sock
+        self.plaintext = False
         self._broken: str | None = None
         self._closed = False
 
@@ -62,7 +70,24 @@ class TlsStream(trio.abc.Stream):
                 await trio.lowlevel.checkpoint()  # a peer that always has data must not starve the others
                 return result
 
+    async def unwrap(self) -> None:
+        """Ends TLS on this connection, both sides agreeing (each calls it): sends the TLS
+        close_notify and waits for the peer's; the same TCP connection then carries plain
+        bytes. OpenSSL reads records exactly (no read-ahead), so nothing the peer sends in
+        the clear after its close_notify is swallowed by TLS."""
+        sock = self.socket
+        assert isinstance(sock, ssl.SSLSocket) and not self.plaintext
+        if await self._retry(sock.unwrap) == b"":  # the peer closed the connection instead
+            self._broken = "the peer closed the connection while leaving TLS"
+            raise trio.BrokenResourceError(self._broken)
+        plain = socket.socket(fileno=sock.detach())
+        plain.setblocking(False)
+        self.socket = plain
+        self.plaintext = True
+
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self.plaintext:
+            return await self._plain(lambda: self.socket.recv(max_bytes or READ_SIZE), readable=True)
         # A TLS record holds at most 16 KiB: asking for more only allocates more per call.
         return await self._retry(lambda: self.socket.recv(min(max_bytes or READ_SIZE, READ_SIZE)))
 
@@ -70,19 +95,42 @@ class TlsStream(trio.abc.Stream):
         view = memoryview(data)
         if not len(view):
             return await trio.lowlevel.checkpoint()
-        try:  # one write: OpenSSL keeps its progress across retries of the same buffer
-            await self._retry(lambda: self.socket.send(view))
+        try:
+            if self.plaintext:
+                while len(view):
+                    view = view[await self._plain(lambda: self.socket.send(view), readable=False):]
+            else:  # one write: OpenSSL keeps its progress across retries of the same buffer
+                await self._retry(lambda: self.socket.send(view))
         except trio.Cancelled:
             self._broken = "a send was cut short"
             raise
+
+    async def _plain(self, call: Callable[[], Any], readable: bool) -> Any:
+        """One recv or send on the plain socket, once it can go on."""
+        if self._closed:
+            raise trio.ClosedResourceError("the connection is closed")
+        if self._broken is not None:
+            raise trio.BrokenResourceError(self._broken)
+        while True:
+            try:
+                result = call()
+            except BlockingIOError:
+                await (trio.lowlevel.wait_readable if readable else trio.lowlevel.wait_writable)(self.socket)
+            except OSError as error:
+                self._broken = f"connection failed: {error}"
+                raise trio.BrokenResourceError(self._broken) from error
+            else:
+                await trio.lowlevel.checkpoint()
+                return result
 
     async def wait_send_all_might_not_block(self) -> None:
         await trio.lowlevel.wait_writable(self.socket)
 
     def peer_certificate(self) -> dict[str, Any] | None:
+        assert isinstance(self.socket, ssl.SSLSocket)
         return self.socket.getpeercert()
 
-    def detach(self) -> ssl.SSLSocket:
+    def detach(self) -> ssl.SSLSocket | socket.socket:
         """The socket, for a worker thread; this stream is spent."""
         if self._broken is not None:
             raise trio.BrokenResourceError(self._broken)
@@ -97,15 +145,24 @@ class TlsStream(trio.abc.Stream):
         await trio.lowlevel.checkpoint()
 
 
-def send_some(sock: ssl.SSLSocket, view: memoryview) -> bool:
-    """One try at writing VIEW to a non-blocking TLS socket, from a worker thread: True once all
-    of it is written, False when the socket is full (call again with the same view once it is
-    writable: OpenSSL keeps its progress across retries of the same buffer)."""
-    try:
-        sock.send(view)
-    except ssl.SSLWantWriteError:
-        return False
-    return True
+def send_some(sock: ssl.SSLSocket | socket.socket, view: memoryview) -> int:
+    """Writes what a non-blocking socket takes of VIEW now, from a worker thread; returns how
+    many bytes. On TLS that is all of it or 0 (call again with the same view once the socket
+    is writable: OpenSSL keeps its progress across retries of the same buffer); on a plain
+    socket, as much as its buffer takes."""
+    if isinstance(sock, ssl.SSLSocket):
+        try:
+            sock.send(view)
+        except ssl.SSLWantWriteError:
+            return 0
+        return len(view)
+    sent = 0
+    while sent < len(view):
+        try:
+            sent += sock.send(view[sent:])
+        except BlockingIOError:
+            break
+    return sent
 
 
 class FrameStream:
@@ -117,6 +174,7 @@ class FrameStream:
     def __init__(self, stream: trio.abc.Stream, max_header: int = MAX_HEADER, max_payload: int = MAX_PAYLOAD) -> None:
         self.stream = stream
         self.peer: Any = None  # the other side's identity (kvfs.security.credentials.Identity), once admitted
+        self.plaintext = False  # TLS ended after admission (peer encryption off on both ends)
         self.welcome: Any = None  # the server's Welcome (kvfs.wire.auth), on a connection this side opened
         self.parser = FrameParser(max_header, max_payload)
         self._read_size = min(READ_SIZE, max_header + max_payload + 64)
@@ -156,11 +214,12 @@ class FrameStream:
 
 
 class BlockingFrames:
-    """Frames on a blocking TLS socket, for a worker thread: the head is read exactly (so
-    nothing of the payload is buffered), the payload decrypted straight into the caller's
-    buffer. A peer silent for `timeout_s` raises TimeoutError (an OSError)."""
+    """Frames on a blocking TLS (or plain, once unwrapped) socket, for a worker thread: the
+    head is read exactly (so nothing of the payload is buffered), the payload decrypted (or
+    received) straight into the caller's buffer. A peer silent for `timeout_s` raises
+    TimeoutError (an OSError)."""
 
-    def __init__(self, sock: ssl.SSLSocket, parser: FrameParser, timeout_s: float) -> None:
+    def __init__(self, sock: ssl.SSLSocket | socket.socket, parser: FrameParser, timeout_s: float) -> None:
         sock.setblocking(True)
         sock.settimeout(timeout_s)
         self.sock = sock
@@ -168,7 +227,8 @@ class BlockingFrames:
 
     @classmethod
     def detach(cls, frames: FrameStream, timeout_s: float) -> BlockingFrames:
-        """Takes over an authenticated `FrameStream` on a TLS socket; the trio stream is spent."""
+        """Takes over an authenticated `FrameStream` on a TLS socket (or one unwrapped); the trio
+        stream is spent."""
         if frames.parser.buffered:
             raise ProtocolError(f"{frames.parser.buffered} unexpected bytes after the handshake")
         assert isinstance(frames.stream, TlsStream)

@@ -14,6 +14,12 @@ and hands on each piece as it arrives: the kernel's first READs of a chunk are s
 while its last bytes are still on their way. The whole chunk is then verified against
 its chunk checksum, as a chunk without pieces is.
 
+With peer encryption off on both nodes (`kvfs node --peer-encryption off`), a chunk
+connection is set up in TLS as any other, then leaves it (kvfs.net.handshake): its frames,
+payloads included, go in the clear, and every chunk and piece is still verified against its
+checksum before a byte of it is served. RDMA control requests are refused on such a
+connection (they stay in TLS).
+
 `Transport` is what the node calls; an RDMA transport (one-sided reads from the
 registered arena) implements the same method.
 """
@@ -137,10 +143,11 @@ class PeerServer:
 
     def __init__(self, store: ChunkSource, tls: Tls, rdma: RdmaService | None = None,
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, send_stall_s: float = SEND_STALL_S,
-                 fetches_per_peer: int = FETCHES_PER_PEER) -> None:
+                 fetches_per_peer: int = FETCHES_PER_PEER, plaintext: bool = False) -> None:
         self.store = store
         self.rdma = rdma
-        self.gate = Gate(tls, PEER_CLIENTS, "peer connection", handshake_timeout_s)
+        # PLAINTEXT: peer encryption off here; a connection whose client has it off too leaves TLS.
+        self.gate = Gate(tls, PEER_CLIENTS, "peer connection", handshake_timeout_s, plaintext=plaintext)
         self._requests = HeaderDecoder(Union[(FetchChunks, *RDMA_REQUESTS)])  # type: ignore[misc]
         self.served_bytes = 0
         self.send_stall_s = send_stall_s
@@ -154,6 +161,11 @@ class PeerServer:
     def refused(self) -> int:
         """Connections that failed the handshake."""
         return self.gate.refused
+
+    @property
+    def plaintext_connections(self) -> int:
+        """Connections admitted that left TLS (both ends with peer encryption off)."""
+        return self.gate.plaintext_admitted
 
     async def serve(self, host: str, port: int, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         await serve_tcp(self._connection, host, port, task_status)
@@ -175,6 +187,8 @@ class PeerServer:
                     if isinstance(request, FetchChunks):
                         async with fetches:  # a peer's fetches beyond its share wait here, holding nothing
                             await self._fetch(frames, request_id, request)
+                    elif frames.plaintext:  # memory keys are not for a connection without TLS
+                        raise ProtocolError(f"an RDMA request ({type(request).__name__}) on a plaintext connection")
                     else:
                         session = await self._rdma_request(frames, request_id, session, request)
             except ProtocolError as error:
@@ -246,7 +260,7 @@ class _Answer:
 
     def __init__(self, frames: FrameStream, request_id: int, sent: Callable[[int], None],
                  threads: trio.CapacityLimiter, stall_s: float = SEND_STALL_S) -> None:
-        assert isinstance(frames.stream, TlsStream)
+        assert isinstance(frames.stream, TlsStream)  # (with TLS, or plain once unwrapped)
         self.frames = frames
         self.request_id = request_id
         self._socket = frames.stream.socket
@@ -274,9 +288,13 @@ class _Answer:
         self._sent(len(data))
 
     async def _payload(self, view: memoryview) -> None:
-        """The payload, encrypted in a worker thread for as long as the socket takes data; while
-        it is full, this waits in the event loop (a reader that stops reading holds no thread)."""
-        while not await trio.to_thread.run_sync(send_some, self._socket, view, limiter=self._threads):
+        """The payload, encrypted (or, unwrapped, copied) in a worker thread for as long as the
+        socket takes data; while it is full, this waits in the event loop (a reader that stops
+        reading holds no thread)."""
+        while True:
+            view = view[await trio.to_thread.run_sync(send_some, self._socket, view, limiter=self._threads):]
+            if not len(view):
+                return
             with trio.move_on_after(self.stall_s) as stalled:
                 await trio.lowlevel.wait_writable(self._socket)
             if stalled.cancelled_caught:
@@ -328,13 +346,18 @@ class MeasuredTransport:
 
 
 class TcpTransport(MeasuredTransport):
-    """Fetches chunks from peers over persistent TLS connections."""
+    """Fetches chunks from peers over persistent TLS connections (plain after a TLS setup,
+    with peers that also run with peer encryption off, when `plaintext`)."""
 
     kind = "tcp"
 
-    def __init__(self, tls: Tls, streams_per_peer: int = STREAMS_PER_PEER) -> None:
+    def __init__(self, tls: Tls, streams_per_peer: int = STREAMS_PER_PEER, plaintext: bool = False) -> None:
         super().__init__()
         self.tls = tls
+        self.plaintext = plaintext
+        self.kind = "tcp-plain" if plaintext else "tcp"  # as `kvfs status` shows it
+        self.connections = 0  # opened, ...
+        self.plaintext_connections = 0  # ... of which left TLS
         self.streams_per_peer = streams_per_peer
         self._idle: dict[str, list[BlockingFrames]] = {}
         self._chunks = HeaderDecoder(ChunkData)
@@ -353,7 +376,9 @@ class TcpTransport(MeasuredTransport):
             connection.close()  # the peer closed it (restarted, say): not worth a request
         host, port = split_address(address)
         with trio.move_on_after(CONNECT_TIMEOUT_S):
-            frames = await connect(host, port, self.tls, PEER_ROLE, tune=_tune)
+            frames = await connect(host, port, self.tls, PEER_ROLE, tune=_tune, plaintext=self.plaintext)
+            self.connections += 1
+            self.plaintext_connections += frames.plaintext
             try:
                 return BlockingFrames.detach(frames, PEER_SILENCE_S), False
             except BaseException:

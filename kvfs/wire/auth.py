@@ -5,6 +5,12 @@ name and role come from its certificate, never from what it says. Once the serve
 checked the client's identity against who may connect, it sends `Welcome` (or an ERROR
 frame saying why not), so that a refused client learns why instead of seeing its first
 request fail. Until then a connection is held to tiny frames.
+
+Peer encryption off (`kvfs node --peer-encryption off`): a node's Welcome on its peer port
+says it would carry chunks in the clear (`plaintext`), and the client, which must answer
+such a Welcome, says with `Encryption` whether it would too. Only when both would do both
+sides end TLS on that connection. Both messages travel inside TLS, so nobody on the path
+can turn encryption off.
 """
 
 from __future__ import annotations
@@ -27,9 +33,19 @@ class Welcome(msgspec.Struct, tag=True):
     # A master elected through etcd: its leadership's epoch (the leader key's create_revision),
     # so that a client can refuse a deposed leader. 0: a single master, or not a master.
     epoch: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # This server runs with peer encryption off: it leaves TLS on this connection if the
+    # client answers `Encryption(plaintext=True)`. A client must answer when this is set.
+    plaintext: bool = False
 
 
-HandshakeMessage = Welcome
+class Encryption(msgspec.Struct, tag=True):
+    """The client's answer to a Welcome with `plaintext` set (a HELLO frame): whether it too
+    runs with peer encryption off, and so leaves TLS on this connection."""
+
+    plaintext: bool
+
+
+HandshakeMessage = Welcome | Encryption
 
 
 class AuthError(Exception):
