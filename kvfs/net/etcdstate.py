@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import trio
 
+from kvfs.batching import batches
 from kvfs.cluster import records
 from kvfs.cluster.master import MetadataService
 from kvfs.cluster.records import Change, Kind
@@ -39,19 +40,7 @@ class Batch:
 def split(changes: list[Change], max_ops: int = MAX_TXN_OPS, max_bytes: int = TXN_BYTES) -> list[list[Change]]:
     """The changes in txns of at most MAX_OPS operations and about MAX_BYTES, counters first."""
     ordered = sorted(changes, key=lambda change: change.kind is not Kind.COUNTERS)
-    parts: list[list[Change]] = []
-    part: list[Change] = []
-    used = 0
-    for change in ordered:
-        size = len(change.value or b"") + 32
-        if part and (len(part) >= max_ops or used + size > max_bytes):
-            parts.append(part)
-            part, used = [], 0
-        part.append(change)
-        used += size
-    if part:
-        parts.append(part)
-    return parts
+    return batches(ordered, lambda change: len(change.value or b"") + 32, max_bytes, max_ops)
 
 
 class EtcdState:

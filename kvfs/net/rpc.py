@@ -23,6 +23,7 @@ from typing import Any, Callable, Protocol
 import msgspec
 import trio
 
+from kvfs.batching import batches
 from kvfs.wire import messages as m
 from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder, ProtocolError, encode_frame
 from kvfs.wire.text import printable
@@ -44,19 +45,7 @@ REPLIES_QUEUED = 256  # a connection's replies waiting for their commit; then it
 
 def push_batches(changes: list[m.NameChange]) -> list[list[m.NameChange]]:
     """Name changes in order, cut into frames that fit a header."""
-    batches: list[list[m.NameChange]] = []
-    batch: list[m.NameChange] = []
-    used = 0
-    for change in changes:
-        size = m.entry_bytes(change[1], change[3])
-        if batch and used + size > PUSH_BYTES:
-            batches.append(batch)
-            batch, used = [], 0
-        batch.append(change)
-        used += size
-    if batch:
-        batches.append(batch)
-    return batches
+    return batches(changes, lambda change: m.entry_bytes(change[1], change[3]), PUSH_BYTES)
 
 
 class Notifier(Protocol):
