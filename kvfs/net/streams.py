@@ -49,11 +49,14 @@ class TlsStream(trio.abc.Stream):
         if await self._retry(self.socket.do_handshake) == b"":
             raise trio.BrokenResourceError("the peer closed the connection during the TLS handshake")
 
-    async def _retry(self, call: Callable[[], Any]) -> Any:
+    def _check_usable(self) -> None:
         if self._closed:
             raise trio.ClosedResourceError("the connection is closed")
         if self._broken is not None:
             raise trio.BrokenResourceError(self._broken)
+
+    async def _retry(self, call: Callable[[], Any]) -> Any:
+        self._check_usable()
         while True:
             try:
                 result = call()
@@ -107,10 +110,7 @@ class TlsStream(trio.abc.Stream):
 
     async def _plain(self, call: Callable[[], Any], readable: bool) -> Any:
         """One recv or send on the plain socket, once it can go on."""
-        if self._closed:
-            raise trio.ClosedResourceError("the connection is closed")
-        if self._broken is not None:
-            raise trio.BrokenResourceError(self._broken)
+        self._check_usable()
         while True:
             try:
                 result = call()
