@@ -271,6 +271,25 @@ def make_mount(tmp_path: Path) -> Iterator:
         next(generator, None)
 
 
+def start_master_process(argv: list[str], log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """Starts a `kvfs master` command with its output appended to LOG_PATH; returns the process
+    and the address it listens on, once it says so (30 s at most)."""
+    def text() -> str:
+        return log_path.read_text(errors="replace") if log_path.exists() else ""
+
+    offset = len(text())
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while True:
+        found = re.search(r"master listening on (\S+)", text()[offset:])
+        if found:
+            return process, found.group(1)
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"kvfs master did not start:\n{text()}")
+        time.sleep(0.02)
+
+
 class MasterDaemon:
     """`kvfs master` in a child process, on an ephemeral loopback port."""
 
@@ -285,22 +304,10 @@ class MasterDaemon:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def start(self, port: int = 0, host: str = "127.0.0.1") -> None:
-        offset = len(self.log_text())
         self.host = host
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvfs", "master", "--listen", f"{host}:{port}", "--data", str(self.data),
-                 "--tls-dir", tls_dir("master", "master"), "--log-level", "debug"],
-                stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while True:
-            found = re.search(r"master listening on (\S+)", self.log_text()[offset:])
-            if found:
-                self.address = found.group(1)
-                return
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"kvfs master did not start:\n{self.log_text()}")
-            time.sleep(0.02)
+        self.process, self.address = start_master_process(
+            [sys.executable, "-m", "kvfs", "master", "--listen", f"{host}:{port}", "--data", str(self.data),
+             "--tls-dir", tls_dir("master", "master"), "--log-level", "debug"], self.log_path)
 
     @property
     def port(self) -> int:
@@ -401,27 +408,32 @@ def netns_cluster(tmp_path: Path) -> Iterator[Cluster]:
         pytest.fail(f"network namespaces: {why}")
     network = netns.Network()
     try:
-        started = Cluster(tmp_path, network)
-        try:
-            yield started
-        finally:
-            for host in network.hosts:
-                host.heal()
-            errors = started.close()
-            assert not errors, "kvfs logged unexpected errors:\n" + "\n".join(errors)
+        with running_cluster(tmp_path, network) as started:
+            try:
+                yield started
+            finally:
+                for host in network.hosts:
+                    host.heal()
     finally:
         network.close()
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    """A master on loopback; add nodes with cluster.add_node(dram, *flags)."""
-    started = Cluster(tmp_path)
+@contextlib.contextmanager
+def running_cluster(root: Path, network: Any = None) -> Iterator[Cluster]:
+    """A Cluster, stopped at the end; any unexpected error a daemon logged fails the test."""
+    started = Cluster(root, network)
     try:
         yield started
     finally:
         errors = started.close()
         assert not errors, "kvfs logged unexpected errors:\n" + "\n".join(errors)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """A master on loopback; add nodes with cluster.add_node(dram, *flags)."""
+    with running_cluster(tmp_path) as started:
+        yield started
 
 
 @pytest.fixture

@@ -240,20 +240,10 @@ class ElectedMaster:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def start(self) -> "ElectedMaster":
-        import re
+        from conftest import start_master_process
 
-        offset = len(self.log_text())
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while True:
-            found = re.search(r"master listening on (\S+)", self.log_text()[offset:])
-            if found:
-                self.address = found.group(1)
-                return self
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"kvfs master did not start:\n{self.log_text()}")
-            time.sleep(0.02)
+        self.process, self.address = start_master_process(self.argv, self.log_path)
+        return self
 
     @property
     def port(self) -> int:

@@ -25,7 +25,7 @@ from typing import Iterator
 import bounded
 import pytest
 from conftest import Cluster, KvfsMount
-from conftest import busy_cpus
+from conftest import busy_cpus, running_cluster
 from conftest import wait_until as _wait_until
 from test_consumers import MiB, fill, key_path, vllm_load, vllm_store
 
@@ -72,12 +72,8 @@ def freeze_cluster(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: 
     after 60 s: then the frozen node stays the files' live owner for the whole freeze."""
     if request.param == "patient-master":
         monkeypatch.setenv("KVFS_DEAD_AFTER", "60")
-    started = Cluster(tmp_path)
-    try:
+    with running_cluster(tmp_path) as started:
         yield started
-    finally:
-        errors = started.close()
-        assert not errors, "kvfs logged unexpected errors:\n" + "\n".join(errors)
 
 
 def test_a_node_frozen_for_20_s_fails_reads_elsewhere_within_the_peer_budget_then_serves_again(

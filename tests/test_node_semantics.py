@@ -21,6 +21,7 @@ from typing import Iterator
 
 import pytest
 from conftest import Cluster, KvfsMount
+from conftest import running_cluster
 from conftest import wait_until as _wait_until
 
 from kvfs.node.service import PEER_BUDGET_S
@@ -141,12 +142,8 @@ def patient_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     """A cluster whose master waits 60 s before declaring a silent node dead: a stopped owner
     stays the file's live owner for the whole test."""
     monkeypatch.setenv("KVFS_DEAD_AFTER", "60")
-    started = Cluster(tmp_path)
-    try:
+    with running_cluster(tmp_path) as started:
         yield started
-    finally:
-        errors = started.close()
-        assert not errors, "kvfs logged unexpected errors:\n" + "\n".join(errors)
 
 
 def test_a_stopped_owner_is_an_io_error_elsewhere_then_serves_again(patient_cluster: Cluster) -> None:
