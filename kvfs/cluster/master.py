@@ -22,10 +22,11 @@ from kvfs.cluster.backlog import Backlog
 from kvfs.cluster.liveness import Liveness
 from kvfs.cluster.membership import Membership
 from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace, check_name, check_target
-from kvfs.cluster.objects import FileVersion, ObjectDirectory
+from kvfs.cluster.objects import FileVersion
 from kvfs.cluster.opens import OpenHandles
 from kvfs.cluster.registry import LOCAL_NODE, Registry
-from kvfs.cluster.usage import DirectoryUsage
+from kvfs.cluster.totals import CountedObjects
+from kvfs.cluster.usage import DirectoryUsage, DirTotals
 from kvfs.cluster.validate import check_request
 from kvfs.errors import MetadataError
 from kvfs.policy import EvictionPolicy
@@ -83,7 +84,8 @@ class MetadataService:
         self.policy = policy
         self.settings = settings
         self.ns = Namespace(clock.wall_ns(), settings.root_mode, settings.root_uid, settings.root_gid)
-        self.objects = ObjectDirectory()
+        self.objects = CountedObjects()  # an ObjectDirectory with per-node running totals
+        self.dir_totals = DirTotals(self.objects)  # per directory, what its subtree holds (kvfs du)
         self.registry = Registry(settings.dead_after_s)
         if not settings.cluster:
             self.registry.add_local()
@@ -98,7 +100,8 @@ class MetadataService:
         self.liveness = Liveness(self.registry, stall_gap(settings), clock.monotonic())
         self.backlog = Backlog()  # long work, done in slices between requests (`pending_work`)
         self.members = Membership(clock, self.ns, self.objects, self.registry, self.opens, self.liveness, self,
-                                  self.backlog, settings.forget_dead_after_s if settings.cluster else 0.0)
+                                  self.backlog, self.dir_totals,
+                                  settings.forget_dead_after_s if settings.cluster else 0.0)
         self._removed_names: list[tuple[int, bytes, int]] = []  # for the other nodes' kernels to forget
         # Unlinked inode -> (its version, still readable; the node whose kernel holds it).
         self._lingering: dict[int, tuple[int, int]] = {}
@@ -199,6 +202,7 @@ class MetadataService:
             if version is not None and version.sealed:
                 self._identify(inode)
                 self.policy.insert(inode.ino, version.size, now)
+        self.dir_totals.recount(self.ns)
 
     def route_outcomes(self, caller: int) -> None:
         log = self.objects.dropped_log
@@ -279,7 +283,7 @@ class MetadataService:
 
     def available(self, version: FileVersion) -> bool:
         """Whether a version's bytes can be had: its node is live and still holds it."""
-        return self.registry.is_live(version.node) and version.version not in self.objects.gone
+        return self.registry.holds(version.node, version.version) and version.version not in self.objects.gone
 
     def _entry(self, parent: int, name: bytes) -> Inode | None:
         return self._visible(self.ns.lookup(parent, name))
@@ -332,6 +336,7 @@ class MetadataService:
 
     def _link(self, directory: Inode, name: bytes, inode: Inode, now: int) -> None:
         self.ns.link(directory, name, inode, now)
+        self.dir_totals.enter(self.ns, inode)
         if not inode.is_file:
             return
         if self._is_temp(name):
@@ -362,6 +367,7 @@ class MetadataService:
         self._unpublished.pop(inode.ino, None)
         self.policy.remove(inode.ino)
         self._removed_names.append((inode.parent, inode.name, inode.ino))
+        self.dir_totals.leave(self.ns, inode)
         self.ns.unlink(inode, now)
         version = self.objects.versions.get(inode.version)
         if version is None:
@@ -491,7 +497,9 @@ class MetadataService:
         if inode.children:
             raise MetadataError(errno.ENOTEMPTY, f"directory {req.name!r} is not empty")
         self._removed_names.append((inode.parent, inode.name, inode.ino))
+        self.dir_totals.leave(self.ns, inode)
         self.ns.unlink(inode, self.clock.wall_ns())
+        self.dir_totals.removed_dir(inode.ino)
         return m.Done()
 
     def _rename(self, req: m.Rename) -> m.Done:
@@ -518,12 +526,15 @@ class MetadataService:
                 if target.children:
                     raise MetadataError(errno.ENOTEMPTY, f"directory {req.name_new!r} is not empty")
                 self._removed_names.append((target.parent, target.name, target.ino))
+                self.dir_totals.leave(self.ns, target)
                 self.ns.unlink(target, now)
+                self.dir_totals.removed_dir(target.ino)
             else:
                 self.remove_file(target, now, dropped, linger=True)
         self._claim(req.parent_new, req.name_new)  # a hidden file's name, once nothing can fail
         self._removed_names.append((source.parent, source.name, source.ino))
         self._unpublished.pop(source.ino, None)  # renamed: published
+        self.dir_totals.leave(self.ns, source)  # (entered again where it is linked)
         self.ns.detach(source, now)
         self._link(new_parent, req.name_new, source, now)
         directories = [self.attr(self.ns.inodes[ino]) for ino in dict.fromkeys((req.parent_old, req.parent_new))]
@@ -574,6 +585,7 @@ class MetadataService:
         version.readers += 1
         self._count_open(version.version, False, 1)
         version.hits += 1
+        self.dir_totals.hit(self.ns, inode)
         self._unpublished.pop(inode.ino, None)  # read: published
         self.usage.opened(self.ns, inode.parent, inode.name, version.size)
         now = self.clock.wall_ns()
@@ -600,7 +612,9 @@ class MetadataService:
         version = self.objects.create(inode.ino, req.node)
         version.writers = 1
         self._count_open(version.version, True, 1)
+        self.dir_totals.leave(self.ns, inode)
         inode.version = version.version
+        self.dir_totals.enter(self.ns, inode)
         self.ns.dirty.add(inode.ino)
         self.changed(inode)  # being written: watchers ask the master until it is sealed
         self.policy.remove(inode.ino)
@@ -608,7 +622,7 @@ class MetadataService:
         if copy_from:  # the node reads the old bytes, then releases them like a reader
             current.readers += 1
             self._count_open(current.version, False, 1)
-            version.size = copy_size
+            self.objects.set_size(version, copy_size)
         dropped: list[int] = []
         self.objects.retire(current, dropped)
         opened = m.Opened(self.attr(inode), version.version, copy_from, copy_size, dropped)
@@ -642,12 +656,14 @@ class MetadataService:
     def _seal_version(self, req: m.Seal) -> m.Attr:
         version = self.objects.get(req.version)
         newly = not version.sealed
+        inode = self.ns.inodes.get(version.ino)
         if newly:
+            self.dir_totals.leave(self.ns, inode)
             self.objects.seal(version, req.size, req.checksums)
+            self.dir_totals.enter(self.ns, inode)
         elif (version.size, version.checksums) != (req.size, req.checksums):
             raise MetadataError(errno.EINVAL, f"version {req.version} is already sealed")
         # (else: the same seal again, a node's retry after its re-registration reported it)
-        inode = self.ns.inodes.get(version.ino)
         if inode is None:
             return m.Attr(version.ino, stat.S_IFREG, 0, 0, 0, req.size, 0, 0, 0, version.version, True)
         # ctime never goes back: a chmod or utimensat while the file was written already moved it.
@@ -797,7 +813,10 @@ class MetadataService:
         for version_id in req.versions:
             version = self.objects.versions.get(version_id)
             if version is not None and version.node == self._caller:
-                version.on_disk = True
+                inode = self.ns.inodes.get(version.ino)
+                self.dir_totals.leave(self.ns, inode)
+                self.objects.set_on_disk(version, True)
+                self.dir_totals.enter(self.ns, inode)
                 self.objects.dirty.add(version_id)
         return m.Done()
 
@@ -855,6 +874,7 @@ class MetadataService:
         inode = self.ns.new_inode(record.mode, record.uid, record.gid, record.mtime_ns, directory=False)
         inode.xattrs = dict(record.xattrs)
         version = self.objects.restore(req.version, inode.ino, req.node, record.size, req.checksums)
+        self.registry.adopt(req.node, version.version)  # (kept while its node's other files are reconciled)
         inode.version = version.version
         self._link(directory, name, inode, now)
         inode.mtime_ns = inode.ctime_ns = record.mtime_ns
@@ -863,7 +883,7 @@ class MetadataService:
         return m.Restored(True, dropped)
 
     def _dir_usage(self, req: m.DirUsage) -> m.DirUsageInfo:
-        return m.DirUsageInfo(self.usage.rows(self.ns, self.objects, req.files))
+        return m.DirUsageInfo(self.usage.rows(self.ns, self.dir_totals if req.files else None))
 
     def _stats(self, req: m.Stats) -> m.MasterStats:
         stats = m.MasterStats(len(self.ns.inodes), self.ns.files, self.objects.sealed_bytes)

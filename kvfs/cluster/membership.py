@@ -25,9 +25,11 @@ from kvfs.wire import messages as m
 from kvfs.cluster.backlog import STEP_ITEMS, Backlog
 from kvfs.cluster.liveness import Liveness
 from kvfs.cluster.namespace import Inode, Namespace
-from kvfs.cluster.objects import FileVersion, ObjectDirectory
+from kvfs.cluster.objects import FileVersion
 from kvfs.cluster.opens import OpenHandles
 from kvfs.cluster.registry import NodeRecord, Registry
+from kvfs.cluster.totals import CountedObjects
+from kvfs.cluster.usage import DirTotals
 from kvfs.errors import MetadataError
 
 PAGE_BYTES = 640 << 10  # names and entries per WatchNames answer (a frame header holds 1 MiB)
@@ -59,9 +61,9 @@ class FileService(Protocol):
 
 
 class Membership:
-    def __init__(self, clock: Clock, ns: Namespace, objects: ObjectDirectory, registry: Registry,
+    def __init__(self, clock: Clock, ns: Namespace, objects: CountedObjects, registry: Registry,
                  opens: OpenHandles, liveness: Liveness, files: FileService, backlog: Backlog,
-                 forget_dead_after_s: float = 0.0) -> None:
+                 dir_totals: DirTotals, forget_dead_after_s: float = 0.0) -> None:
         self.clock = clock
         self.backlog = backlog  # work in proportion to a node's files, done in slices
         self.forget_dead_after_s = forget_dead_after_s  # 0: dead nodes are kept until removed
@@ -72,6 +74,7 @@ class Membership:
         self.registry = registry
         self.opens = opens
         self.files = files
+        self.dir_totals = dir_totals  # kept up to date as reports seal and offload files
 
     def register(self, req: m.Register) -> m.Registered:
         """A node joins or rejoins. Whatever a previous incarnation held open or cached is
@@ -109,16 +112,20 @@ class Membership:
                 continue
             node.reported.add(held.version)
             self.objects.gone.discard(version.version)
+            inode = self.ns.inodes.get(version.ino)
             if held.sealed and not version.sealed:  # sealed on the node while the master was away
+                self.dir_totals.leave(self.ns, inode)
                 self.objects.seal(version, held.size, held.checksums)
-                inode = self.ns.inodes.get(version.ino)
+                self.dir_totals.enter(self.ns, inode)
                 if inode is not None:
                     inode.mtime_ns = inode.ctime_ns = held.mtime_ns
                     self.ns.dirty.add(inode.ino)
                     if version.current and inode.linked:
                         self.files.admit(inode, held.size)
             if held.on_disk != version.on_disk:
-                version.on_disk = held.on_disk
+                self.dir_totals.leave(self.ns, inode)
+                self.objects.set_on_disk(version, held.on_disk)
+                self.dir_totals.enter(self.ns, inode)
                 self.objects.dirty.add(version.version)
         for version_id, writer, count in req.opens:
             version = self.objects.versions.get(version_id)
@@ -132,15 +139,18 @@ class Membership:
         return m.Reported(sorted(set(dropped)))
 
     def finish_registration(self, req: m.FinishRegistration, caller: int) -> m.Done:
-        """Versions of this node it did not report are gone: their files leave the namespace."""
+        """Versions of this node it did not report are gone: their files leave the namespace.
+
+        O(reported), never O(the node's versions): those it lacks are hidden at once by a mark
+        (`NodeRecord.kept`: only what it reported, or what is newer, is available) and found
+        and removed in slices (`_reconcile_job`)."""
         node = self._registering(caller)
         reported = node.reported
         # Reported versions are the node's: if as many of them are still known as it stores, none
         # is gone (the usual case: a count in C instead of a walk of its versions).
         still = sum(map(self.objects.versions.__contains__, reported))
-        if still != self.objects.count(node.node_id):  # some are gone: found with set operations, in C
-            gone = set(self.objects.by_node.get(node.node_id, ())).difference(reported)
-            self._forget_in_slices(set(filter(self.objects.versions.__contains__, gone)), node.node_id)
+        if still != self.objects.count(node.node_id):
+            node.kept, node.kept_below = reported, self.objects.next_version
         # Retired versions that were open before a restart and are open no more.
         unused = [version for version in (self.objects.versions[v] for v in list(self.objects.retired))
                   if version.node == node.node_id and version.version in reported and not version.in_use]
@@ -148,7 +158,31 @@ class Membership:
             self.objects.forget(version)
         node.registering, node.live, node.reported = False, True, set()
         node.last_seen = self.clock.monotonic()
+        if node.kept is not None:
+            self.backlog.add(self._reconcile_job(node, node.kept))
         return m.Done([version.version for version in unused])
+
+    def _reconcile_job(self, node: NodeRecord, kept: set[int]) -> Iterator[None]:
+        """The node's versions it did not report leave the namespace, a slice at a time. A
+        new registration meanwhile (a new `kept`) or the node's end stops the job: the next
+        registration's finish starts another over what is left."""
+        node_id, below = node.node_id, node.kept_below
+        ids = self.objects.by_node.get(node_id, array("Q"))[:]  # (a copy in C: versions come and go)
+        versions = self.objects.versions
+        for start in range(0, len(ids), STEP_ITEMS):
+            if node.kept is not kept or self.registry.nodes.get(node_id) is not node:
+                return
+            lacking = {}
+            for version_id in ids[start:start + STEP_ITEMS]:
+                if version_id < below and version_id not in kept:
+                    version = versions.get(version_id)
+                    if version is not None and version.node == node_id:
+                        lacking[version_id] = version  # (an id restored after it was forgotten is there twice)
+            self._forget_versions(list(lacking.values()))
+            self.files.route_outcomes(node_id)  # (their node does not hold them: nothing to free)
+            yield
+        if node.kept is kept:
+            node.kept = None
 
     def _forget_versions(self, versions: list[FileVersion]) -> None:
         now = self.clock.wall_ns()
@@ -158,7 +192,7 @@ class Membership:
             if version.current and inode is not None and inode.linked and inode.version == version.version:
                 self.files.remove_file(inode, now, dropped)
             if version.version in self.objects.versions:  # retired but held open before
-                version.current = False
+                self.objects.uncurrent(version)
                 version.readers = version.writers = 0
                 self.objects.forget(version)
 
@@ -185,24 +219,20 @@ class Membership:
         if self.forget_dead_after_s:
             for node in [n for n in self.registry.nodes.values() if not (n.live or n.registering)
                          and n.address and now - n.last_seen > self.forget_dead_after_s]:
-                self._unregister(node)  # its name is free now; its hidden files go in slices
-                self._forget_in_slices({v.version for v in self.objects.of_node(node.node_id)}, node.node_id)
+                self._unregister(node)  # its name is free now: its files are hidden, and go in slices
+                self.backlog.add(self._forget_job(node.node_id))
                 self.forgotten += 1
         return [node.node_id for node in dead]
 
-    def _forget_in_slices(self, version_ids: set[int], node_id: int) -> None:
-        """Versions a node no longer holds (it registered again without them, or it is
-        forgotten) are hidden at once (`objects.gone`) and leave the namespace in slices."""
-        if version_ids:
-            self.objects.gone |= version_ids
-            self.backlog.add(self._forget_job(list(version_ids), node_id))
-
-    def _forget_job(self, version_ids: list[int], node_id: int) -> Iterator[None]:
-        versions, gone = self.objects.versions, self.objects.gone
-        for start in range(0, len(version_ids), STEP_ITEMS):
-            # (one its node reported again meanwhile is no longer gone, and stays)
-            self._forget_versions([versions[v] for v in version_ids[start:start + STEP_ITEMS]
-                                   if v in gone and versions[v].node == node_id])
+    def _forget_job(self, node_id: int) -> Iterator[None]:
+        """The versions of a forgotten node (no longer registered: hidden, as no live node holds
+        them, and its id is never reused) leave the namespace a slice at a time."""
+        ids = self.objects.by_node.get(node_id, array("Q"))[:]  # (a copy in C)
+        versions = self.objects.versions
+        for start in range(0, len(ids), STEP_ITEMS):
+            found = [version for version in map(versions.get, dict.fromkeys(ids[start:start + STEP_ITEMS]))
+                     if version is not None and version.node == node_id]
+            self._forget_versions(found)
             self.files.route_outcomes(node_id)  # (their node does not hold them: nothing to free)
             yield
 
@@ -321,17 +351,11 @@ class Membership:
         return m.Removed([], entries, freed)
 
     def cluster_status(self, req: m.ClusterStatus) -> m.ClusterInfo:
+        """O(nodes): each node's files and bytes are running totals (kvfs.cluster.totals)."""
         now = self.clock.monotonic()
-        counts: dict[int, list[int]] = {}
-        for version in self.objects.versions.values():
-            if version.current:
-                entry = counts.setdefault(version.node, [0, 0, 0, 0])
-                entry[0] += 1
-                entry[1 if not version.on_disk else 2] += 1
-                entry[3] += version.size
         nodes = []
         for node in sorted(self.registry.nodes.values(), key=lambda n: n.node_id):
-            files, dram_only, ssd, nbytes = counts.get(node.node_id, [0, 0, 0, 0])
+            files, dram_only, ssd, nbytes = self.objects.totals(node.node_id)
             u = node.usage
             nodes.append(m.NodeStatus(node.node_id, node.name, node.address, node.live,
                                       round(now - node.last_seen, 3), u.dram_capacity, u.dram_used,

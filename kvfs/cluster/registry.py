@@ -37,6 +37,11 @@ class NodeRecord:
     usage: Usage = field(default_factory=Usage)
     activity: Activity = field(default_factory=Activity)  # its counters, as its last heartbeat reported them
     reported: set[int] = field(default_factory=set)  # versions reported during registration
+    # While the versions a node did not report in its last registration are removed (in slices,
+    # kvfs.cluster.membership): those it did report (and any added since), and the first id
+    # newer than the registration. Its other versions older than that are hidden meanwhile.
+    kept: set[int] | None = None
+    kept_below: int = 0
     outbox_dropped: list[int] = field(default_factory=list)  # versions it must free
     outbox_forget: list[tuple[int, bytes, int]] = field(default_factory=list)  # names its kernel must forget
     outbox_names: list[NameChange] = field(default_factory=list)  # changes in watched directories
@@ -68,7 +73,7 @@ class Registry:
             node.address = address
         self.dirty = True
         node.registering, node.live, node.last_seen = True, False, now
-        node.reported = set()
+        node.reported, node.kept = set(), None
         node.outbox_dropped, node.outbox_forget, node.outbox_names = [], [], []
         return node
 
@@ -83,6 +88,19 @@ class Registry:
     def is_live(self, node_id: int) -> bool:
         node = self.nodes.get(node_id)
         return node is not None and node.live
+
+    def holds(self, node_id: int, version_id: int) -> bool:
+        """Whether a version's node is live and holds it (it reported it, or the version is
+        newer than its registration): O(1), whatever the node stores."""
+        node = self.nodes.get(node_id)
+        return node is not None and node.live and (
+            node.kept is None or version_id >= node.kept_below or version_id in node.kept)
+
+    def adopt(self, node_id: int, version_id: int) -> None:
+        """A version the node stores now (restored from its SSD), which its reconciliation keeps."""
+        node = self.nodes.get(node_id)
+        if node is not None and node.kept is not None:
+            node.kept.add(version_id)
 
     def live_nodes(self) -> list[NodeRecord]:
         return [node for node in self.nodes.values() if node.live]

@@ -1,0 +1,91 @@
+"""Running totals of what each node stores, kept as versions change (pure).
+
+`kvfs status` shows per node its files, those only in DRAM, those on SSD and their
+bytes. Summed over every version on each call, that is O(all files) on the master's
+loop (a second at a few million files); kept here, it is O(nodes).
+
+The totals count current versions. `CountedObjects` is the object directory with
+the counting added around each change of what counts (a version added, sealed,
+retired, forgotten, offloaded, resized); the service changes `on_disk`, `size` and
+`current` through it, never by assigning the attribute, or the totals drift
+(tests/test_loop_bounds.py compares them with a full recount after random work).
+"""
+
+from __future__ import annotations
+
+from kvfs.cluster.objects import FileVersion, ObjectDirectory
+
+# Per node: [files, DRAM-only files, files on SSD, bytes] of its current versions.
+FILES, DRAM_ONLY, SSD, BYTES = range(4)
+
+
+def count_nodes(objects: ObjectDirectory) -> dict[int, list[int]]:
+    """The totals counted from scratch (O(all versions)): for checks, never on a request."""
+    counts: dict[int, list[int]] = {}
+    for version in objects.versions.values():
+        if version.current:
+            entry = counts.setdefault(version.node, [0, 0, 0, 0])
+            entry[FILES] += 1
+            entry[SSD if version.on_disk else DRAM_ONLY] += 1
+            entry[BYTES] += version.size
+    return counts
+
+
+class CountedObjects(ObjectDirectory):
+    def __init__(self) -> None:
+        super().__init__()
+        self.node_totals: dict[int, list[int]] = {}
+
+    def _count(self, version: FileVersion, sign: int) -> None:
+        if not version.current:
+            return
+        entry = self.node_totals.get(version.node)
+        if entry is None:
+            entry = self.node_totals[version.node] = [0, 0, 0, 0]
+        entry[FILES] += sign
+        entry[SSD if version.on_disk else DRAM_ONLY] += sign
+        entry[BYTES] += sign * version.size
+        if not entry[FILES]:
+            del self.node_totals[version.node]
+
+    def totals(self, node: int) -> tuple[int, int, int, int]:
+        """(files, DRAM-only files, files on SSD, bytes) of the node's current versions."""
+        entry = self.node_totals.get(node)
+        return (entry[FILES], entry[DRAM_ONLY], entry[SSD], entry[BYTES]) if entry else (0, 0, 0, 0)
+
+    # Every way a version enters, changes what counts, or leaves.
+
+    def _add(self, version: FileVersion) -> None:
+        super()._add(version)
+        self._count(version, 1)
+
+    def seal(self, version: FileVersion, size: int, checksums: list[int]) -> None:
+        self._count(version, -1)
+        super().seal(version, size, checksums)
+        self._count(version, 1)
+
+    def retire(self, version: FileVersion, dropped: list[int]) -> None:
+        self._count(version, -1)
+        version.current = False  # (what the directory's retire sets first; it may forget it too)
+        super().retire(version, dropped)
+
+    def forget(self, version: FileVersion) -> None:
+        if version.version in self.versions:
+            self._count(version, -1)
+        super().forget(version)
+
+    def set_on_disk(self, version: FileVersion, on_disk: bool) -> None:
+        if version.on_disk != on_disk:
+            self._count(version, -1)
+            version.on_disk = on_disk
+            self._count(version, 1)
+
+    def set_size(self, version: FileVersion, size: int) -> None:
+        self._count(version, -1)
+        version.size = size
+        self._count(version, 1)
+
+    def uncurrent(self, version: FileVersion) -> None:
+        """No longer its file's content, without the retire's bookkeeping (a version being forgotten)."""
+        self._count(version, -1)
+        version.current = False

@@ -1,0 +1,302 @@
+"""What one request or one slice of the master's work touches, counted, never timed.
+
+The master answers every node from one loop: a request that walks every file (or every
+file of a node) stops all the others meanwhile. Here the pure service's inodes and
+versions are counted as they are read, so that the tests state the bounds as work: a
+registration's request touches about what the node reported, `kvfs status` no version
+and no inode, `kvfs du` the top-level directories only. The running totals those
+answers read are checked against a full recount after random work (a differential check).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, MutableMapping
+from typing import Any
+
+from kvfs.clock import ManualClock
+from kvfs.cluster.backlog import STEP_ITEMS
+from kvfs.cluster.master import MasterSettings, MetadataService
+from kvfs.cluster.namespace import ROOT_INO
+from kvfs.cluster.totals import count_nodes
+from kvfs.cluster.usage import walk_tops
+from kvfs.policy import LruPolicy
+from kvfs.wire import messages as m
+
+
+class Counted(MutableMapping):
+    """A mapping that counts the items read through it (lookups, tests, iteration)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.touched = 0
+
+    def __getitem__(self, key: Any) -> Any:
+        self.touched += 1
+        return self.inner[key]
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.touched += 1
+        return self.inner.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self.touched += 1
+        return key in self.inner
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.inner[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del self.inner[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        for key in self.inner:
+            self.touched += 1
+            yield key
+
+    def values(self) -> Any:
+        return [self[key] for key in list(self.inner)]
+
+    def items(self) -> Any:
+        return [(key, self[key]) for key in list(self.inner)]
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+def counted(service: MetadataService) -> tuple[Counted, Counted]:
+    """Counts reads of the service's versions and inodes from now on."""
+    versions = Counted(service.objects.versions)
+    inodes = Counted(service.ns.inodes)
+    service.objects.versions = versions  # type: ignore[assignment]
+    service.ns.inodes = inodes  # type: ignore[assignment]
+    return versions, inodes
+
+
+SLICE = 8 * STEP_ITEMS  # items one slice of removal may touch: each file's inode and version a few times
+
+
+def cluster(**settings: float) -> MetadataService:
+    return MetadataService(ManualClock(), LruPolicy(), MasterSettings(cluster=True, **settings))
+
+
+def join(service: MetadataService, name: str, held: list[m.Held] = ()) -> int:  # type: ignore[assignment]
+    node = service.handle(m.Register(name, f"{name}:1"), 0).node
+    for start in range(0, len(held), 2000):
+        service.handle(m.Report(held[start:start + 2000]), node)
+    service.handle(m.FinishRegistration(), node)
+    return node
+
+
+def store(service: MetadataService, parent: int, name: bytes, node: int, size: int = 4096) -> int:
+    opened = service.handle(m.Create(parent, name, 0o644, 0, 0, node, True), node)
+    service.handle(m.Seal(opened.version, size, service.clock.wall_ns(), [1], release=True), node)
+    service.handle(m.Forget([opened.attr.ino]), node)
+    return opened.version
+
+
+def held(service: MetadataService, version_id: int) -> m.Held:
+    version = service.objects.versions[version_id]
+    return m.Held(version.version, version.size, version.sealed, version.on_disk, 0, version.checksums)
+
+
+def test_a_registration_touches_what_the_node_reported_not_what_it_stored() -> None:
+    service = cluster()
+    a, b = join(service, "a"), join(service, "b")
+    directory = service.handle(m.MkDir(ROOT_INO, b"model", 0o755, 0, 0), a).ino
+    files = 48 * STEP_ITEMS
+    versions_a = [store(service, directory, b"a%06d" % i, a) for i in range(files)]
+    store(service, directory, b"theirs", b)
+    kept = versions_a[::400]  # a restarts with a few files left (the rest was only in its DRAM)
+
+    service.handle(m.Register("a", "a:1"), 0)
+    versions, inodes = counted(service)
+    service.handle(m.Report([held(service, v) for v in kept]), a)
+    assert versions.touched <= 2 * len(kept)
+    versions.touched = inodes.touched = 0
+    service.handle(m.FinishRegistration(), a)
+    # The count check (the reported ones), then the first slice of the removal: never all of a's files.
+    assert versions.touched <= len(kept) + SLICE < files // 4
+    assert inodes.touched <= SLICE
+
+    # The files a lacks are hidden at once; those it reported, and those it writes now, are not.
+    assert service.handle(m.Lookup(directory, b"a%06d" % (files - 1)), b).attr is None
+    assert service.handle(m.Lookup(directory, b"a%06d" % 400), b).attr is not None
+    store(service, directory, b"new", a)
+    assert service.handle(m.Lookup(directory, b"new"), b).attr is not None
+    touched: list[int] = []
+    while True:
+        versions.touched = inodes.touched = 0
+        left = service.pending_work(0.0)  # one step per call
+        assert inodes.touched <= SLICE
+        touched.append(versions.touched)
+        if not left:
+            break
+    assert len(touched) <= files // STEP_ITEMS + 2
+    # Each slice touches its own files, but for the object directory's compaction of the node's
+    # id array (in C, once forgotten ids outnumber live ones: geometric, O(1) per file amortized).
+    compactions = [count for count in touched if count > SLICE]
+    assert len(compactions) <= files.bit_length() and sum(touched) <= SLICE * len(touched) + 3 * files
+    listed = service.handle(m.ReadDir(directory, 0, 10_000), b).entries
+    assert sorted(entry.name for entry in listed) == sorted(
+        [b"a%06d" % i for i in range(0, files, 400)] + [b"theirs", b"new"])
+    assert service.registry.nodes[a].kept is None  # reconciled: nothing of a's is hidden any more
+
+
+def test_a_registration_again_midway_stops_the_previous_removal() -> None:
+    service = cluster()
+    a, b = join(service, "a"), join(service, "b")
+    stored = [store(service, ROOT_INO, b"f%05d" % i, a) for i in range(4 * STEP_ITEMS)]
+    join(service, "a", [held(service, v) for v in stored[:10]])  # a forgot most of its files...
+    assert len(service.backlog) == 1
+    last = stored[-1]  # (not reached by the first slice)
+    # ...and restarts again before the removal is through, this time reporting the last one too.
+    join(service, "a", [held(service, v) for v in stored[:10] + [last]])
+    service.backlog.drain()
+    assert sorted(service.objects.versions) == sorted(stored[:10] + [last])
+    assert service.handle(m.Lookup(ROOT_INO, b"f%05d" % (len(stored) - 1)), b).attr is not None
+
+
+def test_status_and_usage_read_running_totals_not_the_files() -> None:
+    service = cluster()
+    a, b = join(service, "a"), join(service, "b")
+    tops = [service.handle(m.MkDir(ROOT_INO, b"m%d" % t, 0o755, 0, 0), a).ino for t in range(3)]
+    deep = service.handle(m.MkDir(tops[2], b"layer", 0o755, 0, 0), a).ino
+    for i in range(3000):
+        parent = (tops[0], tops[1], deep, ROOT_INO)[i % 4]
+        store(service, parent, b"k%05d" % i, (a, b)[i % 2], size=100 + i)
+    versions, inodes = counted(service)
+    status = service.handle(m.ClusterStatus(), 0)
+    assert versions.touched == 0 and inodes.touched == 0
+    assert sum(node.files for node in status.nodes) == 3000
+    assert sum(node.bytes for node in status.nodes) == sum(100 + i for i in range(3000))
+    usage = service.handle(m.DirUsage(files=True), 0)
+    assert versions.touched == 0 and inodes.touched <= len(tops) + 1
+    assert {row.name: row.files for row in usage.dirs} == {"m0": 750, "m1": 750, "m2": 750, "/": 750}
+
+
+def rows(service: MetadataService) -> dict[str, tuple[int, ...]]:
+    return {row.name: (row.files, row.bytes, row.hits, row.ssd_bytes, row.dram_only_bytes)
+            for row in service.handle(m.DirUsage(files=True), 0).dirs if row.files}
+
+
+def recounted(service: MetadataService) -> dict[str, tuple[int, ...]]:
+    return {top: tuple(held) for top, held in walk_tops(service.ns, service.objects).items()}
+
+
+def nodes(service: MetadataService) -> dict[int, tuple[int, ...]]:
+    return {n.node: (n.files, n.dram_only_files, n.ssd_files, n.bytes)
+            for n in service.handle(m.ClusterStatus(), 0).nodes if n.files}
+
+
+class Workload:
+    """Random requests of every kind that changes what the totals count."""
+
+    def __init__(self, service: MetadataService, rng: random.Random) -> None:
+        self.service, self.rng = service, rng
+        self.nodes = [join(service, name) for name in ("a", "b", "c")]
+        self.dirs = [ROOT_INO]
+
+    def call(self, request: m.Request, node: int) -> Any:
+        try:
+            return self.service.handle(request, node)
+        except Exception as error:  # refusals (ENOENT, EEXIST, ENOTEMPTY...) are part of the mix
+            assert getattr(error, "errno", None), error
+            return None
+
+    def live(self) -> list[int]:
+        return [n for n in self.nodes if self.service.registry.is_live(n)]
+
+    def pick_file(self) -> tuple[int, bytes, int] | None:
+        for _ in range(10):
+            parent = self.rng.choice(self.dirs)
+            inode = self.service.ns.inodes.get(parent)
+            if inode is None or not inode.linked or not inode.children:
+                continue
+            name = self.rng.choice(list(inode.children))
+            child = self.service.ns.inodes[inode.children.get(name)]
+            if child.is_file:
+                return parent, name, child.ino
+        return None
+
+    def step(self) -> None:
+        rng, service = self.rng, self.service
+        live = self.live()
+        if not live:
+            self.reregister(rng.choice(self.nodes))
+            return
+        node = rng.choice(live)
+        action = rng.random()
+        if action < 0.3:
+            parent = rng.choice(self.dirs)
+            opened = self.call(m.Create(parent, b"f%d" % rng.randrange(200), 0o644, 0, 0, node, False), node)
+            if opened is not None and rng.random() < 0.85:
+                self.call(m.Seal(opened.version, rng.randrange(1, 5000), service.clock.wall_ns(), [1],
+                                 release=True), node)
+        elif action < 0.38:
+            parent = rng.choice(self.dirs)
+            made = self.call(m.MkDir(parent, b"d%d" % rng.randrange(20), 0o755, 0, 0), node)
+            if made is not None:
+                self.dirs.append(made.ino)
+        elif action < 0.48:
+            picked = self.pick_file()
+            if picked is not None:
+                self.call(m.Unlink(picked[0], picked[1]), node)
+        elif action < 0.6:  # a file, or a directory with everything below it, moves anywhere
+            source = rng.choice(self.dirs)
+            inode = service.ns.inodes.get(source)
+            if inode is not None and inode.children:
+                name = rng.choice(list(inode.children))
+                self.call(m.Rename(source, name, rng.choice(self.dirs), b"r%d" % rng.randrange(50)), node)
+        elif action < 0.66:
+            parent = rng.choice(self.dirs)
+            inode = service.ns.inodes.get(parent)
+            if inode is not None and inode.linked and parent != ROOT_INO:
+                self.call(m.RmDir(inode.parent, inode.name), node)
+        elif action < 0.76:
+            picked = self.pick_file()
+            if picked is not None:
+                opened = self.call(m.OpenRead(picked[2]), node)
+                if opened is not None:
+                    self.call(m.Release(opened.version, False), node)
+        elif action < 0.84:  # rewritten in place (a new version, copying the old bytes)
+            picked = self.pick_file()
+            if picked is not None:
+                opened = self.call(m.OpenWrite(picked[2], node, rng.random() < 0.5), node)
+                if opened is not None:
+                    self.call(m.Seal(opened.version, rng.randrange(1, 5000), service.clock.wall_ns(), [2],
+                                     release=True), node)
+        elif action < 0.92:
+            mine = [v.version for v in service.objects.of_node(node)]
+            if mine:
+                self.call(m.Offloaded(rng.sample(mine, min(3, len(mine)))), node)
+        elif action < 0.97:
+            self.reregister(node)
+        else:
+            self.call(m.Lost(rng.choice(list(service.objects.versions) or [1])), node)
+        if rng.random() < 0.3:
+            service.pending_work(0.0)
+
+    def reregister(self, node: int) -> None:
+        """The node restarts holding a random part of what it had (sealed on its SSD or not)."""
+        service, rng = self.service, self.rng
+        name = service.registry.nodes[node].name
+        theirs = service.objects.of_node(node)
+        report = [m.Held(v.version, v.size or 1, True, v.on_disk or rng.random() < 0.3, 0, v.checksums)
+                  for v in theirs if rng.random() < 0.7]
+        join(service, name, report)
+
+
+def test_running_totals_match_a_full_recount_after_random_work() -> None:
+    for seed in range(6):
+        service = cluster()
+        workload = Workload(service, random.Random(seed))
+        for i in range(1500):
+            workload.step()
+            if i % 100 == 0:
+                assert rows(service) == recounted(service), (seed, i)
+                assert nodes(service) == {node: tuple(counts) for node, counts in count_nodes(service.objects).items()
+                                          if counts[0]}, (seed, i)
+        service.backlog.drain()
+        assert rows(service) == recounted(service), seed
+        assert nodes(service) == {node: tuple(c) for node, c in count_nodes(service.objects).items() if c[0]}
