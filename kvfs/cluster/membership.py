@@ -83,6 +83,7 @@ class Membership:
         if node is not None and (node.live or node.registering):
             self._node_down(node)
         node = self.registry.register(req.name, req.address, self.clock.monotonic())
+        node.forgotten_at = self.objects.forgotten.get(node.node_id, 0)
         return m.Registered(node.node_id)
 
     def _registering(self, caller: int) -> NodeRecord:
@@ -147,8 +148,12 @@ class Membership:
         node = self._registering(caller)
         reported = node.reported
         # Reported versions are the node's: if as many of them are still known as it stores, none
-        # is gone (the usual case: a count in C instead of a walk of its versions).
-        still = sum(map(self.objects.versions.__contains__, reported))
+        # is gone (the usual case). Each was known when reported: unless one of the node's
+        # versions was forgotten since it registered, all still are (else they are counted).
+        if self.objects.forgotten.get(node.node_id, 0) == node.forgotten_at:
+            still = len(reported)
+        else:
+            still = sum(map(self.objects.versions.__contains__, reported))
         if still != self.objects.count(node.node_id):
             node.kept, node.kept_below = reported, self.objects.next_version
         # Retired versions that were open before a restart and are open no more.

@@ -42,6 +42,7 @@ class NodeRecord:
     # newer than the registration. Its other versions older than that are hidden meanwhile.
     kept: set[int] | None = None
     kept_below: int = 0
+    forgotten_at: int = 0  # how many of its versions had been forgotten when it registered
     outbox_dropped: list[int] = field(default_factory=list)  # versions it must free
     outbox_forget: list[tuple[int, bytes, int]] = field(default_factory=list)  # names its kernel must forget
     outbox_names: list[NameChange] = field(default_factory=list)  # changes in watched directories

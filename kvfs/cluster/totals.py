@@ -35,6 +35,10 @@ class CountedObjects(ObjectDirectory):
     def __init__(self) -> None:
         super().__init__()
         self.node_totals: dict[int, list[int]] = {}
+        # Per node, how many of its versions were ever forgotten: a registration that saw no
+        # forget since it began knows every version it was told about is still there (O(1)).
+        self.forgotten: dict[int, int] = {}
+        self._counting = True  # (off while a saved state loads: counted once at the end)
 
     def _count(self, version: FileVersion, sign: int) -> None:
         if not version.current:
@@ -55,9 +59,18 @@ class CountedObjects(ObjectDirectory):
 
     # Every way a version enters, changes what counts, or leaves.
 
+    def load(self, versions: list[FileVersion], next_version: int) -> None:
+        self._counting = False
+        try:
+            super().load(versions, next_version)
+        finally:
+            self._counting = True
+        self.node_totals = {node: counts for node, counts in count_nodes(self).items() if counts[FILES]}
+
     def _add(self, version: FileVersion) -> None:
         super()._add(version)
-        self._count(version, 1)
+        if self._counting:
+            self._count(version, 1)
 
     def seal(self, version: FileVersion, size: int, checksums: list[int]) -> None:
         self._count(version, -1)
@@ -72,6 +85,7 @@ class CountedObjects(ObjectDirectory):
     def forget(self, version: FileVersion) -> None:
         if version.version in self.versions:
             self._count(version, -1)
+            self.forgotten[version.node] = self.forgotten.get(version.node, 0) + 1
         super().forget(version)
 
     def set_on_disk(self, version: FileVersion, on_disk: bool) -> None:
