@@ -197,14 +197,32 @@ class DirTotals:
         self.top_dirs.discard(ino)
 
     def recount(self, ns: Namespace) -> None:
-        """Everything from scratch (after loading a saved state: O(files x depth), once)."""
+        """Everything from scratch, once after loading a saved state: each file is added to its
+        own directory's sum, then each directory's sum to its ancestors (O(files + dirs x depth))."""
         self.by_dir.clear()
         self.top_dirs = set()
+        versions = self.objects.versions
+        direct: dict[int, list[int]] = {}
         for inode in ns.inodes.values():
-            if inode.children is None:
-                self._move(ns, inode, 1)
-            elif inode.parent == ROOT_INO:
-                self.top_dirs.add(inode.ino)
+            if inode.children is not None:
+                if inode.parent == ROOT_INO:
+                    self.top_dirs.add(inode.ino)
+                continue
+            if not inode.parent or not inode.version:
+                continue
+            version = versions.get(inode.version)
+            if version is None or not version.sealed:
+                continue
+            into = direct.get(inode.parent)
+            if into is None:
+                into = direct[inode.parent] = [0] * 5
+            into[FILES] += 1
+            into[BYTES] += version.size
+            into[HITS] += version.hits
+            into[SSD_BYTES if version.on_disk else DRAM_ONLY_BYTES] += version.size
+        for parent, held in direct.items():
+            for into in self._chain(ns, parent, False):
+                _add(into, held, 1)
 
     def tops(self, ns: Namespace) -> list[tuple[str, list[int]]]:
         """(name, totals) of the top-level directories holding files, and of the root's own files."""
