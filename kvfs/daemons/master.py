@@ -40,6 +40,10 @@ log = logging.getLogger("kvfs.master")
 
 SYNC_INTERVAL_S = 1.0  # also how often a failed save is tried again
 SLOW_SAVE_S = 0.05  # a save (on the request loop) slower than this is logged
+# Slices of long work (kvfs.cluster.backlog) run for about this long before the save of what
+# they changed and a turn for requests: the two together stay under ~50 ms (measured at 100K
+# files: a 20 ms budget's work and its save take up to 38 ms of CPU; a 50 ms budget's 55 ms).
+SLICE_BUDGET_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ async def expire_forever(service: MetadataService, server: MetadataServer, confi
             stalls = service.liveness.stalls
             known = dict(service.registry.by_name)
             dead = service.expire_nodes()
-            while service.pending_work(0.05):  # a dead node's files, in slices: requests run between
+            while service.pending_work(SLICE_BUDGET_S):  # a dead node's files, in slices: requests run between
                 changed("pending work")
                 server.wake_pushers()
                 await trio.sleep(0)
