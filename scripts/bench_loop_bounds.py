@@ -1,0 +1,202 @@
+"""The longest the master's loop is blocked at scale: one request, or one slice of its
+backlog, for registration, status, usage, a restart that lost files, and a dead node forgotten.
+
+The pure `MetadataService` is loaded with N files (a saved state, as after a restart:
+node "a" holds all but a few, in a vLLM-like tree of models, layers and blocks), then:
+
+- `register_full`: node a registers again holding everything (Report pages of 2,000, Finish);
+- `status` and `du`: a ClusterStatus and a DirUsage(files=True) request;
+- `register_half`: a registers again with half its files (the rest was only in its DRAM):
+  the longest Report, the FinishRegistration, and the longest slice of the removal after it;
+- `forget_dead`: a dies and stays silent past forget_dead_after_s: the expiry pass that
+  forgets it, and the longest slice after it.
+
+Each figure is the longest single call in ms of CPU time (the thread's: a shared
+machine's scheduler adds its waits to wall time). With --base DIR (a checkout of an older
+commit, e.g. `git archive 0190e44 | tar -x -C DIR`), the same measurements run on that
+tree too, rounds alternating between the two, and each line prints the ratio base/this.
+
+Usage: python scripts/bench_loop_bounds.py [--files 1M] [--rounds 2] [--base DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PAGE = 2000  # versions per Report, as nodes send them
+
+
+def measure(files: int) -> dict[str, float]:
+    """Runs in a child process whose kvfs is the tree under test."""
+    import stat
+
+    from kvfs.clock import ManualClock
+    from kvfs.cluster.master import MasterSettings, MetadataService
+    from kvfs.cluster.namespace import ROOT_INO, Inode
+    from kvfs.cluster.objects import FileVersion
+    from kvfs.policy import LruPolicy
+    from kvfs.wire import messages as m
+
+    clock = ManualClock()
+    service = MetadataService(clock, LruPolicy(), MasterSettings(cluster=True, forget_dead_after_s=10.0))
+    now = clock.wall_ns()
+    inodes = [Inode(ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, now, now, now, children={})]
+    versions = []
+    ino = ROOT_INO + 1
+    entry = 1
+
+    def add(parent: int, name: bytes, directory: bool) -> int:
+        nonlocal ino, entry
+        inode = Inode(ino, (stat.S_IFDIR | 0o755) if directory else (stat.S_IFREG | 0o644), 0, 0, now, now, now,
+                      parent=parent, name=name, children={} if directory else None, entry_id=entry)
+        inodes.append(inode)
+        ino, entry = ino + 1, entry + 1
+        return inode.ino
+
+    per_dir = 1000
+    made = 0
+    for model in range(4):
+        top = add(ROOT_INO, b"model-%d" % model, True)
+        for layer in range(max(1, files // 4 // per_dir)):
+            directory = add(top, b"layer-%04d" % layer, True)
+            for block in range(per_dir):
+                if made >= files:
+                    break
+                file_ino = add(directory, b"block-%06d.bin" % block, False)
+                node = 2 if made % 1000 == 0 else 1  # b holds a few, a the rest
+                version = FileVersion(made + 1, file_ino, node, 4096, sealed=True, checksums=[made],
+                                      on_disk=made % 3 == 0)
+                inodes[-1].version = version.version
+                versions.append(version)
+                made += 1
+    started = time.thread_time()
+    service.load(inodes, versions, ino, entry, made + 1, [(1, "a", "a:1"), (2, "b", "b:1")])
+    loaded_ms = (time.thread_time() - started) * 1000  # (a restart's, before the master serves)
+    del inodes
+    gc.freeze()  # as the master daemon does (kvfs.daemons.master): no full collection walks the namespace
+
+    out: dict[str, float] = {"files": made, "load_ms": loaded_ms}
+
+    # The cyclic collector's passes land in whichever call allocates at the wrong moment: their
+    # time is taken out of that call and listed on its own (the daemon freezes the heap as it
+    # grows, kvfs.daemons.master; what a pass still walks is what was made since).
+    collecting = {"since": 0.0, "in_calls": 0.0}
+
+    def on_collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            collecting["since"] = time.thread_time()
+        else:
+            spent = time.thread_time() - collecting["since"]
+            collecting["in_calls"] += spent
+            key = f"gc_gen{info['generation']}_ms"
+            out[key] = max(out.get(key, 0.0), spent * 1000)
+
+    gc.callbacks.append(on_collection)
+
+    def timed(key: str, call) -> object:
+        # CPU time of this thread: what the call costs the loop, without the waits of a shared
+        # machine's scheduler (which would make every "longest" a preemption).
+        collecting["in_calls"] = 0.0
+        started = time.thread_time()
+        result = call()
+        spent = time.thread_time() - started - collecting["in_calls"]
+        out[key] = max(out.get(key, 0.0), spent * 1000)
+        return result
+
+    def held_of(node: int) -> list[int]:
+        return [v.version for v in service.objects.of_node(node)]
+
+    def page(ids: list[int]) -> list:  # (made per page, as a node sends them: no million objects alive)
+        versions = service.objects.versions
+        return [m.Held(v.version, v.size, True, v.on_disk, 0, v.checksums) for v in map(versions.__getitem__, ids)]
+
+    def register(name: str, held: list[int], key: str) -> int:
+        node = service.handle(m.Register(name, f"{name}:1"), 0).node
+        for start in range(0, len(held), PAGE):
+            report = m.Report(page(held[start:start + PAGE]))
+            timed(f"{key}_report_ms", lambda: service.handle(report, node))
+        timed(f"{key}_finish_ms", lambda: service.handle(m.FinishRegistration(), node))
+        while True:  # the daemon's slices: one step per call here, the longest counts
+            if not timed(f"{key}_slice_ms", lambda: service.pending_work(0.0)):
+                break
+        return node
+
+    b_node = register("b", held_of(2), "register_b")
+    a_held = held_of(1)
+    a_node = register("a", a_held, "register_full")
+    for _ in range(3):
+        timed("status_ms", lambda: service.handle(m.ClusterStatus(), 0))
+        timed("du_ms", lambda: service.handle(m.DirUsage(files=True), 0))
+    register("a", a_held[::2], "register_half")
+    del a_held
+    for _ in range(3):
+        timed("status_after_ms", lambda: service.handle(m.ClusterStatus(), 0))
+        timed("du_after_ms", lambda: service.handle(m.DirUsage(files=True), 0))
+
+    # a falls silent for good; b heartbeats; the expiry passes run every 0.25 s.
+    forgotten = False
+    for _ in range(200):
+        clock.advance(0.25)
+        service.handle(m.Heartbeat(0, 0), b_node)
+        timed("forget_dead_pass_ms", service.expire_nodes)
+        if "a" not in service.registry.by_name:
+            forgotten = True
+            break
+    assert forgotten and a_node not in service.registry.nodes
+    while timed("forget_dead_slice_ms", lambda: service.pending_work(0.0)):
+        pass
+    out["files_left"] = service.ns.files
+    return out
+
+
+def child(tree: Path, files: int) -> dict[str, float]:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); sys.path.insert(1, {str(REPO / 'scripts')!r}); "
+            f"import bench_loop_bounds as b; print(json.dumps(b.measure({files})))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(tree), check=True, capture_output=True,
+                          text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def parse_count(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 1000, "M": 1000_000}.get(text[-1:], 1)
+    return int(float(text.rstrip("KM")) * scale)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", default="1M")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--base", type=Path, help="an older tree to compare with, in alternating rounds")
+    args = parser.parse_args()
+    files = parse_count(args.files)
+    trees = {"this": REPO} if args.base is None else {"base": args.base.resolve(), "this": REPO}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+    for round_ in range(args.rounds):
+        order = list(trees.items()) if round_ % 2 == 0 else list(reversed(trees.items()))
+        for name, tree in order:
+            results[name].append(child(tree, files))
+            print(f"round {round_ + 1}: {name} done", file=sys.stderr)
+    keys = list(dict.fromkeys(key for r in results["this"] for key in r if key.endswith("_ms")))
+    print(f"files: {int(results['this'][0]['files'])}; longest single call (CPU ms), median of {args.rounds} rounds")
+    for key in keys:
+        this = statistics.median(r.get(key, 0.0) for r in results["this"])
+        line = f"{key:<28} this {this:10.2f}"
+        if "base" in results:
+            base = statistics.median(r.get(key, 0.0) for r in results["base"])
+            line += f"   base {base:10.2f}   base/this {base / this if this else float('inf'):8.1f}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
