@@ -24,6 +24,7 @@ from kvfs.cluster.totals import count_nodes
 from kvfs.cluster.usage import walk_tops
 from kvfs.policy import LruPolicy
 from kvfs.wire import messages as m
+from kvfs.wire.protocol import FrameKind, encode_frame
 
 
 class Counted(MutableMapping):
@@ -314,3 +315,23 @@ def test_running_totals_match_a_full_recount_after_random_work(tmp_path: Path) -
         unread = {top: counts[:2] + counts[3:] for top, counts in recounted(service).items()}
         assert {top: counts[:2] + counts[3:] for top, counts in rows(restarted).items()} == unread  # (hits: not saved)
         assert nodes(restarted) == nodes(service), seed
+
+
+def test_a_mass_removal_reaches_the_other_nodes_over_heartbeats_that_each_fit_a_frame() -> None:
+    service = cluster()
+    a, b = join(service, "a"), join(service, "b")
+    count = 6000
+    names = [b"%05d-" % i + b"x" * 240 for i in range(count)]  # long names: 1.5 MB of them in all
+    stored = [store(service, ROOT_INO, name, a) for name in names]
+    join(service, "a", [held(service, stored[0])])  # a restarts with one file left
+    service.backlog.drain()
+    forgotten: list[bytes] = []
+    beats = 0
+    while True:
+        beat = service.handle(m.Heartbeat(0, 0), b)
+        encode_frame(FrameKind.RESPONSE, 1, beat)  # (raises ProtocolError past the header's limit)
+        if not beat.forget:
+            break
+        forgotten += [name for _, name, _ in beat.forget]
+        beats += 1
+    assert forgotten == names[1:] and beats >= 2

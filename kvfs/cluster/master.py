@@ -20,7 +20,7 @@ from kvfs.clock import Clock
 from kvfs.wire import messages as m
 from kvfs.cluster.backlog import Backlog
 from kvfs.cluster.liveness import Liveness
-from kvfs.cluster.membership import Membership
+from kvfs.cluster.membership import Membership, take_ids
 from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace, check_name, check_target
 from kvfs.cluster.objects import FileVersion
 from kvfs.cluster.opens import OpenHandles
@@ -787,7 +787,7 @@ class MetadataService:
         removed = self._remove_files(victims, freed)
         node = self.registry.nodes.get(req.node)
         if node is not None and node.outbox_dropped:  # garbage it holds: no need to evict for that room
-            removed.released, node.outbox_dropped = node.outbox_dropped, []
+            removed.released = take_ids(node.outbox_dropped)  # (as much as a heartbeat's answer holds)
         return removed
 
     def _collect_orphans(self, req: m.CollectOrphans) -> m.Removed:

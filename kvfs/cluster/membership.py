@@ -33,6 +33,34 @@ from kvfs.cluster.usage import DirTotals
 from kvfs.errors import MetadataError
 
 PAGE_BYTES = 640 << 10  # names and entries per WatchNames answer (a frame header holds 1 MiB)
+# What one heartbeat answer carries of a node's outboxes (together under a frame header's 1 MiB):
+# after a node holding 100K files is forgotten, every other node has 100K names to forget,
+# given over a few heartbeats instead of one answer too large to send.
+BEAT_IDS_BYTES = 256 << 10
+BEAT_NAMES_BYTES = 512 << 10
+ID_BYTES = 9  # a version id in msgpack, at most
+NAME_OVERHEAD = 24  # a forget's two ints and the tuple around its name, at most
+
+
+def take_ids(outbox: list[int], budget: int = BEAT_IDS_BYTES) -> list[int]:
+    """The first ids of an outbox that fit in `budget` bytes, taken out of it."""
+    count = budget // ID_BYTES
+    taken = outbox[:count]
+    del outbox[:count]
+    return taken
+
+
+def take_names(outbox: list[tuple[int, bytes, int]], budget: int = BEAT_NAMES_BYTES) -> list[tuple[int, bytes, int]]:
+    """The first names of an outbox that fit in `budget` bytes (at least one), taken out of it."""
+    count = 0
+    for _, name, _ in outbox:
+        budget -= len(name) + NAME_OVERHEAD
+        if budget < 0 and count:
+            break
+        count += 1
+    taken = outbox[:count]
+    del outbox[:count]
+    return taken
 
 
 class FileService(Protocol):
@@ -210,9 +238,7 @@ class Membership:
         node.usage.ssd_capacity, node.usage.ssd_used = req.ssd_capacity, req.ssd_used
         if req.activity is not None:
             node.activity = req.activity
-        beat = m.Beat(node.outbox_dropped, node.outbox_forget)
-        node.outbox_dropped, node.outbox_forget = [], []
-        return beat
+        return m.Beat(take_ids(node.outbox_dropped), take_names(node.outbox_forget))  # (the rest: next beats)
 
     def expire_nodes(self) -> list[int]:
         """Declares nodes that stopped heartbeating dead; returns their ids (called periodically)."""
