@@ -334,9 +334,10 @@ class MetadataService:
             raise MetadataError(errno.EEXIST, f"{name!r} exists in directory {parent}")
         return directory
 
-    def _link(self, directory: Inode, name: bytes, inode: Inode, now: int) -> None:
+    def _link(self, directory: Inode, name: bytes, inode: Inode, now: int, counted: bool = True) -> None:
         self.ns.link(directory, name, inode, now)
-        self.dir_totals.enter(self.ns, inode)
+        if counted:  # (False: a rename within its directory, whose totals stay as they are)
+            self.dir_totals.enter(self.ns, inode)
         if not inode.is_file:
             return
         if self._is_temp(name):
@@ -534,9 +535,11 @@ class MetadataService:
         self._claim(req.parent_new, req.name_new)  # a hidden file's name, once nothing can fail
         self._removed_names.append((source.parent, source.name, source.ino))
         self._unpublished.pop(source.ino, None)  # renamed: published
-        self.dir_totals.leave(self.ns, source)  # (entered again where it is linked)
+        moved = source.parent != new_parent.ino
+        if moved:  # (entered again where it is linked)
+            self.dir_totals.leave(self.ns, source)
         self.ns.detach(source, now)
-        self._link(new_parent, req.name_new, source, now)
+        self._link(new_parent, req.name_new, source, now, counted=moved)
         directories = [self.attr(self.ns.inodes[ino]) for ino in dict.fromkeys((req.parent_old, req.parent_new))]
         return m.Done(dropped, self._files_on_disk(source), directories)
 
@@ -658,9 +661,8 @@ class MetadataService:
         newly = not version.sealed
         inode = self.ns.inodes.get(version.ino)
         if newly:
-            self.dir_totals.leave(self.ns, inode)
             self.objects.seal(version, req.size, req.checksums)
-            self.dir_totals.enter(self.ns, inode)
+            self.dir_totals.sealed(self.ns, inode, version)
         elif (version.size, version.checksums) != (req.size, req.checksums):
             raise MetadataError(errno.EINVAL, f"version {req.version} is already sealed")
         # (else: the same seal again, a node's retry after its re-registration reported it)

@@ -143,9 +143,8 @@ class Membership:
             self.objects.gone.discard(version.version)
             inode = self.ns.inodes.get(version.ino)
             if held.sealed and not version.sealed:  # sealed on the node while the master was away
-                self.dir_totals.leave(self.ns, inode)
                 self.objects.seal(version, held.size, held.checksums)
-                self.dir_totals.enter(self.ns, inode)
+                self.dir_totals.sealed(self.ns, inode, version)
                 if inode is not None:
                     inode.mtime_ns = inode.ctime_ns = held.mtime_ns
                     self.ns.dirty.add(inode.ino)

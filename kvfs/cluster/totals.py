@@ -43,14 +43,15 @@ class CountedObjects(ObjectDirectory):
     def _count(self, version: FileVersion, sign: int) -> None:
         if not version.current:
             return
-        entry = self.node_totals.get(version.node)
+        node = version.node
+        entry = self.node_totals.get(node)
         if entry is None:
-            entry = self.node_totals[version.node] = [0, 0, 0, 0]
+            entry = self.node_totals[node] = [0, 0, 0, 0]
         entry[FILES] += sign
         entry[SSD if version.on_disk else DRAM_ONLY] += sign
         entry[BYTES] += sign * version.size
         if not entry[FILES]:
-            del self.node_totals[version.node]
+            del self.node_totals[node]
 
     def totals(self, node: int) -> tuple[int, int, int, int]:
         """(files, DRAM-only files, files on SSD, bytes) of the node's current versions."""
@@ -73,9 +74,10 @@ class CountedObjects(ObjectDirectory):
             self._count(version, 1)
 
     def seal(self, version: FileVersion, size: int, checksums: list[int]) -> None:
-        self._count(version, -1)
+        before = version.size
         super().seal(version, size, checksums)
-        self._count(version, 1)
+        if version.current and version.size != before:  # (only its bytes change: one add, on every create)
+            self.node_totals[version.node][BYTES] += version.size - before
 
     def retire(self, version: FileVersion, dropped: list[int]) -> None:
         self._count(version, -1)

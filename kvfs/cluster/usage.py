@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvfs.wire import messages as m
 from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace
-from kvfs.cluster.objects import ObjectDirectory
+from kvfs.cluster.objects import FileVersion, ObjectDirectory
 
 ROOT_FILES = "/"
 
@@ -129,8 +129,11 @@ def walk_tops(ns: Namespace, objects: ObjectDirectory) -> dict[str, list[int]]:
 
 
 def _add(into: list[int], held: list[int], sign: int) -> None:
-    for i, value in enumerate(held):
-        into[i] += sign * value
+    into[0] += sign * held[0]
+    into[1] += sign * held[1]
+    into[2] += sign * held[2]
+    into[3] += sign * held[3]
+    into[4] += sign * held[4]
 
 
 class DirTotals:
@@ -172,10 +175,37 @@ class DirTotals:
             for into in self._chain(ns, inode.parent, True):
                 _add(into, held, sign)
             return
-        held = held_by(inode, self.objects)
-        if held is not None:
-            for into in self._chain(ns, inode.parent, False):
-                _add(into, held, sign)
+        if inode.version:
+            version = self.objects.versions.get(inode.version)
+            if version is not None and version.sealed:
+                self._file(ns, inode.parent, version, sign)
+
+    def _file(self, ns: Namespace, parent: int, version: FileVersion, sign: int) -> None:
+        """Adds (or, with sign -1, takes away) a sealed file in directory `parent` to the totals
+        it counts in (as `_chain` says; written out: this runs on every seal)."""
+        size, hits = sign * version.size, sign * version.hits
+        tier = SSD_BYTES if version.on_disk else DRAM_ONLY_BYTES
+        by_dir, inodes = self.by_dir, ns.inodes
+        while True:
+            into = by_dir.get(parent)
+            if into is None:
+                into = by_dir[parent] = [0] * 5
+            into[FILES] += sign
+            into[BYTES] += size
+            into[HITS] += hits
+            into[tier] += size
+            if parent == ROOT_INO:
+                return
+            directory = inodes.get(parent)
+            if directory is None or directory.parent in (ROOT_INO, 0):
+                return
+            parent = directory.parent
+
+    def sealed(self, ns: Namespace, inode: Inode | None, version: FileVersion) -> None:
+        """The version was just sealed: it counts from now on if it is the file's current one
+        (while being written it counted nowhere, so nothing leaves first)."""
+        if inode is not None and inode.version == version.version and inode.parent and inode.children is None:
+            self._file(ns, inode.parent, version, 1)
 
     def enter(self, ns: Namespace, inode: Inode | None) -> None:
         """The inode (a file, or a directory with its subtree) now counts where it is linked."""
