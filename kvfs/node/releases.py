@@ -28,6 +28,7 @@ class PendingReleases:
     def __init__(self) -> None:
         self._versions: list[int] = []
         self.flushing = False  # a flush is scheduled
+        self.generation = 0  # registrations seen: a release taken before one is moot after it
         self.carried = 0  # releases that rode on an OpenRead
         self.flushed = 0  # releases sent on their own
 
@@ -45,8 +46,10 @@ class PendingReleases:
         return taken
 
     def forget(self) -> None:
-        """A registration reported the handles still open: nothing pending is owed any more."""
+        """A registration reported the handles still open: nothing pending is owed any more,
+        nor what a flush took before it and has not sent yet (`generation`)."""
         self._versions.clear()
+        self.generation += 1
 
     def __len__(self) -> int:
         return len(self._versions)

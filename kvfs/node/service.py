@@ -674,8 +674,14 @@ class Node:
         try:
             await trio.sleep(RELEASE_DELAY_S)
             while versions := self.releases.take():
+                generation = self.releases.generation
                 for version in versions:
-                    self.drop((await self.master.call(m.Release(version, writer=False))).dropped)
+                    if self.releases.generation != generation:  # registered again meanwhile: moot
+                        break
+                    # Never waiting for an unreachable master: the registration that follows
+                    # reports only the handles still open, and a release sent after it could
+                    # end another handle's lease on the same version.
+                    self.drop((await self.master.call(m.Release(version, writer=False), wait_s=0)).dropped)
                     self.releases.flushed += 1
         except MasterUnavailable:
             pass  # a new registration reports only the handles still open (and forgets these)
