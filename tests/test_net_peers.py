@@ -83,3 +83,41 @@ def test_a_reader_of_a_frozen_owner_fails_within_the_peer_budget(cluster: Cluste
     print(f"\nread of a frozen owner's file failed after {failed_after:.2f} s ({raised.value.strerror})")
     wait_until(lambda: is_stored(reader.path / "frozen.bin"), "the owner's SSD files to come back")
     assert (reader.path / "frozen.bin").read_bytes() == frozen
+
+
+def _stats(node) -> dict:  # type: ignore[no-untyped-def]
+    return json.loads(os.getxattr(node.path, "user.kvfs.stats"))
+
+
+def test_a_readers_release_rides_on_the_next_open_or_goes_on_its_own(cluster: Cluster) -> None:
+    """A reader's close needs no answer from the master: its release rides on the node's next
+    OpenRead, or, when no open follows, goes by itself a moment later. Either way the lease
+    holds until the master has it: a version rewritten while a reader on another node has it
+    open stays on its owner until that reader closed, and then goes."""
+    owner, reader = cluster.add_node("256M"), cluster.add_node("256M")
+    old, new = os.urandom(2 * MiB), os.urandom(2 * MiB)
+    (owner.path / "kv.bin").write_bytes(old)
+    wait_until(lambda: os.access(reader.path / "kv.bin", os.F_OK), "kv.bin on the reader")
+    one_version = _stats(owner)["dram_used"]
+    with open(reader.path / "kv.bin", "rb") as held:
+        assert held.read() == old
+        (owner.path / "kv.bin").write_bytes(new)  # a new version; the reader's stays leased
+        assert _stats(owner)["dram_used"] > one_version
+        assert held.read(1) == b""
+    # Closed, and no open follows: the release goes on its own, and the old version with it.
+    wait_until(lambda: _stats(owner)["dram_used"] == one_version, "the old version to go once its reader closed")
+    assert _stats(reader)["releases_flushed"] >= 1
+    assert (reader.path / "kv.bin").read_bytes() == new
+    (owner.path / "other.bin").write_bytes(old)
+    wait_until(lambda: os.access(reader.path / "other.bin", os.F_OK), "other.bin on the reader")
+    before = _stats(reader)
+    for _ in range(5):  # loads back to back, as vLLM's: a close's release rides on the next open
+        assert (reader.path / "kv.bin").read_bytes() == new
+        assert (reader.path / "other.bin").read_bytes() == old
+
+    def released() -> int:
+        after = _stats(reader)
+        return sum(after[key] - before[key] for key in ("releases_carried", "releases_flushed"))
+
+    wait_until(lambda: released() == 10, "every reader's release to reach the master")
+    assert _stats(reader)["releases_carried"] > before["releases_carried"]

@@ -578,6 +578,20 @@ class MetadataService:
     # Files and versions ----------------------------------------------------------------
 
     def _open_read(self, req: m.OpenRead) -> m.Opened:
+        dropped: list[int] = []
+        for version in req.released:  # reader handles closed earlier: released first, whatever the open does
+            dropped.extend(self._release(m.Release(version, writer=False)).dropped)
+        try:
+            opened = self._open_version_read(req)
+        except MetadataError:  # (what the releases dropped goes with a heartbeat then)
+            node = self.registry.nodes.get(self._caller)
+            if node is not None:
+                node.outbox_dropped.extend(dropped)
+            raise
+        opened.dropped = dropped
+        return opened
+
+    def _open_version_read(self, req: m.OpenRead) -> m.Opened:
         inode = self._file(req.ino)
         if inode.ino not in self._lingering:
             self._check_linked(inode)

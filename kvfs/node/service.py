@@ -29,6 +29,7 @@ from kvfs.wire import messages as m
 from kvfs.node.dircache import DirectoryCache, OwnChanges
 from kvfs.cluster.embedded import MasterClient
 from kvfs.node.prefetch import Prefetches
+from kvfs.node.releases import DELAY_S as RELEASE_DELAY_S, PendingReleases
 from kvfs.node.quota import UnsealedBytes
 from kvfs.cluster.namespace import check_name
 from kvfs.net.rpc import MasterUnavailable
@@ -122,6 +123,8 @@ class Node:
         # Copies of directories' names, for misses without the master (cluster mode).
         self.dircache = DirectoryCache(DIRECTORY_CACHE_NAMES) if transport is not None else None
         self.prefetches = Prefetches(store, clock.monotonic) if transport is not None else None
+        # Cluster mode: readers' releases ride on the next OpenRead (kvfs.node.releases).
+        self.releases = PendingReleases() if transport is not None else None
         self._writing: dict[int, WriteState] = {}
         self.unsealed = UnsealedBytes(unsealed_per_user)  # each version's size, by the uid writing it
         self._cached_version: dict[int, int] = {}  # ino -> version the kernel page cache holds
@@ -438,7 +441,11 @@ class Node:
         for, up to SEAL_WAIT_S: the kernel sends a writer's RELEASE, which seals the file,
         only after close() returned, so the seal of a file just closed there may still be
         on its way (close-to-open). A file written for longer reads as empty."""
-        opened = await self.master.call(m.OpenRead(ino), wait_s=0)
+        released = self.releases.take() if self.releases is not None else []
+        opened = await self.master.call(m.OpenRead(ino, released), wait_s=0)
+        if self.releases is not None:
+            self.releases.carried += len(released)
+        self.drop(opened.dropped)
         if opened.attr.sealed or not opened.node or opened.node == self.node_id:
             return opened
         self.drop((await self.master.call(m.Release(opened.version, writer=False))).dropped)
@@ -532,6 +539,8 @@ class Node:
 
     def open_counts(self) -> list[tuple[int, bool, int]]:
         """(version, writer, handles) of every handle open here, for a registration."""
+        if self.releases is not None:  # released here, not yet there: the master learns these are closed
+            self.releases.forget()
         return [(version, writer, count) for (version, writer), count in self._opens.items()]
 
     def writing(self) -> list[m.Held]:
@@ -650,11 +659,36 @@ class Node:
             if seal is not None:
                 seal.release = handle.leased  # one request: the master seals, then releases
                 await self._seal(handle, seal)
+            elif handle.leased and not handle.writable and self.releases is not None:
+                if self.releases.add(handle.version):  # the next OpenRead carries it, or a flush
+                    self.store.spawn(self._flush_releases)
             elif handle.leased:
                 try:
                     self.drop((await self.master.call(m.Release(handle.version, handle.writable))).dropped)
                 except MasterUnavailable:
                     pass  # a new registration reports only the handles still open
+
+    async def _flush_releases(self) -> None:
+        """Sends the readers' releases that no OpenRead carried within RELEASE_DELAY_S."""
+        assert self.releases is not None
+        try:
+            await trio.sleep(RELEASE_DELAY_S)
+            while versions := self.releases.take():
+                generation = self.releases.generation
+                for version in versions:
+                    if self.releases.generation != generation:  # registered again meanwhile: moot
+                        break
+                    # Never waiting for an unreachable master: the registration that follows
+                    # reports only the handles still open, and a release sent after it could
+                    # end another handle's lease on the same version.
+                    self.drop((await self.master.call(m.Release(version, writer=False), wait_s=0)).dropped)
+                    self.releases.flushed += 1
+        except MasterUnavailable:
+            pass  # a new registration reports only the handles still open (and forgets these)
+        except Exception:  # a bug must not take the store's tasks down
+            log.exception("releasing %d reader handles at the master failed", len(self.releases))
+        finally:
+            self.releases.flushing = False
 
     async def _seal(self, handle: OpenFile, seal: m.Seal) -> None:
         """Tells the master (the RELEASE is answered once it has the seal: an acknowledged
@@ -812,6 +846,8 @@ class Node:
         if self.prefetches is not None:
             stats.update(prefetches_started=self.prefetches.started, prefetches_claimed=self.prefetches.claimed,
                          prefetches_wasted=self.prefetches.wasted, prefetch_pauses=self.prefetches.gate.pauses)
+        if self.releases is not None:
+            stats.update(releases_carried=self.releases.carried, releases_flushed=self.releases.flushed)
         if self.dircache is not None:
             stats.update(cached_directories=len(self.dircache), cached_names=self.dircache.total,
                          misses_answered_locally=self.dircache.answered,

@@ -200,6 +200,10 @@ class TieredStore:
         assert self.owner is not None, "the store has no owner"
         return self.owner
 
+    def spawn(self, function: Callable[..., Awaitable[None]], *args: object) -> None:
+        """Starts a background task beside the store's streams (the node's deferred releases)."""
+        self._spawn(function, *args)
+
     def _spawn(self, function: Callable[..., Awaitable[None]], *args: object) -> None:
         """Starts a stream in the background (`run`'s nursery)."""
         assert self._nursery is not None, "the store is not running"

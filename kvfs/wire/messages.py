@@ -200,6 +200,9 @@ class Forget(Request):
 
 class OpenRead(Request):
     ino: U64
+    # Versions whose reader handles closed on this node since its last request, released
+    # before this open (their Release rides along instead of a round trip each).
+    released: Ids = []
 
 
 class OpenWrite(Request):
