@@ -222,10 +222,14 @@ class Membership:
                 nursery.start_soon(self._acknowledge)
 
     async def _acknowledge(self) -> None:
+        sent = trio.current_time()
         try:
-            await self.heartbeat()  # (a master that forgot this node: the periodic heartbeat registers again)
-        except KvfsError as error:
+            beat = await self.master.call(self._heartbeat_request(), wait_s=0)
+        except KvfsError as error:  # (unreachable, or still registering: counted all the same)
             log.debug("acknowledging pushed name changes: %s", error)
+            return
+        self._apply_beat(beat)
+        self._renew(beat, sent)
 
     async def heartbeat(self) -> bool:
         """One heartbeat: tells the master this node lives, acknowledges the pushes applied,
