@@ -224,7 +224,7 @@ class Membership:
     async def _acknowledge(self) -> None:
         sent = trio.current_time()
         try:
-            beat = await self.master.call(self._heartbeat_request(), wait_s=0)
+            beat = await self.master.call(self._heartbeat_request(activity=False), wait_s=0)
         except KvfsError as error:  # (unreachable, or still registering: counted all the same)
             log.debug("acknowledging pushed name changes: %s", error)
             return
@@ -249,10 +249,11 @@ class Membership:
         self._renew(beat, sent)
         return True
 
-    def _heartbeat_request(self) -> m.Heartbeat:
+    def _heartbeat_request(self, activity: bool = True) -> m.Heartbeat:
+        """(An acknowledgement leaves the counters to the periodic heartbeat: it stays small.)"""
         ssd = self.store.ssd
         return m.Heartbeat(self.store.dram.capacity, self.store.dram.used, ssd.capacity if ssd else 0,
-                           ssd.used if ssd else 0, self.files.activity(), self.applied)
+                           ssd.used if ssd else 0, self.files.activity() if activity else None, self.applied)
 
     def _apply_beat(self, beat: m.Beat) -> None:
         self.files.drop(beat.dropped)
