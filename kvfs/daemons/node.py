@@ -218,6 +218,7 @@ class Daemon:
         log.info("peer server on %s; joining master %s as %r", address, config.master, name)
         await nursery.start(self.link.run)
         nursery.start_soon(self._heartbeats)
+        nursery.start_soon(self.node.membership.acknowledge_forever)
 
     async def _heartbeats(self) -> None:
         assert self.link is not None

@@ -30,6 +30,7 @@ from kvfs.wire.text import printable
 from kvfs.cluster.authority import MASTER_CLIENTS, MASTER_ROLE, Caller, Refused, check_request
 from kvfs.net.commit import GroupCommit
 from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, Gate, LogBudget, connect
+from kvfs.net.pushes import ACK_WAIT_S, ADDING_NAMES, Watcher
 from kvfs.net.streams import FrameStream, peer_name, serve_tcp
 from kvfs.errors import KvfsError, MetadataError
 from kvfs.security.credentials import Identity, Tls
@@ -88,36 +89,46 @@ class MetadataServer:
         self._denied_log = LogBudget()
         self._requests = HeaderDecoder(_ANY_REQUEST)
         self._wake: dict[int, trio.Event] = {}  # node -> its pusher's wake-up
+        self._watchers: dict[int, Watcher] = {}  # node -> its connection's pushes (kvfs.net.pushes)
 
     @property
     def refused(self) -> int:
         """Connections that failed the handshake."""
         return self.gate.refused
 
-    def wake_pushers(self) -> None:
-        """Lets the connections of nodes with waiting name changes push them."""
+    def wake_pushers(self) -> dict[int, tuple[Watcher, int]]:
+        """Lets the connections of nodes with waiting name changes push them; returns, by
+        node, the push that will carry the changes (for a reply to wait for)."""
         if self.notifier is None or not self.notifier.notify:
-            return
+            return {}
+        pushes = {}
         for node in self.notifier.notify:
-            event = self._wake.get(node)
+            event, watcher = self._wake.get(node), self._watchers.get(node)
             if event is not None:
                 event.set()
+            if watcher is not None:
+                pushes[node] = (watcher, watcher.queue())
         self.notifier.notify.clear()
+        return pushes
 
-    async def _push_forever(self, frames: FrameStream, send_lock: trio.Lock, node: int) -> None:
+    async def _push_forever(self, frames: FrameStream, send_lock: trio.Lock, node: int, watcher: Watcher) -> None:
         assert self.notifier is not None
+        event = self._wake[node]  # (set at registration: changes queued before this task ran count)
         while True:
-            event = self._wake[node] = trio.Event()
             await event.wait()
-            changes = self.notifier.take_notifications(node)
+            # Renewed before the changes are taken: a wake while they are sent is for later
+            # changes, which the next round sends (not left until some other change comes).
+            event = self._wake[node] = trio.Event()
+            changes, seq = self.notifier.take_notifications(node), watcher.queued
             if self.group is not None:  # a node learns of a name only once it is durable
                 await self.group.wait(self.group.handled)
             if not self.may_act():
                 return  # the request loop closes the connection
             try:
-                for batch in push_batches(changes):
-                    async with send_lock:
-                        await frames.send(FrameKind.NOTIFY, 0, m.NameChanges(batch))
+                pushed = push_batches(changes) or [[]]  # (an empty push still carries its number)
+                for i, batch in enumerate(pushed, 1):
+                    async with send_lock:  # the last frame carries the number
+                        await frames.send(FrameKind.NOTIFY, 0, m.NameChanges(batch, seq if i == len(pushed) else 0))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return  # the request loop sees the connection go, too
 
@@ -157,10 +168,12 @@ class MetadataServer:
                                      peer: Any) -> None:
         caller = Caller(identity.name, identity.role, identity.addresses)
         send_lock = trio.Lock()
-        replies: trio.MemorySendChannel[tuple[int, bytes]] | None = None
-        if self.group is not None:
-            replies, queued = trio.open_memory_channel[tuple[int, bytes]](REPLIES_QUEUED)
-            nursery.start_soon(self._send_when_committed, frames, send_lock, queued, nursery, identity, peer)
+        # Replies that wait (for their commit, for other nodes to apply the changes pushed to
+        # them) go out in order from a task of their own while the next requests are handled.
+        replies, queued = trio.open_memory_channel[_Reply](REPLIES_QUEUED)
+        waiting = [0]  # replies in that channel or being sent from it
+        nursery.start_soon(self._send_in_order, frames, send_lock, queued, waiting, nursery, identity, peer)
+        watcher: Watcher | None = None
         try:
             while True:
                 request_id, request = await frames.receive_request(self._requests)
@@ -173,28 +186,35 @@ class MetadataServer:
                     except Refused as refused:
                         self._refuse(caller, peer, refused)
                         raise
+                    if watcher is not None and isinstance(request, m.Heartbeat):
+                        watcher.acknowledge(request.applied)
                     response = self.handle(request, caller.node)
                     if isinstance(response, m.Registered):  # this connection now speaks for that node
                         caller = Caller(identity.name, identity.role, identity.addresses, response.node)
                         log.info("%s at %s registered as node %d", identity, peer, caller.node)
                         if self.notifier is not None:
                             self._wake[caller.node] = trio.Event()
-                            nursery.start_soon(self._push_forever, frames, send_lock, caller.node)
+                            watcher = self._watchers[caller.node] = Watcher()
+                            nursery.start_soon(self._push_forever, frames, send_lock, caller.node, watcher)
+                    elif watcher is not None and isinstance(response, m.Beat):
+                        response.pushed = watcher.queued
                     reply: tuple[FrameKind, Any] = (FrameKind.RESPONSE, response)
                 except KvfsError as error:
                     reply = (FrameKind.ERROR, ErrorReply(error.errno, str(error)))
                 except Exception as error:  # a bug answers EIO; the master keeps serving everyone
                     log.exception("%s from %s failed", type(request).__name__, peer)
                     reply = (FrameKind.ERROR, ErrorReply(errno.EIO, f"{type(request).__name__} failed: {error!r}"))
-                self.wake_pushers()
+                pushes = [push for node, push in self.wake_pushers().items()
+                          if node != caller.node and isinstance(request, ADDING_NAMES)]
                 try:
                     frame = encode_frame(reply[0], request_id, reply[1])
                 except ProtocolError as error:  # an answer too large to send: the caller gets an errno
                     log.error("%s from %s: %s", type(request).__name__, peer, error)
                     frame = encode_frame(FrameKind.ERROR, request_id, ErrorReply(errno.EFBIG, str(error)))
-                if replies is not None:
-                    assert self.group is not None
-                    await replies.send((self.group.ticket(), frame))
+                if self.group is not None or pushes or waiting[0]:
+                    waiting[0] += 1
+                    await replies.send(_Reply(frame, self.group.ticket() if self.group is not None else None,
+                                              pushes, trio.current_time() + ACK_WAIT_S))
                     continue
                 async with send_lock:
                     await frames.send_encoded(frame)
@@ -207,23 +227,42 @@ class MetadataServer:
                 log.info("%s at %s disconnected", identity, peer)
         except (EOFError, trio.ClosedResourceError):
             log.info("%s at %s disconnected", identity, peer)
+        finally:
+            if watcher is not None and self._watchers.get(caller.node) is watcher:
+                del self._watchers[caller.node]
 
-    async def _send_when_committed(self, frames: FrameStream, send_lock: trio.Lock,
-                                   queued: trio.MemoryReceiveChannel[tuple[int, bytes]], nursery: trio.Nursery,
-                                   identity: Identity, peer: Any) -> None:
-        """Sends a connection's replies in order, each once its ticket is committed."""
-        assert self.group is not None
+    async def _send_in_order(self, frames: FrameStream, send_lock: trio.Lock,
+                             queued: trio.MemoryReceiveChannel[_Reply], waiting: list[int], nursery: trio.Nursery,
+                             identity: Identity, peer: Any) -> None:
+        """Sends a connection's replies in order, each once the nodes its change was pushed
+        to applied it (at most until its deadline: kvfs.net.pushes) and once committed."""
         try:
-            async for ticket, frame in queued:
-                await self.group.wait(ticket)
+            async for reply in queued:
+                for watcher, seq in reply.pushes:
+                    await watcher.wait_applied(seq, reply.deadline)
+                if reply.ticket is not None:
+                    assert self.group is not None
+                    await self.group.wait(reply.ticket)
+                frame = reply.frame
                 if not self.may_act():
                     log.info("closing connection from %s at %s: this master may no longer lead", identity, peer)
                     break
                 async with send_lock:
                     await frames.send_encoded(frame)
+                waiting[0] -= 1
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass  # gone: the request loop sees it too
         nursery.cancel_scope.cancel()  # the connection ends with its replies
+
+
+@dataclass
+class _Reply:
+    """A reply that waits before it is sent (see `_send_in_order`)."""
+
+    frame: bytes
+    ticket: int | None  # its changes' commit, with an elected master
+    pushes: list[tuple[Watcher, int]]  # pushes to other nodes that must be applied first
+    deadline: float  # the most the pushes are waited for (trio time)
 
 
 class MasterUnavailable(MetadataError):

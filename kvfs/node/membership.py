@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import time
 from typing import Callable, Iterable, Protocol
 
+import trio
+
 from kvfs.wire import messages as m
 from kvfs.cluster.embedded import MasterClient
+from kvfs.net.pushes import COPY_LEASE_S
 from kvfs.net.rpc import MasterUnavailable
 from kvfs.disk.records import DiskFile
 from kvfs.errors import KvfsError
@@ -73,6 +77,12 @@ class Membership:
         # Seals the master did not confirm (it was unreachable): version -> mtime, reported on registration.
         self.unreported_seals: dict[int, int] = {}
         self.names = HeldNames()  # what lookups resolve to while the master is unreachable
+        # The copies answer misses only while current (kvfs.net.pushes): until this trio time,
+        # renewed by each heartbeat whose answer finds every push numbered before it applied.
+        self.applied = 0  # the number of the last push applied, on this connection
+        self._copies_until = -math.inf
+        self._beat_now = trio.Event()  # a push to acknowledge: the next heartbeat goes now
+        self.acknowledged = 0  # heartbeats sent early to acknowledge pushes
 
     # Directory copies -------------------------------------------------------------------
 
@@ -108,9 +118,23 @@ class Membership:
             self._fetching.pop(ino, None)  # a re-registration may have cleared it
 
     def names_changed(self, changes: m.NameChanges) -> None:
-        """Name changes the master pushes for watched directories."""
+        """Name changes the master pushes for watched directories; a numbered push is
+        acknowledged with the next heartbeat, sent at once (a writer's reply waits for it)."""
         for change in changes.changes:
             self.name_changed(change)
+        if changes.seq > self.applied:
+            self.applied = changes.seq
+            self._beat_now.set()
+
+    def copies_current(self) -> bool:
+        """Whether the directory copies may answer misses now (without the master)."""
+        return trio.current_time() < self._copies_until
+
+    def _renew(self, beat: m.Beat, sent: float) -> None:
+        """A heartbeat sent at `sent` was answered: the copies are current if they hold every
+        push numbered before the master answered it."""
+        if self.applied >= beat.pushed:
+            self._copies_until = max(self._copies_until, sent + COPY_LEASE_S)
 
     def name_changed(self, change: m.NameChange) -> None:
         """One change of a watched directory: pushed by the master, or made by this node
@@ -154,6 +178,7 @@ class Membership:
         if self.dircache is not None:  # pushes may have been missed while disconnected
             self.dircache.clear()
             self._fetching.clear()
+        self.applied, self._copies_until = 0, -math.inf  # a new connection numbers its pushes from 1
         self.files.node_id = (await master.call(m.Register(name, address))).node
         held = self._held()
         opens = self.files.open_counts()
@@ -167,7 +192,10 @@ class Membership:
         dropped.extend((await master.call(m.FinishRegistration())).dropped)
         self.unreported_seals.clear()
         self.files.drop(dropped)
-        self._apply_beat(await master.call(self._heartbeat_request()))  # the master learns capacity and use now
+        sent = trio.current_time()
+        beat = await master.call(self._heartbeat_request())  # the master learns capacity and use now
+        self._apply_beat(beat)
+        self._renew(beat, sent)
         log.info("registered as node %d: %d files kept, %d dropped, in %.2f s", self.files.node_id,
                  len(held) - len(set(dropped)), len(set(dropped)), time.monotonic() - started)
 
@@ -182,9 +210,32 @@ class Membership:
 
     # Staying in -------------------------------------------------------------------------
 
+    async def acknowledge_forever(self) -> None:
+        """Acknowledges applied pushes at once, each with a heartbeat of its own: one waiting
+        for its answer (held behind this node's replies that wait for other nodes'
+        acknowledgements) must not hold back the next acknowledgement."""
+        async with trio.open_nursery() as nursery:
+            while True:
+                await self._beat_now.wait()
+                self._beat_now = trio.Event()
+                self.acknowledged += 1
+                nursery.start_soon(self._acknowledge)
+
+    async def _acknowledge(self) -> None:
+        sent = trio.current_time()
+        try:
+            beat = await self.master.call(self._heartbeat_request(activity=False), wait_s=0)
+        except KvfsError as error:  # (unreachable, or still registering: counted all the same)
+            log.debug("acknowledging pushed name changes: %s", error)
+            return
+        self._apply_beat(beat)
+        self._renew(beat, sent)
+
     async def heartbeat(self) -> bool:
-        """One heartbeat: tells the master this node lives and applies what happened elsewhere.
-        False if the master no longer knows this node (it must register again)."""
+        """One heartbeat: tells the master this node lives, acknowledges the pushes applied,
+        and applies what happened elsewhere. False if the master no longer knows this node
+        (it must register again)."""
+        sent = trio.current_time()
         try:
             beat = await self.master.call(self._heartbeat_request(), wait_s=0)
         except MasterUnavailable:
@@ -195,12 +246,14 @@ class Membership:
                 return False
             raise
         self._apply_beat(beat)
+        self._renew(beat, sent)
         return True
 
-    def _heartbeat_request(self) -> m.Heartbeat:
+    def _heartbeat_request(self, activity: bool = True) -> m.Heartbeat:
+        """(An acknowledgement leaves the counters to the periodic heartbeat: it stays small.)"""
         ssd = self.store.ssd
         return m.Heartbeat(self.store.dram.capacity, self.store.dram.used, ssd.capacity if ssd else 0,
-                           ssd.used if ssd else 0, self.files.activity())
+                           ssd.used if ssd else 0, self.files.activity() if activity else None, self.applied)
 
     def _apply_beat(self, beat: m.Beat) -> None:
         self.files.drop(beat.dropped)

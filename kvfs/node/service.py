@@ -182,7 +182,7 @@ class Node:
     async def lookup(self, parent: int, name: bytes) -> m.Attr | None:
         check_name(name)  # as the master would: a name that cannot exist is no miss (ENAMETOOLONG)
         if self.dircache is not None:  # cluster mode: the node's copy of the directory first
-            if self.dircache.absent(parent, name):
+            if self.membership.copies_current() and self.dircache.absent(parent, name):  # (kvfs.net.pushes)
                 self.lookups_absent += 1
                 return None
             copied = self.dircache.present(parent, name)

@@ -354,6 +354,7 @@ class Heartbeat(Request):
     ssd_capacity: U64 = 0
     ssd_used: U64 = 0
     activity: Activity | None = None  # what the node served since it started (for `kvfs status`)
+    applied: U64 = 0  # the last numbered push of name changes applied on this connection (an acknowledgement)
 
 
 class ClusterStatus(Request):
@@ -482,6 +483,7 @@ class Beat(msgspec.Struct):
 
     dropped: list[int]  # versions it stores whose files are gone
     forget: list[tuple[int, bytes, int]]  # (directory, name, inode) its kernel may still cache
+    pushed: U64 = 0  # the pushes numbered so far on this connection: the node's copies are current once applied
 
 
 class Names(msgspec.Struct):
@@ -503,6 +505,7 @@ class NameChanges(msgspec.Struct):
     """Pushed to nodes watching directories, in order."""
 
     changes: list[NameChange]
+    seq: U64 = 0  # the push's number on this connection, acknowledged with Heartbeat.applied (0: more follow)
 
 
 def entry_bytes(name: bytes, entry: Entry | None) -> int:
