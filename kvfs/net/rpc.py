@@ -109,12 +109,18 @@ class MetadataServer:
         while True:
             event = self._wake[node] = trio.Event()
             await event.wait()
-            changes = self.notifier.take_notifications(node)
-            if self.group is not None:  # a node learns of a name only once it is durable
-                await self.group.wait(self.group.handled)
-            if not self.may_act():
-                return  # the request loop closes the connection
             try:
+                if self.group is None:
+                    # Taken and sent under the lock that an answer carrying the node's waiting
+                    # changes is handled and sent under: the node gets them in the order made.
+                    async with send_lock:
+                        for batch in push_batches(self.notifier.take_notifications(node)):
+                            await frames.send(FrameKind.NOTIFY, 0, m.NameChanges(batch))
+                    continue
+                changes = self.notifier.take_notifications(node)
+                await self.group.wait(self.group.handled)  # a node learns of a name only once it is durable
+                if not self.may_act():
+                    return  # the request loop closes the connection
                 for batch in push_batches(changes):
                     async with send_lock:
                         await frames.send(FrameKind.NOTIFY, 0, m.NameChanges(batch))
@@ -167,36 +173,16 @@ class MetadataServer:
                 if not self.may_act():
                     log.info("closing connection from %s at %s: this master may no longer lead", identity, peer)
                     return
-                try:
-                    try:
-                        check_request(caller, request, self.owner_of)
-                    except Refused as refused:
-                        self._refuse(caller, peer, refused)
-                        raise
-                    response = self.handle(request, caller.node)
-                    if isinstance(response, m.Registered):  # this connection now speaks for that node
-                        caller = Caller(identity.name, identity.role, identity.addresses, response.node)
-                        log.info("%s at %s registered as node %d", identity, peer, caller.node)
-                        if self.notifier is not None:
-                            self._wake[caller.node] = trio.Event()
-                            nursery.start_soon(self._push_forever, frames, send_lock, caller.node)
-                    reply: tuple[FrameKind, Any] = (FrameKind.RESPONSE, response)
-                except KvfsError as error:
-                    reply = (FrameKind.ERROR, ErrorReply(error.errno, str(error)))
-                except Exception as error:  # a bug answers EIO; the master keeps serving everyone
-                    log.exception("%s from %s failed", type(request).__name__, peer)
-                    reply = (FrameKind.ERROR, ErrorReply(errno.EIO, f"{type(request).__name__} failed: {error!r}"))
-                self.wake_pushers()
-                try:
-                    frame = encode_frame(reply[0], request_id, reply[1])
-                except ProtocolError as error:  # an answer too large to send: the caller gets an errno
-                    log.error("%s from %s: %s", type(request).__name__, peer, error)
-                    frame = encode_frame(FrameKind.ERROR, request_id, ErrorReply(errno.EFBIG, str(error)))
                 if replies is not None:
                     assert self.group is not None
+                    frame, caller = self._answer(request_id, request, caller, nursery, frames, send_lock, peer)
                     await replies.send((self.group.ticket(), frame))
                     continue
+                # Handled and sent under the send lock: the answer may carry the node's waiting
+                # name changes, and no push of later ones may pass it (`_push_forever`).
                 async with send_lock:
+                    frame, caller = self._answer(request_id, request, caller, nursery, frames, send_lock, peer,
+                                                 with_changes=True)
                     await frames.send_encoded(frame)
         except ProtocolError as error:
             log.warning("closing connection from %s: %s", peer, printable(error))
@@ -207,6 +193,56 @@ class MetadataServer:
                 log.info("%s at %s disconnected", identity, peer)
         except (EOFError, trio.ClosedResourceError):
             log.info("%s at %s disconnected", identity, peer)
+
+    def _answer(self, request_id: int, request: m.Request, caller: Caller, nursery: trio.Nursery,
+                frames: FrameStream, send_lock: trio.Lock, peer: Any,
+                with_changes: bool = False) -> tuple[bytes, Caller]:
+        """One request handled: its encoded answer (preceded by pushes, when the node's
+        waiting name changes are too many to ride on it) and the connection's caller after it."""
+        pushes = b""
+        try:
+            try:
+                check_request(caller, request, self.owner_of)
+            except Refused as refused:
+                self._refuse(caller, peer, refused)
+                raise
+            response = self.handle(request, caller.node)
+            if isinstance(response, m.Registered):  # this connection now speaks for that node
+                caller = Caller(caller.name, caller.role, caller.addresses, response.node)
+                log.info("%s %r at %s registered as node %d", caller.role, caller.name, peer, caller.node)
+                if self.notifier is not None:
+                    self._wake[caller.node] = trio.Event()
+                    nursery.start_soon(self._push_forever, frames, send_lock, caller.node)
+            elif with_changes and caller.node and hasattr(response, "changes"):
+                pushes = self._hand_changes(response, caller.node)
+            reply: tuple[FrameKind, Any] = (FrameKind.RESPONSE, response)
+        except KvfsError as error:
+            reply = (FrameKind.ERROR, ErrorReply(error.errno, str(error)))
+        except Exception as error:  # a bug answers EIO; the master keeps serving everyone
+            log.exception("%s from %s failed", type(request).__name__, peer)
+            reply = (FrameKind.ERROR, ErrorReply(errno.EIO, f"{type(request).__name__} failed: {error!r}"))
+        self.wake_pushers()
+        try:
+            frame = encode_frame(reply[0], request_id, reply[1])
+        except ProtocolError as error:  # an answer too large to send: the caller gets an errno
+            log.error("%s from %s: %s", type(request).__name__, peer, error)
+            frame = encode_frame(FrameKind.ERROR, request_id, ErrorReply(errno.EFBIG, str(error)))
+        return pushes + frame, caller
+
+    def _hand_changes(self, response: Any, node: int) -> bytes:
+        """The name changes waiting for `node` go with its answer: a push frame less for
+        each change the node makes in a directory it watches (the master queues those for it
+        too), and for its answer's other changes. Returns the push frames to send before the
+        answer instead, when they are too many for one."""
+        assert self.notifier is not None
+        if node not in self.notifier.notify:
+            return b""
+        self.notifier.notify.discard(node)
+        changes = self.notifier.take_notifications(node)
+        if sum(m.entry_bytes(change[1], change[3]) for change in changes) <= PUSH_BYTES:
+            response.changes = changes
+            return b""
+        return b"".join(encode_frame(FrameKind.NOTIFY, 0, m.NameChanges(batch)) for batch in push_batches(changes))
 
     async def _send_when_committed(self, frames: FrameStream, send_lock: trio.Lock,
                                    queued: trio.MemoryReceiveChannel[tuple[int, bytes]], nursery: trio.Nursery,
@@ -305,7 +341,10 @@ class RemoteMaster:
                     reply = self._errors.decode(header)
                     pending.error = MetadataError(reply.errno or errno.EIO, reply.message)
                 elif prefix.kind == FrameKind.RESPONSE:
-                    pending.response = self._decoders[type(pending.request)].decode(header)
+                    pending.response = response = self._decoders[type(pending.request)].decode(header)
+                    changes = getattr(response, "changes", None)
+                    if changes and self._on_notify is not None:  # as if pushed just before the answer
+                        self._on_notify(m.NameChanges(changes))
                 else:
                     raise ProtocolError(f"unexpected {prefix.kind.name} frame")
                 pending.done.set()
