@@ -40,6 +40,7 @@ _ANY_REQUEST = typing.Union[tuple(m.Request.__subclasses__())]  # type: ignore[m
 
 
 PUSH_BYTES = 640 << 10  # name changes per pushed frame (a frame header holds 1 MiB)
+ANSWERS_TOGETHER = 64  # requests of one connection already received, answered in one write
 REPLIES_QUEUED = 256  # a connection's replies waiting for their commit; then its next request waits
 
 
@@ -183,7 +184,16 @@ class MetadataServer:
                 async with send_lock:
                     frame, caller = self._answer(request_id, request, caller, nursery, frames, send_lock, peer,
                                                  with_changes=True)
-                    await frames.send_encoded(frame)
+                    answers = [frame]
+                    # Requests already here (a node's concurrent callers send theirs together)
+                    # are answered in the same write: one TLS record, one wake-up of the node.
+                    while len(answers) < ANSWERS_TOGETHER and (waiting := self._buffered(frames)) is not None:
+                        if not self.may_act():
+                            break  # (the next receive finds it too and closes the connection)
+                        frame, caller = self._answer(*waiting, caller, nursery, frames, send_lock, peer,
+                                                     with_changes=True)
+                        answers.append(frame)
+                    await frames.send_encoded(frame if len(answers) == 1 else b"".join(answers))
         except ProtocolError as error:
             log.warning("closing connection from %s: %s", peer, printable(error))
         except trio.BrokenResourceError as error:
@@ -193,6 +203,15 @@ class MetadataServer:
                 log.info("%s at %s disconnected", identity, peer)
         except (EOFError, trio.ClosedResourceError):
             log.info("%s at %s disconnected", identity, peer)
+
+    def _buffered(self, frames: FrameStream) -> tuple[int, m.Request] | None:
+        """The next request if it has already arrived whole, else None (nothing is read)."""
+        frame = frames.parser.next_frame()
+        if frame is None:
+            return None
+        if frame.prefix.kind != FrameKind.REQUEST or frame.payload:
+            raise ProtocolError(f"unexpected {frame.prefix.kind.name} frame with {len(frame.payload)} payload bytes")
+        return frame.prefix.request_id, self._requests.decode(frame.header)
 
     def _answer(self, request_id: int, request: m.Request, caller: Caller, nursery: trio.Nursery,
                 frames: FrameStream, send_lock: trio.Lock, peer: Any,
@@ -299,6 +318,7 @@ class RemoteMaster:
         self.heard_at = trio.current_time()  # when the master last sent a frame
         self._notifications = HeaderDecoder(m.NameChanges)
         self._send_lock = trio.Lock()
+        self._outgoing: list[bytes] = []  # frames waiting for the sender before them (`_send`)
         self._next_id = 1
         self._pending: dict[int, _Pending] = {}
         self._decoders = {request: HeaderDecoder(response) for request, response in m.RESPONSE_TYPES.items()}
@@ -381,8 +401,7 @@ class RemoteMaster:
         pending = self._pending[request_id] = _Pending(request)
         with trio.move_on_after(math.inf if timeout is None else max(0.0, timeout)) as scope:
             try:
-                async with self._send_lock:
-                    await self._frames.send_encoded(frame)
+                await self._send(frame)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
                 self._pending.pop(request_id, None)
                 self._fail(error)
@@ -401,6 +420,27 @@ class RemoteMaster:
         if pending.error is not None:
             raise pending.error
         return pending.response
+
+    async def _send(self, frame: bytes) -> None:
+        """Sends a request's frame. Frames of callers that come while another is being sent
+        wait in `_outgoing` and leave together after it, in one write: with many writers,
+        one TLS record and one wake-up of the master for several requests (which it answers
+        together, `MetadataServer`). The caller's frame is on its way (or the connection
+        failed) when this returns."""
+        self._outgoing.append(frame)
+        if self._send_lock.locked():
+            async with self._send_lock:  # the holder sent ours with its own, or left it to us
+                pass
+            if not self._outgoing:
+                return
+        async with self._send_lock:
+            while self._outgoing:
+                frames, self._outgoing = self._outgoing, []
+                try:
+                    await self._frames.send_encoded(frames[0] if len(frames) == 1 else b"".join(frames))
+                except trio.Cancelled:  # (a caller's deadline) the stream may hold part of a frame now
+                    self._fail(EOFError("a request was cut off while being sent"))
+                    raise
 
     async def _give_up(self, error: Exception) -> None:
         """Fails every request in flight and closes the connection (its receiver ends)."""
