@@ -219,3 +219,34 @@ async def registered_as(port: int, nursery: trio.Nursery, name: str) -> tuple[Re
     await master.call(m.Report([]))
     await master.call(m.FinishRegistration())
     return master, node
+
+
+def test_concurrent_callers_sent_and_answered_together_each_get_their_own_answer() -> None:
+    """Frames of callers that come while another is being written leave together, and the
+    master answers the requests it already has in one write: every caller still gets the
+    answer to its own request (and an error stays with its request)."""
+
+    async def test(port: int, nursery: trio.Nursery) -> None:
+        master, node = await registered(port, nursery)
+        answers: dict[int, m.Opened] = {}
+
+        async def create(i: int) -> None:
+            answers[i] = await master.call(m.Create(ROOT_INO, b"k%03d.bin" % i, 0o644, 0, 0, node, True))
+
+        async def refused() -> None:
+            with pytest.raises(MetadataError) as raised:
+                await master.call(m.Lookup(12345678, b"x"))  # no such directory
+            assert raised.value.errno == errno.ENOENT
+
+        async with trio.open_nursery() as callers:
+            for i in range(100):
+                callers.start_soon(create, i)
+                if i % 10 == 0:
+                    callers.start_soon(refused)
+        for i, opened in answers.items():
+            entry = await master.call(m.Lookup(ROOT_INO, b"k%03d.bin" % i))
+            assert entry.attr.ino == opened.attr.ino and entry.attr.version == opened.version
+        assert len({opened.attr.ino for opened in answers.values()}) == 100
+        await master.aclose()
+
+    serve_and(test)
