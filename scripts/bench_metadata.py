@@ -363,7 +363,8 @@ def fuse_round(targets: dict[str, Any], count: int, round_: int, results: Result
             results.notes.append(f"{layer}: the listing showed {listed} of {count} entries")
 
 
-def fuse_layers(counts: list[int], rounds: int, base: Path, bundles: dict[str, Path], results: Results) -> None:
+def fuse_layers(counts: list[int], rounds: int, base: Path, bundles: dict[str, Path], results: Results,
+                dram: str = "4G") -> None:
     if not counts:
         return
     master, address = start_master(base, bundles["master"], base / "fuse-master")
@@ -372,11 +373,11 @@ def fuse_layers(counts: list[int], rounds: int, base: Path, bundles: dict[str, P
     try:
         node = start_daemon("node", [sys.executable, "-m", "kvfs", "node", "--master", address, "--mount",
                                      str(base / "node"), "--name", "a", "--tls-dir", str(bundles["a"]), "-f",
-                                     "--dram", "4G", "--log-level", "warning",
+                                     "--dram", dram, "--log-level", "warning",
                                      "--metrics-listen", f"127.0.0.1:{node_metrics}"], base / "node")
         processes.append(node.process)
         single = start_daemon("single", [sys.executable, "-m", "kvfs", "mount", str(base / "single"), "-f",
-                                         "--dram", "4G", "--log-level", "warning"], base / "single")
+                                         "--dram", dram, "--log-level", "warning"], base / "single")
         processes.append(single.process)
         node.metrics, single.metrics = node_metrics, 0  # type: ignore[attr-defined]
         node.cpu_pids = {"node": node.process.pid, "master": master.pid}  # type: ignore[attr-defined]
@@ -477,6 +478,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fuse-max", default="100K", help="larger counts skip the FUSE layer")
     parser.add_argument("--layers", default="service,master,fuse", help="which layers to measure")
+    parser.add_argument("--dram", default="4G", help="DRAM tier of the node and the single-node mount")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("run as root: the benchmark mounts file systems and drops the kernel's caches")
@@ -498,7 +500,7 @@ def main() -> None:
                 if "master" in layers:
                     (base / f"r{round_}").mkdir(exist_ok=True)
                     remote_master(count, base / f"r{round_}", bundles, results)
-        fuse_layers(fuse_counts, args.rounds, base, bundles, results)
+        fuse_layers(fuse_counts, args.rounds, base, bundles, results, args.dram)
     report(results, counts, fuse_counts, layers)
 
 
