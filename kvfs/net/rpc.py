@@ -428,19 +428,18 @@ class RemoteMaster:
         together, `MetadataServer`). The caller's frame is on its way (or the connection
         failed) when this returns."""
         self._outgoing.append(frame)
-        if self._send_lock.locked():
-            async with self._send_lock:  # the holder sent ours with its own, or left it to us
-                pass
-            if not self._outgoing:
-                return
-        async with self._send_lock:
-            while self._outgoing:
-                frames, self._outgoing = self._outgoing, []
-                try:
-                    await self._frames.send_encoded(frames[0] if len(frames) == 1 else b"".join(frames))
-                except trio.Cancelled:  # (a caller's deadline) the stream may hold part of a frame now
-                    self._fail(EOFError("a request was cut off while being sent"))
-                    raise
+        try:
+            async with self._send_lock:  # (ours may have left with the holder's before we get it)
+                while self._outgoing:
+                    frames, self._outgoing = self._outgoing, []
+                    try:
+                        await self._frames.send_encoded(frames[0] if len(frames) == 1 else b"".join(frames))
+                    except trio.Cancelled:  # (a caller's deadline) the stream may hold part of a frame now
+                        self._fail(EOFError("a request was cut off while being sent"))
+                        raise
+        except trio.Cancelled:  # while waiting: a frame not sent yet is not sent at all
+            self._outgoing = [waiting for waiting in self._outgoing if waiting is not frame]
+            raise
 
     async def _give_up(self, error: Exception) -> None:
         """Fails every request in flight and closes the connection (its receiver ends)."""
