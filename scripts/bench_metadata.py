@@ -74,6 +74,12 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far, all its threads (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -333,8 +339,11 @@ def fuse_round(targets: dict[str, Any], count: int, round_: int, results: Result
             directory = target.path / f"s{count}-{round_}-{writers}"
             directory.mkdir()
             before = scrape(target.metrics, "master_rpc") if target.metrics else {}
+            cpu = {process: cpu_seconds(pid) for process, pid in target.cpu_pids.items()}
             rate = store(directory, "k", count, writers)
             results.record(f"fuse {short(count)} {name}", f"creates_per_s x{writers}", rate)
+            for process, pid in target.cpu_pids.items():  # milliseconds of CPU per file stored
+                results.record(f"cpu x{writers}", process, (cpu_seconds(pid) - cpu[process]) * 1000 / count)
             if target.metrics:
                 after = scrape(target.metrics, "master_rpc")
                 for request, total in after.items():
@@ -354,7 +363,8 @@ def fuse_round(targets: dict[str, Any], count: int, round_: int, results: Result
             results.notes.append(f"{layer}: the listing showed {listed} of {count} entries")
 
 
-def fuse_layers(counts: list[int], rounds: int, base: Path, bundles: dict[str, Path], results: Results) -> None:
+def fuse_layers(counts: list[int], rounds: int, base: Path, bundles: dict[str, Path], results: Results,
+                dram: str = "4G") -> None:
     if not counts:
         return
     master, address = start_master(base, bundles["master"], base / "fuse-master")
@@ -363,13 +373,15 @@ def fuse_layers(counts: list[int], rounds: int, base: Path, bundles: dict[str, P
     try:
         node = start_daemon("node", [sys.executable, "-m", "kvfs", "node", "--master", address, "--mount",
                                      str(base / "node"), "--name", "a", "--tls-dir", str(bundles["a"]), "-f",
-                                     "--dram", "4G", "--log-level", "warning",
+                                     "--dram", dram, "--log-level", "warning",
                                      "--metrics-listen", f"127.0.0.1:{node_metrics}"], base / "node")
         processes.append(node.process)
         single = start_daemon("single", [sys.executable, "-m", "kvfs", "mount", str(base / "single"), "-f",
-                                         "--dram", "4G", "--log-level", "warning"], base / "single")
+                                         "--dram", dram, "--log-level", "warning"], base / "single")
         processes.append(single.process)
         node.metrics, single.metrics = node_metrics, 0  # type: ignore[attr-defined]
+        node.cpu_pids = {"node": node.process.pid, "master": master.pid}  # type: ignore[attr-defined]
+        single.cpu_pids = {"single": single.process.pid}  # type: ignore[attr-defined]
         for count in counts:
             rss = {name: rss_bytes(t.process.pid) for name, t in (("node", node), ("single", single))}
             rss["master"] = rss_bytes(master.pid)
@@ -449,6 +461,12 @@ def report(results: Results, counts: list[int], fuse_counts: list[int], layers: 
             shown = ", ".join(f"{request} {value:.2f}" for request, value in sorted(per_create.items()))
             print(f"node's requests to the master per file stored, {writers} writer(s): {shown} "
                   f"(total {sum(per_create.values()):.2f})")
+    for writers in WRITERS:
+        layer = f"cpu x{writers}"
+        per_file = {process: statistics.median(v) for (l, process), v in results.values.items() if l == layer}
+        if per_file:
+            shown = ", ".join(f"{process} {value:.2f}" for process, value in per_file.items())
+            print(f"CPU per file stored (ms, /proc), {writers} writer(s): {shown}")
     print("target: node/single creates_per_s >= 0.80 with 1 and 16 writers")
     for note in results.notes:
         print(f"note: {note}")
@@ -460,6 +478,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fuse-max", default="100K", help="larger counts skip the FUSE layer")
     parser.add_argument("--layers", default="service,master,fuse", help="which layers to measure")
+    parser.add_argument("--dram", default="4G", help="DRAM tier of the node and the single-node mount")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("run as root: the benchmark mounts file systems and drops the kernel's caches")
@@ -481,7 +500,7 @@ def main() -> None:
                 if "master" in layers:
                     (base / f"r{round_}").mkdir(exist_ok=True)
                     remote_master(count, base / f"r{round_}", bundles, results)
-        fuse_layers(fuse_counts, args.rounds, base, bundles, results)
+        fuse_layers(fuse_counts, args.rounds, base, bundles, results, args.dram)
     report(results, counts, fuse_counts, layers)
 
 

@@ -167,3 +167,86 @@ def test_an_answer_too_large_for_a_frame_is_an_error_not_a_hang_up() -> None:
         await master.aclose()
 
     serve_and(test)
+
+
+def test_a_nodes_waiting_name_changes_come_with_its_answers_in_the_order_made() -> None:
+    """The changes queued for a node that watches a directory, its own among them, arrive
+    with the answer to its change (applied before the call returns), after those of other
+    nodes made before it: vLLM's store costs no push frame."""
+
+    async def test(port: int, nursery: trio.Nursery) -> None:
+        seen: list[m.NameChange] = []
+        a = await RemoteMaster.connect("127.0.0.1", port, NODE, nursery,
+                                       on_notify=lambda changes: seen.extend(changes.changes))
+        node_a = (await a.call(m.Register("node1", "127.0.0.1:1"))).node
+        await a.call(m.Report([]))
+        await a.call(m.FinishRegistration())
+        b, node_b = await registered_as(port, nursery, "node2")
+        await a.call(m.WatchNames(ROOT_INO, 1000))
+
+        # Another node's create, queued for A, then A's own: in that order, both by A's answer.
+        await b.call(m.Create(ROOT_INO, b"other.bin", 0o644, 0, 0, node_b, True))
+        opened = await a.call(m.Create(ROOT_INO, b"k.bin.tmp", 0o644, 0, 0, node_a, True))
+        assert seen[-2:] == [(ROOT_INO, b"other.bin", True, None), (ROOT_INO, b"k.bin.tmp", True, None)]
+        assert opened.changes == seen[-2:] or opened.changes == seen[-1:]  # (B's may have been pushed first)
+
+        sealed = await a.call(m.Seal(opened.version, 4096, 7, [1], release=True))
+        name, present, entry = seen[-1][1:]
+        assert (name, present) == (b"k.bin.tmp", True) and entry is not None and entry.attr.size == 4096
+        assert sealed.changes == seen[-1:]
+
+        done = await a.call(m.Rename(ROOT_INO, b"k.bin.tmp", ROOT_INO, b"k.bin", False))
+        assert [change[:3] for change in seen[-2:]] == [(ROOT_INO, b"k.bin.tmp", False), (ROOT_INO, b"k.bin", True)]
+        assert seen[-1][3] is not None and seen[-1][3].attr.ino == opened.attr.ino
+        assert done.changes == seen[-2:]
+
+        # A change of B alone still reaches A, pushed.
+        before = len(seen)
+        await b.call(m.Unlink(ROOT_INO, b"other.bin"))
+        with trio.fail_after(5):
+            while len(seen) == before:
+                await trio.sleep(0.01)
+        assert seen[before:] == [(ROOT_INO, b"other.bin", False, None)]
+        await a.aclose()
+        await b.aclose()
+
+    serve_and(test)
+
+
+async def registered_as(port: int, nursery: trio.Nursery, name: str) -> tuple[RemoteMaster, int]:
+    master = await RemoteMaster.connect("127.0.0.1", port, load_tls(name), nursery)
+    node = (await master.call(m.Register(name, "127.0.0.1:2"))).node
+    await master.call(m.Report([]))
+    await master.call(m.FinishRegistration())
+    return master, node
+
+
+def test_concurrent_callers_sent_and_answered_together_each_get_their_own_answer() -> None:
+    """Frames of callers that come while another is being written leave together, and the
+    master answers the requests it already has in one write: every caller still gets the
+    answer to its own request (and an error stays with its request)."""
+
+    async def test(port: int, nursery: trio.Nursery) -> None:
+        master, node = await registered(port, nursery)
+        answers: dict[int, m.Opened] = {}
+
+        async def create(i: int) -> None:
+            answers[i] = await master.call(m.Create(ROOT_INO, b"k%03d.bin" % i, 0o644, 0, 0, node, True))
+
+        async def refused() -> None:
+            with pytest.raises(MetadataError) as raised:
+                await master.call(m.Lookup(12345678, b"x"))  # no such directory
+            assert raised.value.errno == errno.ENOENT
+
+        async with trio.open_nursery() as callers:
+            for i in range(100):
+                callers.start_soon(create, i)
+                if i % 10 == 0:
+                    callers.start_soon(refused)
+        for i, opened in answers.items():
+            entry = await master.call(m.Lookup(ROOT_INO, b"k%03d.bin" % i))
+            assert entry.attr.ino == opened.attr.ino and entry.attr.version == opened.version
+        assert len({opened.attr.ino for opened in answers.values()}) == 100
+        await master.aclose()
+
+    serve_and(test)

@@ -41,6 +41,7 @@ _ANY_REQUEST = typing.Union[tuple(m.Request.__subclasses__())]  # type: ignore[m
 
 
 PUSH_BYTES = 640 << 10  # name changes per pushed frame (a frame header holds 1 MiB)
+ANSWERS_TOGETHER = 64  # requests of one connection already received, answered in one write
 REPLIES_QUEUED = 256  # a connection's replies waiting for their commit; then its next request waits
 
 
@@ -112,6 +113,13 @@ class MetadataServer:
         return pushes
 
     async def _push_forever(self, frames: FrameStream, send_lock: trio.Lock, node: int, watcher: Watcher) -> None:
+        try:
+            await self._push_changes(frames, send_lock, node, watcher)
+        finally:
+            if self._watchers.get(node) is watcher:  # (the connection ends with this task)
+                del self._watchers[node]
+
+    async def _push_changes(self, frames: FrameStream, send_lock: trio.Lock, node: int, watcher: Watcher) -> None:
         assert self.notifier is not None
         event = self._wake[node]  # (set at registration: changes queued before this task ran count)
         while True:
@@ -119,16 +127,19 @@ class MetadataServer:
             # Renewed before the changes are taken: a wake while they are sent is for later
             # changes, which the next round sends (not left until some other change comes).
             event = self._wake[node] = trio.Event()
-            changes, seq = self.notifier.take_notifications(node), watcher.queued
-            if self.group is not None:  # a node learns of a name only once it is durable
-                await self.group.wait(self.group.handled)
-            if not self.may_act():
-                return  # the request loop closes the connection
             try:
-                pushed = push_batches(changes) or [[]]  # (an empty push still carries its number)
-                for i, batch in enumerate(pushed, 1):
-                    async with send_lock:  # the last frame carries the number
-                        await frames.send(FrameKind.NOTIFY, 0, m.NameChanges(batch, seq if i == len(pushed) else 0))
+                if self.group is None:
+                    # Taken and sent under the lock that an answer carrying the node's waiting
+                    # changes is handled and sent under: the node gets them in the order made.
+                    async with send_lock:
+                        await self._push(frames, self.notifier.take_notifications(node), watcher.queued)
+                    continue
+                changes, seq = self.notifier.take_notifications(node), watcher.queued
+                await self.group.wait(self.group.handled)  # a node learns of a name only once it is durable
+                if not self.may_act():
+                    return  # the request loop closes the connection
+                async with send_lock:
+                    await self._push(frames, changes, seq)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return  # the request loop sees the connection go, too
 
@@ -173,51 +184,42 @@ class MetadataServer:
         replies, queued = trio.open_memory_channel[_Reply](REPLIES_QUEUED)
         waiting = [0]  # replies in that channel or being sent from it
         nursery.start_soon(self._send_in_order, frames, send_lock, queued, waiting, nursery, identity, peer)
-        watcher: Watcher | None = None
         try:
             while True:
                 request_id, request = await frames.receive_request(self._requests)
                 if not self.may_act():
                     log.info("closing connection from %s at %s: this master may no longer lead", identity, peer)
                     return
-                try:
-                    try:
-                        check_request(caller, request, self.owner_of)
-                    except Refused as refused:
-                        self._refuse(caller, peer, refused)
-                        raise
-                    if watcher is not None and isinstance(request, m.Heartbeat):
-                        watcher.acknowledge(request.applied)
-                    response = self.handle(request, caller.node)
-                    if isinstance(response, m.Registered):  # this connection now speaks for that node
-                        caller = Caller(identity.name, identity.role, identity.addresses, response.node)
-                        log.info("%s at %s registered as node %d", identity, peer, caller.node)
-                        if self.notifier is not None:
-                            self._wake[caller.node] = trio.Event()
-                            watcher = self._watchers[caller.node] = Watcher()
-                            nursery.start_soon(self._push_forever, frames, send_lock, caller.node, watcher)
-                    elif watcher is not None and isinstance(response, m.Beat):
-                        response.pushed = watcher.queued
-                    reply: tuple[FrameKind, Any] = (FrameKind.RESPONSE, response)
-                except KvfsError as error:
-                    reply = (FrameKind.ERROR, ErrorReply(error.errno, str(error)))
-                except Exception as error:  # a bug answers EIO; the master keeps serving everyone
-                    log.exception("%s from %s failed", type(request).__name__, peer)
-                    reply = (FrameKind.ERROR, ErrorReply(errno.EIO, f"{type(request).__name__} failed: {error!r}"))
-                pushes = [push for node, push in self.wake_pushers().items()
-                          if node != caller.node and isinstance(request, ADDING_NAMES)]
-                try:
-                    frame = encode_frame(reply[0], request_id, reply[1])
-                except ProtocolError as error:  # an answer too large to send: the caller gets an errno
-                    log.error("%s from %s: %s", type(request).__name__, peer, error)
-                    frame = encode_frame(FrameKind.ERROR, request_id, ErrorReply(errno.EFBIG, str(error)))
-                if self.group is not None or pushes or waiting[0]:
+                if self.group is not None or waiting[0]:  # (replies leave in order)
+                    frame, caller, pushes = self._answer(request_id, request, caller, nursery, frames, send_lock,
+                                                         peer)
                     waiting[0] += 1
                     await replies.send(_Reply(frame, self.group.ticket() if self.group is not None else None,
                                               pushes, trio.current_time() + ACK_WAIT_S))
                     continue
+                deferred: _Reply | None = None
+                # Handled and sent under the send lock: the answer may carry the node's waiting
+                # name changes, and no push of later ones may pass it (`_push_forever`).
                 async with send_lock:
-                    await frames.send_encoded(frame)
+                    answers: list[bytes] = []
+                    received: tuple[int, m.Request] | None = (request_id, request)
+                    while received is not None:
+                        frame, caller, pushes = self._answer(*received, caller, nursery, frames, send_lock, peer,
+                                                             with_changes=True)
+                        if pushes:  # waits for other nodes to apply what it added (after those before it)
+                            deferred = _Reply(frame, None, pushes, trio.current_time() + ACK_WAIT_S)
+                            break
+                        answers.append(frame)
+                        if len(answers) >= ANSWERS_TOGETHER or not self.may_act():
+                            break  # (the next receive finds it and closes the connection)
+                        # Requests already here (a node's concurrent callers send theirs together)
+                        # are answered in the same write: one TLS record, one wake-up of the node.
+                        received = self._buffered(frames)
+                    if answers:
+                        await frames.send_encoded(answers[0] if len(answers) == 1 else b"".join(answers))
+                if deferred is not None:
+                    waiting[0] += 1
+                    await replies.send(deferred)
         except ProtocolError as error:
             log.warning("closing connection from %s: %s", peer, printable(error))
         except trio.BrokenResourceError as error:
@@ -227,9 +229,86 @@ class MetadataServer:
                 log.info("%s at %s disconnected", identity, peer)
         except (EOFError, trio.ClosedResourceError):
             log.info("%s at %s disconnected", identity, peer)
-        finally:
-            if watcher is not None and self._watchers.get(caller.node) is watcher:
-                del self._watchers[caller.node]
+
+    def _buffered(self, frames: FrameStream) -> tuple[int, m.Request] | None:
+        """The next request if it has already arrived whole, else None (nothing is read)."""
+        frame = frames.parser.next_frame()
+        if frame is None:
+            return None
+        if frame.prefix.kind != FrameKind.REQUEST or frame.payload:
+            raise ProtocolError(f"unexpected {frame.prefix.kind.name} frame with {len(frame.payload)} payload bytes")
+        return frame.prefix.request_id, self._requests.decode(frame.header)
+
+    def _answer(self, request_id: int, request: m.Request, caller: Caller, nursery: trio.Nursery,
+                frames: FrameStream, send_lock: trio.Lock, peer: Any,
+                with_changes: bool = False) -> tuple[bytes, Caller, list[tuple[Watcher, int]]]:
+        """One request handled: its encoded answer (preceded by pushes, when the node's
+        waiting name changes are too many to ride on it), the connection's caller after it,
+        and the pushes to other nodes that must be applied before the answer leaves (a name
+        added: kvfs.net.pushes)."""
+        pushes = b""
+        watcher = self._watchers.get(caller.node) if caller.node else None
+        try:
+            try:
+                check_request(caller, request, self.owner_of)
+            except Refused as refused:
+                self._refuse(caller, peer, refused)
+                raise
+            if watcher is not None and isinstance(request, m.Heartbeat):
+                watcher.acknowledge(request.applied)
+            response = self.handle(request, caller.node)
+            if isinstance(response, m.Registered):  # this connection now speaks for that node
+                caller = Caller(caller.name, caller.role, caller.addresses, response.node)
+                log.info("%s %r at %s registered as node %d", caller.role, caller.name, peer, caller.node)
+                if self.notifier is not None:
+                    self._wake[caller.node] = trio.Event()
+                    watcher = self._watchers[caller.node] = Watcher()
+                    nursery.start_soon(self._push_forever, frames, send_lock, caller.node, watcher)
+            elif watcher is not None and isinstance(response, m.Beat):
+                response.pushed = watcher.queued
+            elif (with_changes and caller.node and hasattr(response, "changes")
+                  and not self._must_wait(request, caller.node)):  # (an answer that waits carries none)
+                pushes = self._hand_changes(response, caller.node)
+            reply: tuple[FrameKind, Any] = (FrameKind.RESPONSE, response)
+        except KvfsError as error:
+            reply = (FrameKind.ERROR, ErrorReply(error.errno, str(error)))
+        except Exception as error:  # a bug answers EIO; the master keeps serving everyone
+            log.exception("%s from %s failed", type(request).__name__, peer)
+            reply = (FrameKind.ERROR, ErrorReply(errno.EIO, f"{type(request).__name__} failed: {error!r}"))
+        waits = [push for node, push in self.wake_pushers().items()
+                 if node != caller.node and isinstance(request, ADDING_NAMES)]
+        try:
+            frame = encode_frame(reply[0], request_id, reply[1])
+        except ProtocolError as error:  # an answer too large to send: the caller gets an errno
+            log.error("%s from %s: %s", type(request).__name__, peer, error)
+            frame = encode_frame(FrameKind.ERROR, request_id, ErrorReply(errno.EFBIG, str(error)))
+        return pushes + frame, caller, waits
+
+    def _must_wait(self, request: m.Request, node: int) -> bool:
+        """Whether the answer to `request` waits for other nodes (see `wake_pushers`)."""
+        return (isinstance(request, ADDING_NAMES) and self.notifier is not None
+                and any(other != node and other in self._watchers for other in self.notifier.notify))
+
+    async def _push(self, frames: FrameStream, changes: list[Any], seq: int) -> None:
+        """Pushes name changes; the last frame carries the push's number (an empty push too)."""
+        pushed = push_batches(changes) or [[]]
+        for i, batch in enumerate(pushed, 1):
+            await frames.send(FrameKind.NOTIFY, 0, m.NameChanges(batch, seq if i == len(pushed) else 0))
+
+    def _hand_changes(self, response: Any, node: int) -> bytes:
+        """The name changes waiting for `node` go with its answer: a push frame less for
+        each change the node makes in a directory it watches (the master queues those for it
+        too), and for its answer's other changes. Returns the push frames to send before the
+        answer instead, when they are too many for one."""
+        assert self.notifier is not None
+        if node not in self.notifier.notify:
+            return b""
+        self.notifier.notify.discard(node)
+        changes = self.notifier.take_notifications(node)
+        if sum(m.entry_bytes(change[1], change[3]) for change in changes) <= PUSH_BYTES:
+            response.changes = changes
+            return b""
+        return b"".join(encode_frame(FrameKind.NOTIFY, 0, m.NameChanges(batch)) for batch in push_batches(changes))
 
     async def _send_in_order(self, frames: FrameStream, send_lock: trio.Lock,
                              queued: trio.MemoryReceiveChannel[_Reply], waiting: list[int], nursery: trio.Nursery,
@@ -302,6 +381,7 @@ class RemoteMaster:
         self.heard_at = trio.current_time()  # when the master last sent a frame
         self._notifications = HeaderDecoder(m.NameChanges)
         self._send_lock = trio.Lock()
+        self._outgoing: list[bytes] = []  # frames waiting for the sender before them (`_send`)
         self._next_id = 1
         self._pending: dict[int, _Pending] = {}
         self._decoders = {request: HeaderDecoder(response) for request, response in m.RESPONSE_TYPES.items()}
@@ -344,7 +424,10 @@ class RemoteMaster:
                     reply = self._errors.decode(header)
                     pending.error = MetadataError(reply.errno or errno.EIO, reply.message)
                 elif prefix.kind == FrameKind.RESPONSE:
-                    pending.response = self._decoders[type(pending.request)].decode(header)
+                    pending.response = response = self._decoders[type(pending.request)].decode(header)
+                    changes = getattr(response, "changes", None)
+                    if changes and self._on_notify is not None:  # as if pushed just before the answer
+                        self._on_notify(m.NameChanges(changes))
                 else:
                     raise ProtocolError(f"unexpected {prefix.kind.name} frame")
                 pending.done.set()
@@ -381,8 +464,7 @@ class RemoteMaster:
         pending = self._pending[request_id] = _Pending(request)
         with trio.move_on_after(math.inf if timeout is None else max(0.0, timeout)) as scope:
             try:
-                async with self._send_lock:
-                    await self._frames.send_encoded(frame)
+                await self._send(frame)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
                 self._pending.pop(request_id, None)
                 self._fail(error)
@@ -401,6 +483,26 @@ class RemoteMaster:
         if pending.error is not None:
             raise pending.error
         return pending.response
+
+    async def _send(self, frame: bytes) -> None:
+        """Sends a request's frame. Frames of callers that come while another is being sent
+        wait in `_outgoing` and leave together after it, in one write: with many writers,
+        one TLS record and one wake-up of the master for several requests (which it answers
+        together, `MetadataServer`). The caller's frame is on its way (or the connection
+        failed) when this returns."""
+        self._outgoing.append(frame)
+        try:
+            async with self._send_lock:  # (ours may have left with the holder's before we get it)
+                while self._outgoing:
+                    frames, self._outgoing = self._outgoing, []
+                    try:
+                        await self._frames.send_encoded(frames[0] if len(frames) == 1 else b"".join(frames))
+                    except trio.Cancelled:  # (a caller's deadline) the stream may hold part of a frame now
+                        self._fail(EOFError("a request was cut off while being sent"))
+                        raise
+        except trio.Cancelled:  # while waiting: a frame not sent yet is not sent at all
+            self._outgoing = [waiting for waiting in self._outgoing if waiting is not frame]
+            raise
 
     async def _give_up(self, error: Exception) -> None:
         """Fails every request in flight and closes the connection (its receiver ends)."""

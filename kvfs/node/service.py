@@ -314,18 +314,19 @@ class Node:
         return (await self.master.call(m.ReadLink(ino))).target
 
     async def unlink(self, parent: int, name: bytes) -> None:
-        self.drop((await self.change(m.Unlink(parent, name))).dropped)
-        self._own_change(parent, name, present=False)
+        done = await self.change(m.Unlink(parent, name))
+        self.drop(done.dropped)
+        self._own_change(parent, name, False, done)
 
     async def rmdir(self, parent: int, name: bytes) -> None:
-        await self.change(m.RmDir(parent, name))
-        self._own_change(parent, name, present=False)
+        done = await self.change(m.RmDir(parent, name))
+        self._own_change(parent, name, False, done)
 
     async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes, noreplace: bool) -> None:
         done = await self.change(m.Rename(parent_old, name_old, parent_new, name_new, noreplace))
         self.membership.names.moved(parent_old, name_old, parent_new, name_new)
-        self._own_change(parent_old, name_old, present=False)
-        self._own_change(parent_new, name_new, present=True)
+        self._own_change(parent_old, name_old, False, done)
+        self._own_change(parent_new, name_new, True, done)
         self.drop(done.dropped)
         for version in done.relocated:  # before replying: a crash must not resurrect the old name
             await self.store.refresh_record(version)
@@ -349,11 +350,16 @@ class Node:
         finally:
             self.own_changes.end(token, directories, self.clock.monotonic())
 
-    def _own_change(self, parent: int, name: bytes, present: bool) -> None:
+    def _own_change(self, parent: int, name: bytes, present: bool, answer: Any = None) -> None:
         """This node's own change, in its directory copies before the reply (the master's
         push of it follows, with the entry): the copy never answers a lookup with what a
         name was before this node changed it (a new directory absent, a removed file there).
-        A name added is known only to exist until the push: lookups of it ask the master."""
+        A name added is known only to exist until the push: lookups of it ask the master.
+        When the master's account of the change came with its answer (`changes`, applied
+        as it arrived), that account stands: it may hold the entry, which this would erase."""
+        changes = getattr(answer, "changes", None)
+        if changes and any(change[0] == parent and change[1] == name for change in changes):
+            return
         self.membership.name_changed((parent, name, present, None))
 
     async def readdir(self, ino: int, start_id: int, limit: int) -> list[m.DirEntry]:
@@ -372,7 +378,7 @@ class Node:
 
     async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int, exclusive: bool) -> tuple[OpenFile, m.Attr]:
         opened = await self.change(m.Create(parent, name, mode, uid, gid, self.node_id, exclusive))
-        self._own_change(parent, name, present=True)
+        self._own_change(parent, name, True, opened)
         self.membership.names.seen(parent, name, opened.attr)
         handle = await self._start_writing(opened, truncate=False, uid=uid)
         return handle, self._current(opened.attr)

@@ -67,6 +67,7 @@ class Sealed(Attr):
     writer's release dropped (the node frees them)."""
 
     dropped: list[int] = []
+    changes: list[NameChange] = []  # name changes waiting for the caller (see `NameChanges`)
 
 
 def sealed(attr: Attr, dropped: list[int]) -> Sealed:
@@ -399,6 +400,7 @@ class Done(msgspec.Struct):
     # A rename's: the attributes of the directories it changed, after it (the kernel asks for
     # them next, having dropped its own copy).
     directories: list[Attr] = []
+    changes: list[NameChange] = []  # name changes waiting for the caller (see `NameChanges`)
 
 
 class Entry(msgspec.Struct):
@@ -426,6 +428,7 @@ class Opened(msgspec.Struct):
     # A create's: the attributes of the directory it added the name to, after it (the
     # kernel asks for them next, having dropped its own copy).
     parent: Attr | None = None
+    changes: list[NameChange] = []  # name changes waiting for the caller (see `NameChanges`)
 
 
 class Removed(msgspec.Struct):
@@ -502,7 +505,10 @@ NameChange = tuple[int, bytes, bool, Entry | None]
 
 
 class NameChanges(msgspec.Struct):
-    """Pushed to nodes watching directories, in order."""
+    """Pushed to nodes watching directories, in order. A master that answers a node's
+    `Create`, `Seal` or change (`Opened`, `Sealed`, `Done`) hands it the changes waiting
+    for it in the answer's `changes` instead (its own among them): one frame instead of
+    two, in the same order as if pushed just before the answer (kvfs.net.rpc)."""
 
     changes: list[NameChange]
     seq: U64 = 0  # the push's number on this connection, acknowledged with Heartbeat.applied (0: more follow)
