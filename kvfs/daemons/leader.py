@@ -198,7 +198,8 @@ class Term:
             try:
                 self.service, self.caught_up = await follower.catch_up(self.leadership.epoch, CATCH_UP_S)
             except NotCaughtUp as why:
-                log.warning("the standby's copy of the state cannot be used (loading it instead): %s", why)
+                (log.warning if follower.loads else log.info)(
+                    "the standby's copy of the state cannot be used (loading it instead): %s", why)
         if self.caught_up >= 0:
             self.service.liveness.last_pass = time.monotonic()  # standing by was no stall of this leader's
             self.state.adopt(self.service)
