@@ -37,9 +37,10 @@ def free_ports(count: int) -> list[int]:
 
 
 class EtcdCluster:
-    def __init__(self, root: Path, members: int = 3) -> None:
+    def __init__(self, root: Path, members: int = 3, flags: tuple[str, ...] = ()) -> None:
         if not os.access(ETCD, os.X_OK):
             raise RuntimeError(f"no etcd at {ETCD}: install it (Debian: etcd-server) or set KVFS_TEST_ETCD")
+        self.flags = flags  # more etcd flags for every member (a benchmark's larger txns)
         self.root = root / "etcd"
         self.root.mkdir(parents=True, exist_ok=True)
         ports = free_ports(2 * members)
@@ -87,7 +88,7 @@ class EtcdCluster:
                  "--initial-cluster", self.initial, "--initial-cluster-state", state,
                  "--initial-cluster-token", self.token,
                  "--heartbeat-interval", "100", "--election-timeout", "1000",
-                 "--logger", "zap", "--log-outputs", "stderr"],
+                 "--logger", "zap", "--log-outputs", "stderr", *self.flags],
                 stdout=log, stderr=subprocess.STDOUT)
 
     def _get(self, i: int, path: str, timeout: float = 1.0) -> dict:
