@@ -282,20 +282,20 @@ class ElectedMaster:
             follower = self.follower = Follower(self.client, self.config.cluster, lambda: new_service(self.config),
                                                 loaded=lambda service: keep_heap_out_of_full_collections(service, -1))
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(follower.run)
+                nursery.start_soon(follower.run)  # until the term takes the copy over (or this ends)
                 leadership = await self._campaign()
-                nursery.cancel_scope.cancel()
-            self.follower = None
-            self.leadership = leadership
-            self.terms += 1
-            term = self.term = Term(self, leadership, follower)
-            try:
-                await term.run(self.address)
-            except Exception:  # a bug in a leadership's task: this master steps down, it does not exit
-                log.exception("the leadership (epoch %d) failed", leadership.epoch)
-                term.end("a task of the leadership failed")
-            finally:
-                self.term = None
+                self.follower = None
+                self.leadership = leadership
+                self.terms += 1
+                term = self.term = Term(self, leadership, follower)
+                try:
+                    await term.run(self.address)
+                except Exception:  # a bug in a leadership's task: this master steps down, it does not exit
+                    log.exception("the leadership (epoch %d) failed", leadership.epoch)
+                    term.end("a task of the leadership failed")
+                finally:
+                    self.term = None
+                    follower.stop()
             log.error("master stepped down (epoch %d): %s; its connections are closed, its state dropped; "
                       "standing by", leadership.epoch, term.ended)
             systemd.notify("STATUS=standing by")

@@ -62,9 +62,24 @@ class Follower:
         self.applied = 0  # records applied since the last load
         self.load_s = 0.0
         self._watch_log = Every(10.0)
+        self._scope = trio.CancelScope()
+        self._stopped = False  # by `stop`: a message `run` already had is not applied
+        self._advanced = trio.Event()  # set (and replaced) whenever `revision` moves
 
     async def run(self) -> None:
-        """Loads, then follows until cancelled (loading again when it must)."""
+        """Loads, then follows until stopped or cancelled (loading again when it must)."""
+        self._scope = trio.CancelScope()  # (a scope is entered once: a fresh one for each run)
+        if self._stopped:
+            return
+        with self._scope:
+            await self._run()
+
+    def stop(self) -> None:
+        """Ends `run`; the copy is left as it is (nothing more is applied by `run`)."""
+        self._stopped = True
+        self._scope.cancel()
+
+    async def _run(self) -> None:
         while True:
             try:
                 await self._load()
@@ -104,6 +119,8 @@ class Follower:
             try:
                 async with aclosing(self.client.watch(self.prefix, self.revision + 1)) as watch:
                     async for events in watch:
+                        if self._stopped:
+                            return
                         self._receive(events)
             except Compacted:
                 raise
@@ -123,6 +140,8 @@ class Follower:
             self.revision = max(self.revision, event.revision)
             if event.key.startswith(self.state.prefix):
                 self.pending.append(event)
+        advanced, self._advanced = self._advanced, trio.Event()
+        advanced.set()
 
     def _apply(self) -> int:
         """Applies the pending changes; how many records that was."""
@@ -151,18 +170,25 @@ class Follower:
 
     async def catch_up(self, revision: int, timeout_s: float) -> tuple[MetadataService, int]:
         """After this standby won the election at REVISION (the leader key's creation, seen
-        by the watch): every change before it applied, within TIMEOUT_S. The service and
-        the number of records applied now. NotCaughtUp when the copy is not loaded, lags
-        past what etcd keeps, or the watch does not reach REVISION in time."""
+        by the watch): stops following and applies every change before REVISION, within
+        TIMEOUT_S. The running watch normally has them already; a watch of its own from the
+        last revision seen (when the running one stalled, on a frozen member) fetches the
+        rest. The service and the number of records applied now. NotCaughtUp when the copy
+        is not loaded, lags past what etcd keeps, or REVISION is not reached in time."""
+        with trio.move_on_after(min(1.0, timeout_s)):  # the running watch brings it, normally at once
+            while self.revision < revision and self.service is not None and not self._stopped:
+                await self._advanced.wait()
+        self.stop()
         if self.service is None:
             raise NotCaughtUp("the standby had not loaded the state yet")
         try:
             with trio.fail_after(timeout_s):
-                async with aclosing(self.client.watch(self.prefix, self.revision + 1)) as watch:
-                    async for events in watch:
-                        self._receive(events)
-                        if self.revision >= revision:
-                            break
+                if self.revision < revision:  # a watch of its own: the running one stalled or broke
+                    async with aclosing(self.client.watch(self.prefix, self.revision + 1)) as watch:
+                        async for events in watch:
+                            self._receive(events)
+                            if self.revision >= revision:
+                                break
             applied = self._apply()
         except trio.TooSlowError:
             raise NotCaughtUp(f"the watch did not reach revision {revision} within {timeout_s:g} s "
