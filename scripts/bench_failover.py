@@ -2,7 +2,7 @@
 leader's commits, kvfs.net.follow) against a cold one (started after the leader died, so
 it loads the whole state from etcd), side by side in one run, for each size.
 
-For each size N a cluster of its own in one 3-member etcd on loopback (tests/etcd.py) is
+For each size N a cluster of its own in one etcd on loopback (3 members, or --etcd-members) (tests/etcd.py) is
 seeded with N sealed files (N/1000 directories of 1000): an in-process metadata service
 makes them and the bench writes their records with EtcdState's txn split, in txns of
 2048 records (etcd started with --max-txn-ops 4096; a leader's own are 128) with the
@@ -23,6 +23,7 @@ TTL (the wait until the dead leader's key expires); "serving after election" is 
 after the new leader's election, from its log.
 
 Usage: python scripts/bench_failover.py [--sizes 100000,1000000] [--rounds 2] [--follow 5000]
+                                        [--etcd-members 3]
 """
 
 from __future__ import annotations
@@ -196,10 +197,14 @@ def main() -> None:
     parser.add_argument("--sizes", default="100000,1000000")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--follow", type=int, default=5000, help="files created while the standby follows")
+    parser.add_argument("--etcd-members", type=int, default=3, help="1 saves memory at 1M files")
     args = parser.parse_args()
+    # Should the machine run out of memory, this bench and its children (etcd, masters: it is
+    # inherited) are the ones the kernel kills, not another program.
+    Path("/proc/self/oom_score_adj").write_text("1000")
     root = Path(tempfile.mkdtemp(prefix="kvfs-bench-failover-"))
-    etcd = EtcdCluster(root, flags=ETCD_FLAGS)
-    print(f"etcd: 3 members healthy in {etcd.start_s:.1f} s; lease TTL {TTL} s")
+    etcd = EtcdCluster(root, members=args.etcd_members, flags=ETCD_FLAGS)
+    print(f"etcd: {args.etcd_members} members healthy in {etcd.start_s:.1f} s; lease TTL {TTL} s")
     rows = []
     serial = 0
     try:
