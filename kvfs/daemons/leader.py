@@ -49,6 +49,7 @@ POLL_S = 0.2  # how often a standby looks at the leader key
 COMPACT_S = 60.0  # the leader drops etcd's history older than this, every this often
 RETRY_S = 0.1  # a commit that failed (etcd unreachable) is tried again this soon, while the lease holds
 CATCH_UP_S = 5.0  # an elected standby's copy must reach the epoch's revision this soon, else it loads
+LOAD_TIMEOUT_S = 10.0  # a page of a load (10,000 records) may take this long: loads do not hold the lease
 
 
 async def compact_forever(client: EtcdClient, revision: Callable[[], int], interval_s: float = COMPACT_S) -> None:
@@ -212,7 +213,8 @@ class Term:
             return
         self.master.caught_up = -1
         try:
-            files = await self.state.load(self.service)
+            files = await EtcdState(self.master.reader, self.config.cluster).load(self.service)
+            self.state.adopt(self.service)
         except EtcdError as error:
             self.end(f"loading the state from etcd failed: {error}")
             await trio.sleep_forever()
@@ -227,6 +229,9 @@ class ElectedMaster:
         assert config.etcd is not None
         self.config = config
         self.client = EtcdClient(config.etcd, timeout_s=min(2.0, max(0.5, config.lease_ttl_s / 3)))
+        # Loads and the standby's watch: large reads that are slow on a busy etcd, and that no
+        # renewal waits for (a renewal must fail fast and move on to the next member).
+        self.reader = EtcdClient(config.etcd, timeout_s=LOAD_TIMEOUT_S)
         self.key = leader_key(config.cluster)
         self.requests = OperationStats()
         self.terms = 0
@@ -257,6 +262,7 @@ class ElectedMaster:
             with trio.CancelScope(shield=True):
                 await self._resign()
                 await self.client.aclose()
+                await self.reader.aclose()
 
     def _describe(self, out: Families) -> None:
         term = self.term
@@ -279,7 +285,7 @@ class ElectedMaster:
         log.info("master standing by: etcd %s, cluster %s, lease TTL %d s", ",".join(self.config.etcd or []),
                  self.config.cluster, self.config.lease_ttl_s)
         while True:
-            follower = self.follower = Follower(self.client, self.config.cluster, lambda: new_service(self.config),
+            follower = self.follower = Follower(self.reader, self.config.cluster, lambda: new_service(self.config),
                                                 loaded=lambda service: keep_heap_out_of_full_collections(service, -1))
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(follower.run)  # until the term takes the copy over (or this ends)

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 2.0
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
+WATCH_CONNECT_S = 2.0  # a member that does not take a watch this soon is passed over (frozen, partitioned)
 _BYTES_FIELDS = {"key", "value", "range_end"}
 
 
@@ -328,7 +329,7 @@ class EtcdClient:
             endpoint = self.endpoints[(self._current + attempt) % len(self.endpoints)]
             parts = urlsplit(endpoint)
             try:
-                with trio.fail_after(self.timeout_s):
+                with trio.fail_after(min(self.timeout_s, WATCH_CONNECT_S)):
                     stream = await trio.open_tcp_stream(parts.hostname, parts.port)
                     reader = _ChunkedReader(stream)
                     try:

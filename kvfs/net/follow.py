@@ -61,6 +61,7 @@ class Follower:
         self.loaded_files = 0
         self.applied = 0  # records applied since the last load
         self.load_s = 0.0
+        self.loading = False  # a load is under way
         self._watch_log = Every(10.0)
         self._scope = trio.CancelScope()
         self._stopped = False  # by `stop`: a message `run` already had is not applied
@@ -78,9 +79,11 @@ class Follower:
         """Ends `run`; the copy is left as it is (nothing more is applied by `run`)."""
         self._stopped = True
         self._scope.cancel()
+        self._advance()
 
     async def _run(self) -> None:
         while True:
+            self.loading = True
             try:
                 await self._load()
             except EtcdError as error:
@@ -88,6 +91,9 @@ class Follower:
                     log.warning("standby: loading the state from etcd failed (trying again): %s", error)
                 await trio.sleep(RETRY_S)
                 continue
+            finally:
+                self.loading = False
+                self._advance()
             try:
                 await self._follow()
             except (Compacted, _Diverged) as error:
@@ -140,6 +146,9 @@ class Follower:
             self.revision = max(self.revision, event.revision)
             if event.key.startswith(self.state.prefix):
                 self.pending.append(event)
+        self._advance()
+
+    def _advance(self) -> None:
         advanced, self._advanced = self._advanced, trio.Event()
         advanced.set()
 
@@ -171,10 +180,13 @@ class Follower:
     async def catch_up(self, revision: int, timeout_s: float) -> tuple[MetadataService, int]:
         """After this standby won the election at REVISION (the leader key's creation, seen
         by the watch): stops following and applies every change before REVISION, within
-        TIMEOUT_S. The running watch normally has them already; a watch of its own from the
+        TIMEOUT_S (after the load, when one is under way: loading anew would only take
+        longer). The running watch normally has them already; a watch of its own from the
         last revision seen (when the running one stalled, on a frozen member) fetches the
         rest. The service and the number of records applied now. NotCaughtUp when the copy
         is not loaded, lags past what etcd keeps, or REVISION is not reached in time."""
+        while self.loading and not self._stopped:  # a load under way: the same work a load now would do
+            await self._advanced.wait()
         with trio.move_on_after(min(1.0, timeout_s)):  # the running watch brings it, normally at once
             while self.revision < revision and self.service is not None and not self._stopped:
                 await self._advanced.wait()
