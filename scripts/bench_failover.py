@@ -43,7 +43,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import trio  # noqa: E402
 
 from conftest import load_tls  # noqa: E402
-from etcd import ElectedMaster, EtcdCluster, leader  # noqa: E402
+from etcd import ElectedMaster, EtcdCluster  # noqa: E402
 from kvfs.clock import SystemClock  # noqa: E402
 from kvfs.cluster.master import MasterSettings, MetadataService  # noqa: E402
 from kvfs.cluster.namespace import ROOT_INO  # noqa: E402
