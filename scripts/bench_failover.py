@@ -4,11 +4,11 @@ it loads the whole state from etcd), side by side in one run, for each size.
 
 For each size N a cluster of its own in one etcd on loopback (3 members, or --etcd-members) (tests/etcd.py) is
 seeded with N sealed files (N/1000 directories of 1000): an in-process metadata service
-makes them and the bench writes their records with EtcdState's txn split, in txns of
-2048 records (etcd started with --max-txn-ops 4096; a leader's own are 128) with the
-counters first, as a leader writes them, then 8 txns in flight, and the counters once
-more at the end, as the leader's next commit would; under a leader key made for it and
-removed after. Then a round:
+makes them and the bench commits their records every 50,000 files with EtcdState's
+txn split, in txns of 2048 records (etcd started with --max-txn-ops 4096; a leader's
+own are 128) with the counters first, as a leader writes them, then 8 txns in flight,
+and the counters once more at the end, as the leader's next commit would; under a
+leader key made for it and removed after. Then a round:
   1. a leader starts and loads the N files (its log's load time is the restart time);
      a standby starts and loads them too;
   2. a node creates FOLLOW files through the leader (16 callers) while the standby
@@ -56,6 +56,7 @@ from kvfs.wire import messages as m  # noqa: E402
 
 TTL = 3  # the masters' lease TTL (the default)
 PER_DIR = 1000
+SEED_COMMIT = 50_000  # files a seeding commit
 SEED_TXN_OPS = 2048  # records a seeding txn (etcd is started to take them: --max-txn-ops)
 ETCD_FLAGS = ("--max-txn-ops", "4096", "--max-request-bytes", str(16 << 20), "--quota-backend-bytes", str(8 << 30))
 
@@ -70,6 +71,28 @@ async def seed(endpoints: list[str], cluster: str, files: int) -> float:
     service.handle(m.Report([]), node)
     service.handle(m.FinishRegistration(), node)
     state = EtcdState(client, cluster)
+    fence = [create_revision_is(key, epoch)]
+
+    async def write(part: list[Change]) -> None:
+        ok, _, _ = await client.txn(fence, [put(state.key(c.kind, c.number), c.value or b"") for c in part])
+        assert ok
+
+    async def commit() -> list[Change]:
+        """One commit of what changed since the last, as a leader's: the counters first."""
+        batch = state.take(service)
+        assert batch is not None
+        parts = split(batch.changes, max_ops=SEED_TXN_OPS, max_bytes=SEED_TXN_OPS * 400)
+        await write(parts.pop(0))
+
+        async def writer() -> None:
+            while parts:
+                await write(parts.pop())
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(8):
+                nursery.start_soon(writer)
+        return [c for c in batch.changes if c.kind is Kind.COUNTERS]
+
     started = time.perf_counter()
     directory = 0
     for i in range(files):
@@ -78,25 +101,9 @@ async def seed(endpoints: list[str], cluster: str, files: int) -> float:
         opened = service.handle(m.Create(directory, b"f%04d" % (i % PER_DIR), 0o644, 0, 0, node, True), node)
         service.handle(m.Seal(opened.version, 4096, time.time_ns(), []), node)
         service.handle(m.Release(opened.version, True), node)
-    batch = state.take(service)
-    assert batch is not None
-    parts = split(batch.changes, max_ops=SEED_TXN_OPS, max_bytes=SEED_TXN_OPS * 400)  # the counters first
-    counters = [c for c in parts[0] if c.kind is Kind.COUNTERS]
-    fence = [create_revision_is(key, epoch)]
-
-    async def write(part: list[Change]) -> None:
-        ok, _, _ = await client.txn(fence, [put(state.key(c.kind, c.number), c.value or b"") for c in part])
-        assert ok
-
-    async def writer() -> None:
-        while parts:
-            await write(parts.pop())
-
-    await write(parts.pop(0))
-    async with trio.open_nursery() as nursery:
-        for _ in range(8):
-            nursery.start_soon(writer)
-    await write(counters)  # again, as the leader's next commit would: the seeded commit is complete
+        if i % SEED_COMMIT == SEED_COMMIT - 1 or i == files - 1:  # (a bounded batch in memory at a time)
+            counters = await commit()
+    await write(counters)  # again, as the leader's next commit would: the last seeded commit is complete
     await client.txn([], [delete(key)])
     await client.aclose()
     return time.perf_counter() - started
