@@ -37,9 +37,10 @@ def free_ports(count: int) -> list[int]:
 
 
 class EtcdCluster:
-    def __init__(self, root: Path, members: int = 3) -> None:
+    def __init__(self, root: Path, members: int = 3, flags: tuple[str, ...] = ()) -> None:
         if not os.access(ETCD, os.X_OK):
             raise RuntimeError(f"no etcd at {ETCD}: install it (Debian: etcd-server) or set KVFS_TEST_ETCD")
+        self.flags = flags  # more etcd flags for every member (a benchmark's larger txns)
         self.root = root / "etcd"
         self.root.mkdir(parents=True, exist_ok=True)
         ports = free_ports(2 * members)
@@ -87,7 +88,7 @@ class EtcdCluster:
                  "--initial-cluster", self.initial, "--initial-cluster-state", state,
                  "--initial-cluster-token", self.token,
                  "--heartbeat-interval", "100", "--election-timeout", "1000",
-                 "--logger", "zap", "--log-outputs", "stderr"],
+                 "--logger", "zap", "--log-outputs", "stderr", *self.flags],
                 stdout=log, stderr=subprocess.STDOUT)
 
     def _get(self, i: int, path: str, timeout: float = 1.0) -> dict:
@@ -221,7 +222,7 @@ class ElectedMaster:
     """`kvfs master --etcd` in a child process, on an ephemeral loopback port."""
 
     def __init__(self, root: Path, etcd: EtcdCluster, name: str = "master", cluster: str = "default",
-                 lease_ttl: int = 3) -> None:
+                 lease_ttl: int = 3, metrics_listen: str | None = None) -> None:
         import sys
 
         from conftest import tls_dir
@@ -232,6 +233,8 @@ class ElectedMaster:
         self.argv = [sys.executable, "-m", "kvfs", "master", "--listen", "127.0.0.1:0", "--etcd", etcd.endpoints,
                      "--cluster", cluster, "--lease-ttl", str(lease_ttl), "--tls-dir", tls_dir(name, "master"),
                      "--log-level", "debug"]
+        if metrics_listen is not None:  # (port 0: a free one, named in the log)
+            self.argv += ["--metrics-listen", metrics_listen]
         self.process: subprocess.Popen[bytes] | None = None
         self.address = ""
         self.stopped = False

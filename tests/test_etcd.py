@@ -146,3 +146,32 @@ def test_a_member_restarted_under_idle_connections_answers_at_once(etcd_cluster)
     trio.run(get)
     assert client.failovers == 0
     trio.run(client.aclose)
+
+
+def test_watch_streams_puts_and_deletes_in_order_and_says_when_compacted(etcd_cluster) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        # The first endpoint has nothing listening: the watch is taken by the next one.
+        client = EtcdClient(["http://127.0.0.1:1", *etcd_cluster.urls])
+        try:
+            _, first, _ = await client.txn([], [put(b"/w/a", b"1"), put(b"/w/b", b"2" * 100_000)])
+            _, second, _ = await client.txn([], [delete(b"/w/a"), put(b"/x", b"elsewhere")])
+            seen: list[etcd.Event] = []
+            with trio.fail_after(10):
+                async for events in client.watch(b"/w/", first):
+                    seen.extend(events)
+                    if seen and seen[-1].revision >= second:
+                        break
+            assert seen == [etcd.Event(b"/w/a", b"1", first), etcd.Event(b"/w/b", b"2" * 100_000, first),
+                            etcd.Event(b"/w/a", None, second)]
+            assert [entry async for entry in client.get_prefix(b"/w/")] == [(b"/w/b", b"2" * 100_000)]
+            await client.compact(second)
+            with pytest.raises(etcd.Compacted) as compacted:
+                async for _ in client.watch(b"/w/", first):
+                    pass
+            assert compacted.value.revision == second
+            with pytest.raises(etcd.Compacted):
+                [page async for page in client.pages(b"/w/", revision=first)]
+        finally:
+            await client.aclose()
+
+    run(main)

@@ -204,6 +204,67 @@ class MetadataService:
                 self.policy.insert(inode.ino, version.size, now)
         self.dir_totals.recount(self.ns)
 
+    def apply(self, inodes: list[Inode], versions: list[FileVersion], gone_inodes: list[int],
+              gone_versions: list[int], counters: tuple[int, int, int], nodes: list[tuple[int, str, str]],
+              gone_nodes: list[int]) -> None:
+        """Records a leader committed after those `load` took (a standby following etcd,
+        kvfs.net.follow), the last value of each, all of one or more complete commits:
+        leaves the state as a `load` of every record would. Changes nothing saved dirty."""
+        ns, objects, now = self.ns, self.objects, self.clock.monotonic()
+        given = {inode.ino: inode for inode in inodes}
+        moved: dict[int, Inode] = {}
+        for ino in [*gone_inodes, *given]:  # every entry that moves or goes first: a new one may take its name
+            old, new = ns.inodes.get(ino), given.get(ino)
+            if new is not None and (old is None or (old.parent, old.name, old.entry_id) != (new.parent, new.name,
+                                                                                           new.entry_id)):
+                moved[ino] = new
+            if old is not None and old.parent and (new is None or ino in moved):
+                entries = ns.inodes[old.parent].children
+                entries.remove(old.name, old.entry_id)  # type: ignore[union-attr]
+                entries.subdirs -= old.is_dir  # type: ignore[union-attr]
+        for ino in gone_inodes:
+            old = ns.inodes.pop(ino, None)
+            ns.files -= old is not None and old.is_file
+            self._temp_files.discard(ino)
+            self.policy.remove(ino)
+        for inode in inodes:
+            old = ns.inodes.get(inode.ino)
+            if old is None:
+                ns.files += inode.is_file
+            elif old.children is not None:
+                inode.children = old.children  # a directory keeps its entries
+            if inode.ino == ROOT_INO:
+                inode.refs = -1
+            ns.inodes[inode.ino] = inode
+            ns.next_ino, ns.next_entry_id = max(ns.next_ino, inode.ino + 1), max(ns.next_entry_id, inode.entry_id + 1)
+        for inode in sorted(moved.values(), key=lambda i: i.entry_id):
+            if inode.parent:
+                entries = ns.inodes[inode.parent].children
+                entries.add(inode.name, inode.ino, inode.entry_id)  # type: ignore[union-attr]
+                entries.subdirs += inode.is_dir  # type: ignore[union-attr]
+        ns.next_ino, ns.next_entry_id = max(ns.next_ino, counters[0]), max(ns.next_entry_id, counters[1])
+        for version_id in [*gone_versions, *(version.version for version in versions)]:
+            if version_id in objects.versions:
+                objects.forget(objects.versions[version_id])
+        objects.load(versions, max(objects.next_version, counters[2]))
+        objects.dropped_log.clear()
+        for node_id in gone_nodes:
+            node = self.registry.nodes.pop(node_id, None)
+            if node is not None:
+                self.registry.by_name.pop(node.name, None)
+        self.registry.load(nodes, now)
+        for ino in sorted({*given, *(version.ino for version in versions)}):  # the policy, as `load` sets it
+            inode = ns.inodes.get(ino)
+            if inode is None or not inode.is_file:
+                continue
+            self.policy.remove(ino)
+            (self._temp_files.add if self._is_temp(inode.name) else self._temp_files.discard)(ino)
+            version = objects.versions.get(inode.version)
+            if version is not None and version.sealed:
+                self._identify(inode)
+                self.policy.insert(ino, version.size, now)
+        ns.dirty.clear()
+
     def route_outcomes(self, caller: int) -> None:
         log = self.objects.dropped_log
         if log:

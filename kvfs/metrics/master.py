@@ -1,4 +1,5 @@
-"""What the master exports: its requests, the namespace, and every node's liveness and use."""
+"""What the master exports: its requests, the namespace, and every node's liveness and use;
+with --etcd also whether it leads, its epoch, and its standby copy of the state."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 
 from kvfs import __version__
 from kvfs.cluster.master import MetadataService
+from kvfs.net.follow import Follower
 from kvfs.net.rpc import MetadataServer
 from kvfs.metrics.families import Families
 from kvfs.histogram import OperationStats
@@ -43,3 +45,23 @@ class MasterMetrics:
                     **{(n.name, "ssd"): n.usage.ssd_used for n in nodes if n.usage.ssd_capacity}})
         out.gauges("node_offload_backlog_bytes", "bytes each node has yet to copy to SSD", ("node",),
                    {(n.name,): n.activity.offload_backlog_bytes for n in nodes})
+
+
+def describe_election(out: Families, epoch: int, follower: Follower | None, caught_up: int) -> None:
+    """An elected master's (--etcd) role: EPOCH is its leadership's, 0 while it stands by;
+    FOLLOWER its copy of the state while it stands by; CAUGHT_UP the records that copy
+    applied at its election (-1: it loaded the state instead, or never led)."""
+    out.gauge("master_leader", "1 while this master leads, 0 while it stands by", int(epoch > 0))
+    out.gauge("master_epoch", "the epoch (the leader key's etcd revision) this master leads in; 0: standing by",
+              epoch)
+    out.gauge("master_takeover_records", "records of the leader's commits the standby copy applied at this "
+              "master's latest election (-1: it loaded the whole state instead)", caught_up)
+    if follower is not None:
+        out.gauge("master_standby_loaded", "1 once the standby copy of the state is loaded and following",
+                  int(follower.service is not None))
+        out.gauge("master_standby_files", "files in the standby copy of the state",
+                  follower.service.ns.files if follower.service is not None else 0)
+        out.gauge("master_standby_revision", "the etcd revision the standby copy has seen", follower.revision)
+        out.counter("master_standby_records_applied", "records of the leader's commits applied to the standby "
+                    "copy since it last loaded", follower.applied)
+        out.counter("master_standby_loads", "loads of the whole state by this standby", follower.loads)

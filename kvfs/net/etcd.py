@@ -12,6 +12,11 @@ message names each endpoint and its cause.
 (keys, values, range ends) are base64-encoded here, so callers write bytes:
 `put(key, value)`, `delete(key)` and `create_revision_is(key, n)` build the usual ones.
 
+`watch` streams the changes under a prefix from a revision on (the gateway's
+/v3/watch: one HTTP response, chunked, a JSON message a line), read with trio's own
+socket so that cancelling it is immediate; a start revision that etcd compacted away
+raises `Compacted`.
+
 The leader of a kvfs cluster is the key `leader_key(cluster)`, held by the leader's
 lease; its value is JSON {"address": "HOST:PORT", "name": "<cert name>"} and its
 create_revision is the leader's epoch (every new leadership creates the key anew, so
@@ -24,6 +29,7 @@ import base64
 import http.client
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 from urllib.parse import urlsplit
 
@@ -33,11 +39,29 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 2.0
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
+WATCH_CONNECT_S = 2.0  # a member that does not take a watch this soon is passed over (frozen, partitioned)
 _BYTES_FIELDS = {"key", "value", "range_end"}
 
 
 class EtcdError(Exception):
     """etcd could not be asked: unreachable, too slow, or an answer that makes no sense."""
+
+
+class Compacted(EtcdError):
+    """The revision asked for is older than etcd's history keeps (compacted away)."""
+
+    def __init__(self, message: str, revision: int) -> None:
+        super().__init__(message)
+        self.revision = revision  # the oldest revision etcd still has (0: not said)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One key's change, as a watch sees it."""
+
+    key: bytes
+    value: bytes | None  # None: the key was deleted
+    revision: int  # the change's revision (every change of one txn has the same)
 
 
 def parse_endpoints(text: str) -> list[str]:
@@ -121,6 +145,7 @@ class EtcdClient:
         self._limiter = trio.CapacityLimiter(16)
         self.calls = 0
         self.failovers = 0
+        self.read_revision = 0  # the revision `pages` read at, last
 
     # -- transport -----------------------------------------------------------
 
@@ -217,6 +242,14 @@ class EtcdClient:
         entry = kvs[0]
         return _unb64(entry.get("value", "")), int(entry.get("create_revision", 0))
 
+    async def get_revisions(self, key: bytes) -> tuple[int, int] | None:
+        """(KEY's mod_revision, etcd's revision now), or None when KEY does not exist."""
+        answer = await self._call("/v3/kv/range", {"key": _b64(key)})
+        kvs = answer.get("kvs") or []
+        if not kvs:
+            return None
+        return int(kvs[0].get("mod_revision", 0)), int(answer.get("header", {}).get("revision", 0))
+
     async def get_prefix(self, prefix: bytes, limit: int = 10000) -> AsyncIterator[tuple[bytes, bytes]]:
         """Every (key, value) under PREFIX in key order, LIMIT a page, all pages read at the
         revision of the first (one consistent snapshot)."""
@@ -224,18 +257,25 @@ class EtcdClient:
             for entry in page:
                 yield entry
 
-    async def pages(self, prefix: bytes, limit: int = 10000) -> AsyncIterator[list[tuple[bytes, bytes]]]:
-        """`get_prefix`, a page at a time."""
+    async def pages(self, prefix: bytes, limit: int = 10000,
+                    revision: int = 0) -> AsyncIterator[list[tuple[bytes, bytes]]]:
+        """`get_prefix`, a page at a time; at REVISION when given (Compacted when etcd no
+        longer has it), else at the revision of the first page (`self.read_revision`)."""
         end = _b64(prefix_end(prefix))
         start = prefix
-        revision = 0
         while True:
             request: dict[str, Any] = {"key": _b64(start), "range_end": end, "limit": str(limit)}
             if revision:
                 request["revision"] = str(revision)
-            answer = await self._call("/v3/kv/range", request)
+            try:
+                answer = await self._call("/v3/kv/range", request)
+            except EtcdError as error:
+                if "compacted" in str(error):
+                    raise Compacted(f"etcd range at revision {revision}: {error}", 0) from None
+                raise
             if not revision:
                 revision = int(answer.get("header", {}).get("revision", 0))
+            self.read_revision = revision
             kvs = answer.get("kvs") or []
             yield [(_unb64(entry["key"]), _unb64(entry.get("value", ""))) for entry in kvs]
             if not answer.get("more") or not kvs:
@@ -277,6 +317,43 @@ class EtcdClient:
             if "compacted" not in str(error):
                 raise
 
+    async def watch(self, prefix: bytes, start_revision: int) -> AsyncIterator[list[Event]]:
+        """Every change under PREFIX from START_REVISION on, in revision order, as etcd
+        sends them (each list holds whole txns). Runs until cancelled; raises Compacted
+        when START_REVISION is gone from etcd's history, EtcdError when no member takes the
+        watch or the stream breaks (watch again from the revision after the last seen)."""
+        body = json.dumps({"create_request": {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)),
+                                              "start_revision": str(start_revision)}}).encode()
+        causes = []
+        for attempt in range(len(self.endpoints)):
+            endpoint = self.endpoints[(self._current + attempt) % len(self.endpoints)]
+            parts = urlsplit(endpoint)
+            try:
+                with trio.fail_after(min(self.timeout_s, WATCH_CONNECT_S)):
+                    stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+                    reader = _ChunkedReader(stream)
+                    try:
+                        await stream.send_all(b"POST /v3/watch HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json"
+                                              b"\r\nContent-Length: %d\r\n\r\n%s"
+                                              % (parts.netloc.encode(), len(body), body))
+                        await reader.headers()
+                    except BaseException:
+                        await trio.aclose_forcefully(stream)
+                        raise
+            except (OSError, trio.TooSlowError, trio.BrokenResourceError, EtcdError) as error:
+                causes.append(f"{endpoint}: {type(error).__name__}: {error or 'timed out'}")
+                continue
+            break
+        else:
+            raise EtcdError("etcd /v3/watch failed on every endpoint: " + "; ".join(causes))
+        try:
+            async for line in reader.lines():
+                yield _watch_events(endpoint, line)
+        except trio.BrokenResourceError as error:
+            raise EtcdError(f"etcd {endpoint}/v3/watch: {error}") from None
+        finally:
+            await trio.aclose_forcefully(stream)
+
     async def aclose(self) -> None:
         for idle in self._idle.values():
             while idle:
@@ -289,6 +366,78 @@ class _Refused(EtcdError):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+
+class _ChunkedReader:
+    """The gateway's streamed answer: an HTTP/1.1 response with a chunked body."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.buffer = bytearray()
+
+    async def _more(self) -> None:
+        data = await self.stream.receive_some(1 << 16)
+        if not data:
+            raise EtcdError("the watch stream was closed")
+        self.buffer += data
+
+    async def _line(self) -> bytes:
+        while (at := self.buffer.find(b"\r\n")) < 0:
+            if len(self.buffer) > 1 << 16:
+                raise EtcdError("a line of the watch stream is too long")
+            await self._more()
+        line = bytes(self.buffer[:at])
+        del self.buffer[:at + 2]
+        return line
+
+    async def headers(self) -> None:
+        status = await self._line()
+        chunked = False
+        while line := await self._line():
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"transfer-encoding" and b"chunked" in value.lower():
+                chunked = True
+        if not status.startswith(b"HTTP/1.1 200") or not chunked:
+            raise EtcdError(f"the watch was refused: {status[:200]!r}")
+
+    async def lines(self) -> AsyncIterator[bytes]:
+        """The body's newline-separated messages."""
+        pending = b""
+        while True:
+            size_line = await self._line()
+            try:
+                size = int(size_line.split(b";")[0], 16)
+            except ValueError:
+                raise EtcdError(f"the watch stream is not chunked HTTP: {size_line[:100]!r}") from None
+            if size == 0:
+                raise EtcdError("the watch stream ended")
+            while len(self.buffer) < size + 2:
+                await self._more()
+            pending += bytes(self.buffer[:size])
+            del self.buffer[:size + 2]
+            *messages, pending = pending.split(b"\n")
+            for message in messages:
+                if message.strip():
+                    yield message
+
+
+def _watch_events(endpoint: str, line: bytes) -> list[Event]:
+    """One message of a watch: its events; Compacted or EtcdError when the watch ended."""
+    try:
+        message = json.loads(line)
+        result = message.get("result", message)
+        if "error" in message and "result" not in message:
+            raise EtcdError(f"etcd {endpoint}/v3/watch: {message.get('message') or message['error']}")
+        if result.get("canceled"):
+            compacted = int(result.get("compact_revision", 0))
+            if compacted:
+                raise Compacted(f"etcd {endpoint}/v3/watch: compacted to revision {compacted}", compacted)
+            raise EtcdError(f"etcd {endpoint}/v3/watch: canceled: {result.get('cancel_reason', '')}")
+        return [Event(_unb64(event["kv"]["key"]),
+                      None if event.get("type") == "DELETE" else _unb64(event["kv"].get("value", "")),
+                      int(event["kv"]["mod_revision"])) for event in result.get("events") or ()]
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise EtcdError(f"etcd {endpoint}/v3/watch: bad message {line[:200]!r}: {error}") from None
 
 
 def leader_key(cluster: str) -> bytes:
@@ -314,5 +463,5 @@ async def find_leader(client: EtcdClient, cluster: str) -> tuple[str, int] | Non
     return address, epoch
 
 
-__all__ = ["EtcdClient", "EtcdError", "MAX_TXN_OPS", "create_revision_is", "delete", "find_leader", "leader_key",
+__all__ = ["Compacted", "EtcdClient", "EtcdError", "Event", "MAX_TXN_OPS", "create_revision_is", "delete", "find_leader", "leader_key",
            "leader_value", "parse_endpoints", "prefix_end", "put"]

@@ -8,7 +8,8 @@ than etcd allows in one txn (128 operations, ~1.5 MiB a request by default) is c
 several, the counters first: a part written before a crash never holds an inode or
 version number that the counters saved would hand out again.
 
-The load reads every record in pages from one revision (a consistent snapshot).
+The load reads every record in pages from one revision (a consistent snapshot); a
+hot standby then follows the changes from there (kvfs.net.follow).
 """
 
 from __future__ import annotations
@@ -66,8 +67,10 @@ class EtcdState:
             raise EtcdError(f"etcd {key!r}: not a kvfs state record")
         return Kind(rest[:1].decode()), int.from_bytes(rest[2:], "big")
 
-    async def load(self, service: MetadataService) -> int:
-        """Fills a fresh service with the state in etcd; the number of files. Each page is
+    async def load(self, service: MetadataService, revision: int = 0) -> int:
+        """Fills a fresh service with the state in etcd (at REVISION when given: Compacted
+        when etcd no longer has it; `client.read_revision` says which was read); the number
+        of files. Each page is
         decoded in a worker thread while the next is fetched, and the service loaded in one:
         the event loop keeps renewing the lease meanwhile (a load of a million files takes
         longer than a TTL)."""
@@ -78,7 +81,7 @@ class EtcdState:
         async def fetch() -> None:
             async with send:
                 try:
-                    async for page in self.client.pages(self.prefix, limit=LOAD_PAGE):
+                    async for page in self.client.pages(self.prefix, limit=LOAD_PAGE, revision=revision):
                         await send.send(page)
                 except EtcdError as error:  # raised below, not as a group of the nursery's
                     failed.append(error)
@@ -92,6 +95,12 @@ class EtcdState:
             raise failed[0]
         self._written_nodes = {number: (name, address) for number, name, address in loaded.nodes}
         return await trio.to_thread.run_sync(loaded.into, service)
+
+    def adopt(self, service: MetadataService) -> None:
+        """A service that holds exactly the state in etcd (a standby's copy, kvfs.net.follow):
+        the next `take` writes what changes from here."""
+        records.clear_dirty(service)
+        self._written_nodes = records.saved_nodes(service)
 
     def _decode(self, page: list[tuple[bytes, bytes]], loaded: records.Loaded) -> None:
         for key, value in page:
