@@ -45,7 +45,9 @@ def derived_view(service: MetadataService) -> dict[str, Any]:
     objects = service.objects
     return {"directories": directories, "files": service.ns.files, "sealed_bytes": objects.sealed_bytes,
             "retired": sorted(objects.retired), "evictable": sorted(service.policy.candidates()),
-            "by_node": {node: sorted(v.version for v in objects.of_node(node)) for node in objects.by_node}}
+            "by_node": {node: sorted(v.version for v in objects.of_node(node)) for node in objects.by_node},
+            "node_totals": {node: objects.totals(node) for node in objects.by_node},
+            "dir_totals": {ino: held for ino, held in service.dir_totals.by_dir.items() if any(held)}}
 
 
 class Leader:
@@ -128,6 +130,7 @@ def test_the_copy_equals_a_fresh_load_after_renames_deletions_and_big_commits(et
             nursery.cancel_scope.cancel()
         copy, applied = await follower.catch_up(leader.state.revision, 5.0)
         assert applied > 0  # the last commit waited for the next one, or the election
+        copy.settle()  # as a standby's copy does before serving
         fresh = new_service()
         await EtcdState(client, CLUSTER).load(fresh)
         assert saved_view(copy) == saved_view(fresh) == saved_view(leader.service)

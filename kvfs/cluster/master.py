@@ -86,6 +86,7 @@ class MetadataService:
         self.ns = Namespace(clock.wall_ns(), settings.root_mode, settings.root_uid, settings.root_gid)
         self.objects = CountedObjects()  # an ObjectDirectory with per-node running totals
         self.dir_totals = DirTotals(self.objects)  # per directory, what its subtree holds (kvfs du)
+        self._dir_totals_current = True  # (false after `apply`, until `settle`)
         self.registry = Registry(settings.dead_after_s)
         if not settings.cluster:
             self.registry.add_local()
@@ -246,7 +247,7 @@ class MetadataService:
         for version_id in [*gone_versions, *(version.version for version in versions)]:
             if version_id in objects.versions:
                 objects.forget(objects.versions[version_id])
-        objects.load(versions, max(objects.next_version, counters[2]))
+        objects.load_more(versions, max(objects.next_version, counters[2]))
         objects.dropped_log.clear()
         for node_id in gone_nodes:
             node = self.registry.nodes.pop(node_id, None)
@@ -264,6 +265,14 @@ class MetadataService:
                 self._identify(inode)
                 self.policy.insert(ino, version.size, now)
         ns.dirty.clear()
+        self._dir_totals_current = False  # (recounted once, when the copy starts serving: `settle`)
+
+    def settle(self) -> None:
+        """What `apply` leaves to do once (the per-directory totals, O(files)), done before a
+        standby's copy starts serving; nothing if no commit was applied since."""
+        if not self._dir_totals_current:
+            self.dir_totals.recount(self.ns)
+            self._dir_totals_current = True
 
     def route_outcomes(self, caller: int) -> None:
         log = self.objects.dropped_log

@@ -68,6 +68,11 @@ class CountedObjects(ObjectDirectory):
             self._counting = True
         self.node_totals = {node: counts for node, counts in count_nodes(self).items() if counts[FILES]}
 
+    def load_more(self, versions: list[FileVersion], next_version: int) -> None:
+        """Versions added to a loaded directory (a standby applying commits), each counted
+        as it comes: O(versions given), not a recount of all."""
+        super().load(versions, next_version)
+
     def _add(self, version: FileVersion) -> None:
         super()._add(version)
         if self._counting:
