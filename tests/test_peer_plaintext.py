@@ -1,8 +1,8 @@
 """Peer encryption off (`kvfs node --peer-encryption off`): chunk connections between two
 nodes that both have it off are set up and authenticated in TLS, then carry their frames in
-the clear; every other pairing stays in TLS. Seen on the wire (a capture on loopback, a
-proxy on the path), in the nodes' metrics, and against an unauthenticated client and a
-corrupted byte."""
+the clear; every other pairing moves to kvfs's encrypted records (kvfs.net.sealed). Seen on
+the wire (a capture on loopback, a proxy on the path), in the nodes' metrics, and against an
+unauthenticated client and a corrupted byte."""
 
 from __future__ import annotations
 
@@ -125,9 +125,18 @@ def test_both_nodes_off_read_across_in_the_clear(cluster: Cluster) -> None:
         assert re.search(r"WARNING.*peer encryption is off", node.log_text())
 
 
+def test_both_nodes_on_read_across_in_encrypted_records(cluster: Cluster) -> None:
+    """The default: a capture of the whole transfer holds none of the file's bytes."""
+    owner, reader, capture = read_across(cluster, (), ())
+    assert capture.hits == 0, "nodes with peer encryption on must get the file's bytes encrypted"
+    assert scrape(owner.metrics_url, "kvfs_peer_connections_plaintext_total") == 0
+    for node in (owner, reader):
+        assert "peer encryption is off" not in node.log_text()
+
+
 def test_one_node_on_keeps_the_connection_encrypted(cluster: Cluster) -> None:
     owner, reader, capture = read_across(cluster, ("--peer-encryption", "off"), ())
-    assert capture.hits == 0, "a node with peer encryption on must get the file's bytes in TLS"
+    assert capture.hits == 0, "a node with peer encryption on must get the file's bytes encrypted"
     assert scrape(owner.metrics_url, "kvfs_peer_connections_plaintext_total") == 0
     assert "peer encryption is off" not in reader.log_text()
 
@@ -239,6 +248,7 @@ def test_plain_only_when_both_ends_say_off(server_plain: bool, client_plain: boo
         plain = server_plain and client_plain
         assert transport.connections == 1
         assert transport.plaintext_connections == server.plaintext_connections == int(plain)
+        assert transport.sealed_connections == server.sealed_connections == int(not plain)
         assert (marker in proxy.received) == plain
         await transport.aclose()
 
@@ -275,7 +285,7 @@ def test_a_corrupted_byte_on_a_plain_connection_fails_its_checksum_and_is_not_se
 
 
 def test_an_rdma_request_on_a_plain_connection_is_refused() -> None:
-    """Memory keys stay in TLS: a plain connection that asks for RDMA is closed."""
+    """Memory keys are never sent in the clear: a plain connection that asks for RDMA is closed."""
     from kvfs.wire.protocol import FrameKind
     from kvfs.wire.rdma_messages import Locate
 
