@@ -179,8 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--rdma-device", default=None,
                       help="the RDMA device to use, e.g. mlx5_0 (default: the first active port)")
     node.add_argument("--peer-encryption", default="on", choices=["on", "off"],
-                      help="chunks between nodes in TLS (on), or, with peers that have it off too, in the clear "
-                           "after an authenticated TLS setup (off: a trusted, isolated network only)")
+                      help="chunks between nodes encrypted and authenticated after an authenticated TLS setup "
+                           "(on: kvfs's AES-256-GCM records), or, with peers that have it off too, in the clear "
+                           "(off: a trusted, isolated network only)")
     _add_store_options(node, ENTRY_TIMEOUT_S["node"])
     _add_metrics(node, DEFAULT_NODE_METRICS)
     _add_common(node)

@@ -28,10 +28,11 @@ kvfs's and Mooncake's loads alternate (which goes first swaps every round), and 
 busy, so that each one's loss under a competing CPU load is shown. Rounds interleave
 the transfers; the tables show medians and kvfs/Mooncake ratios of medians.
 
-kvfs's cluster connections are TLS 1.3; with --peer-encryption off both nodes run with
-`kvfs node --peer-encryption off`, so that B's chunk connections to A leave TLS after their
-setup (docs/cluster.md, Security). Raw Python TCP and TLS in the same run show what
-encryption costs.
+kvfs's cluster connections are set up in TLS 1.3; B's chunk connections to A then leave TLS
+for kvfs's own AES-256-GCM records (--peer-encryption on, the default), or, with
+--peer-encryption off (both nodes run with `kvfs node --peer-encryption off`), for plain
+frames (docs/cluster.md, Security). Raw Python TCP and TLS in the same run show what
+encryption costs a Python transfer.
 
 Usage (as root): python scripts/bench_cluster.py [--sizes 2,32] [--total 512M] [--rounds 3]
                  [--hog] [--peer-encryption on|off] [--install-mooncake] [--mooncake-venv DIR] [--transfers-only] [--json FILE]
@@ -322,7 +323,8 @@ def main() -> None:
     parser.add_argument("--install-mooncake", action="store_true",
                         help=f"create that venv and pip install {mooncake_peer.PACKAGE} if it is missing")
     parser.add_argument("--peer-encryption", default="on", choices=["on", "off"],
-                        help="both nodes' --peer-encryption (off: chunks from A to B in the clear after TLS setup)")
+                        help="both nodes' --peer-encryption (on: chunks from A to B in kvfs's encrypted records "
+                             "after the TLS setup; off: in the clear)")
     parser.add_argument("--report", metavar="JSON", help="print the tables of a run's --json file, measuring nothing")
     args = parser.parse_args()
     sizes = [int(s) * MiB for s in args.sizes.split(",")]

@@ -262,3 +262,109 @@ def test_a_flood_of_connections_from_one_address_is_cut_at_its_rate() -> None:
 
     trio.run(main)
     assert server.gate.refusals["busy"] == 3  # 8 from one address, a burst of 5
+
+
+# Peer connections move to kvfs's records after admission; an older node speaks none -------
+
+PEER_TLS = load_tls("owner")
+
+
+def serve_peer_gate(gate: Gate, test) -> None:
+    """GATE on a port; each admitted connection answers one request with a RESPONSE frame."""
+    from kvfs.net.streams import serve_tcp
+    from kvfs.wire.protocol import FrameKind
+
+    async def peer(stream: trio.SocketStream) -> None:
+        admitted = await gate.admit(stream)
+        if admitted is None:
+            return
+        frames, _ = admitted
+        async with frames.stream:
+            try:
+                request = await frames.receive()
+                await frames.send(FrameKind.RESPONSE, request.prefix.request_id, m.Stats())
+            except (EOFError, trio.BrokenResourceError):
+                pass
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_tcp, peer, "127.0.0.1", 0)
+            with trio.fail_after(30):
+                await test(port)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("client_off", [False, True])
+def test_a_peer_connection_moves_to_records_unless_both_ends_are_off(client_off: bool) -> None:
+    from kvfs.wire.protocol import FrameKind
+
+    for server_off in (False, True):
+        gate = Gate(PEER_TLS, frozenset({"node"}), "peer connection", plaintext=server_off)
+
+        async def test(port: int) -> None:
+            frames = await connect("127.0.0.1", port, NODE, "node", plaintext=client_off, sealed=True)
+            plain = server_off and client_off
+            assert (frames.plaintext, frames.sealed) == (plain, not plain)
+            await frames.send(FrameKind.REQUEST, 3, m.Stats())
+            assert (await frames.receive()).prefix.request_id == 3  # frames go on, in records or plain
+            await frames.aclose()
+
+        serve_peer_gate(gate, test)
+        assert (gate.sealed_admitted, gate.plaintext_admitted) == ((0, 1) if server_off and client_off else (1, 0))
+
+
+def test_a_node_without_records_is_refused_by_a_client_that_requires_them() -> None:
+    """An older node's peer port offers no records: a node of this kvfs refuses it and says why
+    (its fetch fails with ENOENT, peer unreachable, and that reason); two ends with peer
+    encryption off still meet, in plain frames."""
+    old_node = Gate(PEER_TLS, frozenset({"node"}), "peer connection", sealed=False)
+
+    async def test(port: int) -> None:
+        with pytest.raises(AuthError, match=r"\(owner\) speaks no kvfs peer records.*upgraded together"):
+            await connect("127.0.0.1", port, NODE, "node", sealed=True)
+        frames = await connect("127.0.0.1", port, NODE, "node")  # not required (a master's client): TLS
+        assert not frames.sealed and not frames.plaintext
+        await frames.aclose()
+
+    serve_peer_gate(old_node, test)
+    old_off = Gate(PEER_TLS, frozenset({"node"}), "peer connection", plaintext=True, sealed=False)
+
+    async def both_off(port: int) -> None:
+        frames = await connect("127.0.0.1", port, NODE, "node", plaintext=True, sealed=True)
+        assert frames.plaintext
+        await frames.aclose()
+
+    serve_peer_gate(old_off, both_off)
+
+
+@pytest.mark.parametrize("answer", ["none", "no secret"])
+def test_a_client_without_records_gets_its_request_refused_with_the_reason(answer: str) -> None:
+    """An older node as a client: with peer encryption on it does not answer the Welcome and
+    sends its request in TLS; with it off it answers without a secret. Either way its request
+    is answered with an ERROR frame that says why, and the refusal is counted."""
+    from kvfs.net.handshake import _wrap
+    from kvfs.net.streams import FrameStream
+    from kvfs.wire.auth import Encryption, Welcome
+    from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder
+
+    gate = Gate(PEER_TLS, frozenset({"node"}), "peer connection", plaintext=answer == "no secret")
+
+    async def test(port: int) -> None:
+        tls_stream = _wrap(await trio.open_tcp_stream("127.0.0.1", port), NODE.client, server_side=False)
+        await tls_stream.handshake()
+        frames = FrameStream(tls_stream)
+        welcome = HeaderDecoder(Welcome).decode((await frames.receive()).header)
+        assert len(welcome.sealed) == 32
+        if answer == "no secret":  # what an older kvfs with peer encryption on answers an offer of plain frames
+            await frames.send(FrameKind.HELLO, 0, Encryption(False))
+        await frames.send(FrameKind.REQUEST, 9, m.Stats())
+        reply = await frames.receive()
+        assert (reply.prefix.kind, reply.prefix.request_id) == (FrameKind.ERROR, 9)
+        error = HeaderDecoder(ErrorReply).decode(reply.header)
+        assert "speaks no kvfs peer records" in error.message and "node1" in error.message
+        await frames.aclose()
+
+    serve_peer_gate(gate, test)
+    assert gate.refusals["version"] == 1 and gate.sealed_admitted == 0

@@ -1,8 +1,8 @@
 """Peer encryption off (`kvfs node --peer-encryption off`): chunk connections between two
 nodes that both have it off are set up and authenticated in TLS, then carry their frames in
-the clear; every other pairing stays in TLS. Seen on the wire (a capture on loopback, a
-proxy on the path), in the nodes' metrics, and against an unauthenticated client and a
-corrupted byte."""
+the clear; every other pairing moves to kvfs's encrypted records (kvfs.net.sealed). Seen on
+the wire (a capture on loopback, a proxy on the path), in the nodes' metrics, and against an
+unauthenticated client and a corrupted byte."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import os
 import re
 import socket
 import ssl
+import struct
 import subprocess
 import sys
 import threading
@@ -35,6 +36,7 @@ from kvfs.store.tiered import TieredStore
 MiB = 1 << 20
 ETH_P_ALL = 0x0003
 SO_RCVBUFFORCE = 33
+SO_TIMESTAMPNS = 35
 
 
 def marked(size: int) -> tuple[bytes, bytes]:
@@ -47,18 +49,21 @@ def marked(size: int) -> tuple[bytes, bytes]:
 
 class LoopbackCapture:
     """Every packet on the loopback interface, as the kernel hands them to a packet socket:
-    counts the packets' bytes and the packets that hold MARKER, until stopped (and the packets
-    queued until then are read)."""
+    counts the packets' bytes and the packets that hold MARKER, until stopped: the packets the
+    kernel received until then are all read, and the first one it received after ends it (on
+    a loopback that never goes quiet, other processes' traffic, as well as on a quiet one)."""
 
     def __init__(self, marker: bytes) -> None:
         self.marker = marker
         self.captured = 0
         self.hits = 0
         self._stop = threading.Event()
+        self._stopped_at = 0.0
         self._socket = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
         # Room for the whole transfer (as root, past net.core.rmem_max): a packet the thread
         # had no time for is queued, not dropped.
         self._socket.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 256 * MiB)
+        self._socket.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)  # when the kernel got each packet
         self._socket.bind(("lo", 0))
         self._socket.settimeout(0.2)
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -67,20 +72,31 @@ class LoopbackCapture:
         buffer = bytearray(1 << 20)
         while True:
             try:
-                count = self._socket.recv_into(buffer)
+                count, ancillary, _, _ = self._socket.recvmsg_into([buffer], 64)
             except TimeoutError:  # all queued packets read: done, once stopped
                 if self._stop.is_set():
                     return
                 continue
+            if self._stop.is_set() and self._received(ancillary) > self._stopped_at:
+                return  # a packet of after the stop: the ones before it are all read
             self.captured += count
             if buffer.find(self.marker, 0, count) >= 0:
                 self.hits += 1
+
+    @staticmethod
+    def _received(ancillary: list[tuple[int, int, bytes]]) -> float:
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
+                seconds, nanoseconds = struct.unpack("qq", data[:16])
+                return seconds + nanoseconds / 1e9
+        return 0.0
 
     def __enter__(self) -> LoopbackCapture:
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._stopped_at = time.time()  # the packets' timestamps are wall-clock time
         self._stop.set()
         self._thread.join()
         self._socket.close()
@@ -125,9 +141,18 @@ def test_both_nodes_off_read_across_in_the_clear(cluster: Cluster) -> None:
         assert re.search(r"WARNING.*peer encryption is off", node.log_text())
 
 
+def test_both_nodes_on_read_across_in_encrypted_records(cluster: Cluster) -> None:
+    """The default: a capture of the whole transfer holds none of the file's bytes."""
+    owner, reader, capture = read_across(cluster, (), ())
+    assert capture.hits == 0, "nodes with peer encryption on must get the file's bytes encrypted"
+    assert scrape(owner.metrics_url, "kvfs_peer_connections_plaintext_total") == 0
+    for node in (owner, reader):
+        assert "peer encryption is off" not in node.log_text()
+
+
 def test_one_node_on_keeps_the_connection_encrypted(cluster: Cluster) -> None:
     owner, reader, capture = read_across(cluster, ("--peer-encryption", "off"), ())
-    assert capture.hits == 0, "a node with peer encryption on must get the file's bytes in TLS"
+    assert capture.hits == 0, "a node with peer encryption on must get the file's bytes encrypted"
     assert scrape(owner.metrics_url, "kvfs_peer_connections_plaintext_total") == 0
     assert "peer encryption is off" not in reader.log_text()
 
@@ -239,6 +264,7 @@ def test_plain_only_when_both_ends_say_off(server_plain: bool, client_plain: boo
         plain = server_plain and client_plain
         assert transport.connections == 1
         assert transport.plaintext_connections == server.plaintext_connections == int(plain)
+        assert transport.sealed_connections == server.sealed_connections == int(not plain)
         assert (marker in proxy.received) == plain
         await transport.aclose()
 
@@ -275,7 +301,7 @@ def test_a_corrupted_byte_on_a_plain_connection_fails_its_checksum_and_is_not_se
 
 
 def test_an_rdma_request_on_a_plain_connection_is_refused() -> None:
-    """Memory keys stay in TLS: a plain connection that asks for RDMA is closed."""
+    """Memory keys are never sent in the clear: a plain connection that asks for RDMA is closed."""
     from kvfs.wire.protocol import FrameKind
     from kvfs.wire.rdma_messages import Locate
 

@@ -8,12 +8,21 @@ identity is the certificate's name and role; the rules of who may connect to who
 kvfs.cluster.authority. After TLS the server checks the client's role and answers with a
 `Welcome` or an ERROR frame that says why not.
 
-A peer port of a node with peer encryption off offers, in its Welcome, to carry the
-connection's frames in the clear; the client answers (`Encryption`) and, when it runs with
-peer encryption off too, both sides end TLS (`TlsStream.unwrap`) right there, inside the
-setup's time limit. Identities are authenticated and refusals made exactly as before; only
-the frames after admission are plain. Offer and answer travel inside TLS, so nobody on the
-path can turn encryption off, and an end that keeps it on keeps the connection encrypted.
+A peer port (a node's, a gate of PEER_CLIENTS) moves every admitted connection out of TLS,
+inside the setup's time limit: its Welcome carries 32 random bytes of the server's, the
+client answers (`Encryption`) with 32 of its own, and both sides end TLS (`TlsStream.unwrap`)
+and carry the connection's frames in kvfs's own AEAD records, keyed from both secrets
+(kvfs.net.sealed). A peer port of a node with peer encryption off also offers, in its
+Welcome, to carry the frames in the clear; when the client runs with peer encryption off
+too, the connection leaves TLS into plain frames instead. Identities are authenticated and
+refusals made exactly as before; only the frames after admission change. Offer, answer and
+secrets travel inside TLS, so nobody on the path learns the keys or can turn encryption
+off, and an end that keeps it on keeps the connection encrypted.
+
+Nodes of a cluster are upgraded together: a node that speaks no records is refused, with a
+reason on both sides (its requests are answered with an ERROR frame saying so, and a client
+that requires records, `connect(sealed=True)`, refuses a server that does not offer them).
+Master connections stay in TLS.
 
 Before that, a connection costs little: the gate holds at most `max_handshakes` of them at
 once (and `max_per_source` per source address), each for at most `timeout_s`, with tiny
@@ -27,6 +36,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import os
 import socket
 import ssl
 from typing import Any, Callable
@@ -38,6 +48,7 @@ from kvfs.security.credentials import Identity, Tls, identity_of_peer
 from kvfs.wire.auth import HANDSHAKE_MAX_HEADER, HANDSHAKE_MAX_PAYLOAD, AuthError, Encryption, Welcome
 from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder, ProtocolError
 from kvfs.wire.text import printable
+from kvfs.net.sealed import SECRET_SIZE, derive_keys
 from kvfs.net.streams import FrameStream, TlsStream, peer_name
 
 __all__ = ["MASTER_CLIENTS", "PEER_CLIENTS", "REFUSALS", "Gate", "LogBudget", "connect"]
@@ -78,23 +89,41 @@ def _wrap(stream: trio.SocketStream, context: ssl.SSLContext, server_side: bool)
         raise
 
 
-async def _leave_tls(frames: FrameStream) -> None:
-    """Ends TLS on an admitted connection (both sides agreed); its frames go on in the clear."""
+async def _leave_tls(frames: FrameStream, keys: tuple[bytes, bytes] | None = None) -> None:
+    """Ends TLS on an admitted connection (both sides agreed); its frames go on in the clear,
+    or in kvfs's records with KEYS (this side's sending key, its receiving key)."""
     if frames.parser.buffered:  # the peer sent frames before TLS ended: not this protocol
         raise ProtocolError(f"{frames.parser.buffered} bytes before the end of TLS")
     assert isinstance(frames.stream, TlsStream)
     await frames.stream.unwrap()
-    frames.plaintext = True
+    if keys is None:
+        frames.plaintext = True
+    else:
+        frames.stream.seal(*keys)
+        frames.sealed = True
+
+
+def _secret(offered: bytes, who: str) -> bytes:
+    if len(offered) != SECRET_SIZE:
+        raise ProtocolError(f"{who} offered a record secret of {len(offered)} bytes, not {SECRET_SIZE}")
+    return offered
+
+
+OLD_PEER = ("speaks no kvfs peer records (kvfs.net.sealed): a node of an older kvfs? The nodes of a cluster "
+            "are upgraded together")
 
 
 async def connect(host: str, port: int, tls: Tls, server_role: str,
                   tune: Callable[[Any], None] | None = None,
-                  timeout_s: float = HANDSHAKE_TIMEOUT_S, plaintext: bool = False) -> FrameStream:
+                  timeout_s: float = HANDSHAKE_TIMEOUT_S, plaintext: bool = False,
+                  sealed: bool = False) -> FrameStream:
     """An admitted connection to the server at HOST:PORT, whose certificate must have
     SERVER_ROLE ("master", or "node" for a peer). `tune(socket)` runs before TLS. Raises
     OSError, or one of REFUSALS; nothing is left open then. The server's identity is the
-    returned stream's `peer`. PLAINTEXT: leave TLS after admission if the server offers to
-    (a peer with peer encryption off); the returned stream's `plaintext` says if it did."""
+    returned stream's `peer`. A server that offers kvfs's records gets them (the returned
+    stream's `sealed`); SEALED: refuse a server that does not (AuthError). PLAINTEXT: leave
+    TLS for plain frames instead if the server offers that too (a peer with peer encryption
+    off); the returned stream's `plaintext` says if it did."""
     stream = await trio.open_tcp_stream(host, port)
     try:
         if tune is not None:
@@ -117,10 +146,17 @@ async def connect(host: str, port: int, tls: Tls, server_role: str,
             if frame.prefix.kind != FrameKind.HELLO:
                 raise ProtocolError(f"expected a welcome, got a {frame.prefix.kind.name} frame")
             welcome = _welcomes.decode(frame.header)
-            if welcome.plaintext:  # the server offers to leave TLS and waits for our answer
-                await frames.send(FrameKind.HELLO, 0, Encryption(plaintext))
-                if plaintext:
+            plain = plaintext and welcome.plaintext
+            if sealed and not plain and not welcome.sealed:
+                raise AuthError(f"{host}:{port} ({printable(welcome.name)}) {OLD_PEER}")
+            if welcome.plaintext or welcome.sealed:  # the server offers to leave TLS and waits for our answer
+                secret = os.urandom(SECRET_SIZE) if welcome.sealed else b""
+                await frames.send(FrameKind.HELLO, 0, Encryption(plaintext, secret))
+                if plain:
                     await _leave_tls(frames)
+                elif welcome.sealed:
+                    to_server, to_client = derive_keys(_secret(welcome.sealed, "the server"), secret)
+                    await _leave_tls(frames, (to_server, to_client))
     except trio.BrokenResourceError as error:
         with trio.CancelScope(shield=True):
             await tls_stream.aclose()
@@ -190,10 +226,14 @@ class Gate:
     def __init__(self, tls: Tls, client_roles: frozenset[str], what: str = "connection",
                  timeout_s: float = HANDSHAKE_TIMEOUT_S, max_handshakes: int = MAX_HANDSHAKES,
                  max_per_source: int = MAX_HANDSHAKES_PER_SOURCE, epoch: Callable[[], int] = lambda: 0,
-                 plaintext: bool = False) -> None:
+                 plaintext: bool = False, sealed: bool | None = None) -> None:
         self.tls = tls
         self.plaintext = plaintext  # offer to leave TLS after admission (a peer port, peer encryption off)
         self.plaintext_admitted = 0  # connections that did
+        # Leave TLS for kvfs's records after admission: what a peer port does (the default for
+        # a gate of peer clients); master connections stay in TLS.
+        self.sealed = client_roles == PEER_CLIENTS if sealed is None else sealed
+        self.sealed_admitted = 0  # connections that did
         self.epoch = epoch
         self.client_roles = client_roles
         self.what = what
@@ -203,7 +243,8 @@ class Gate:
         self.handshaking = 0
         self._per_source: collections.Counter[str] = collections.Counter()
         self.source_rate = SourceRate()
-        self.refusals: collections.Counter[str] = collections.Counter()  # by reason: tls, role, timeout, busy
+        # by reason: tls, role, timeout, busy, version (a client without kvfs's records)
+        self.refusals: collections.Counter[str] = collections.Counter()
         self.log_budget = LogBudget()
 
     @property
@@ -249,10 +290,12 @@ class Gate:
                     await self._refuse_role(frames, peer, client)
                     await tls_stream.aclose()
                     return None
+                secret = os.urandom(SECRET_SIZE) if self.sealed else b""
                 await frames.send(FrameKind.HELLO, 0, Welcome(self.tls.identity.name, self.tls.identity.role,
-                                                                  self.epoch(), self.plaintext))
-                if self.plaintext and await self._client_leaves_tls(frames):
-                    await _leave_tls(frames)
+                                                                  self.epoch(), self.plaintext, secret))
+                if (self.plaintext or self.sealed) and not await self._leave_tls(frames, peer, client, secret):
+                    await tls_stream.aclose()
+                    return None
         except REFUSALS as error:
             if isinstance(error, trio.TooSlowError):
                 self._count("timeout", peer, f"no TLS handshake within {self.timeout_s:g} s")
@@ -266,18 +309,45 @@ class Gate:
             raise
         frames.authenticated()
         frames.peer = client
-        if frames.plaintext:
-            self.plaintext_admitted += 1
+        self.plaintext_admitted += frames.plaintext
+        self.sealed_admitted += frames.sealed
         return frames, client
 
-    @staticmethod
-    async def _client_leaves_tls(frames: FrameStream) -> bool:
-        """The client's answer to our offer to leave TLS: whether it runs without encryption too."""
+    async def _leave_tls(self, frames: FrameStream, peer: Any, client: Identity, secret: bytes) -> bool:
+        """The client's answer to our offer to leave TLS, and the move: to plain frames when it
+        runs without encryption too (and we offered that), else to kvfs's records (when we offered
+        them). False: refused (a client that speaks no records: told why, counted)."""
         frame = await frames.receive()
+        if frame.prefix.kind == FrameKind.REQUEST and self.sealed:  # an older client, asking in TLS
+            await self._refuse_version(frames, peer, client, frame.prefix.request_id)
+            return False
         if frame.prefix.kind != FrameKind.HELLO or frame.payload:
-            raise ProtocolError(f"expected an answer to the offer of plain frames, got a {frame.prefix.kind.name} "
+            raise ProtocolError(f"expected an answer to the offer to leave TLS, got a {frame.prefix.kind.name} "
                                 f"frame")
-        return _encryptions.decode(frame.header).plaintext
+        answer = _encryptions.decode(frame.header)
+        if self.plaintext and answer.plaintext:
+            await _leave_tls(frames)
+        elif self.sealed and answer.sealed:
+            to_server, to_client = derive_keys(secret, _secret(answer.sealed, "the client"))
+            await _leave_tls(frames, (to_client, to_server))
+        elif self.sealed:  # an older client that keeps TLS: its first request gets our reason
+            with trio.move_on_after(REFUSAL_SEND_S):
+                frame = await frames.receive()
+            request_id = frame.prefix.request_id if frame.prefix.kind == FrameKind.REQUEST else 0
+            await self._refuse_version(frames, peer, client, request_id)
+            return False
+        return True
+
+    async def _refuse_version(self, frames: FrameStream, peer: Any, client: Identity, request_id: int) -> None:
+        """Refuses a client that speaks no records, answering its request with the reason (an
+        older kvfs's fetch then fails with this message)."""
+        reason = f"{client} {OLD_PEER}; this node carries peer connections in them only"
+        self._count("version", peer, reason)
+        with trio.move_on_after(REFUSAL_SEND_S):
+            try:
+                await frames.send(FrameKind.ERROR, request_id, ErrorReply(errno.EIO, reason))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
 
     async def _refuse_role(self, frames: FrameStream, peer: Any, client: Identity) -> None:
         reason = f"this {self.what} does not serve {client} (only {', '.join(sorted(self.client_roles))})"

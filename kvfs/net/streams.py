@@ -7,10 +7,12 @@ encrypts a chunk's payload there (`send_all_blocking`), and the reader switches 
 to blocking mode and decrypts each payload straight into its buffer (`BlockingFrames`).
 OpenSSL releases the GIL while it encrypts and decrypts, so neither stalls the event loop.
 
-A peer data connection between two nodes that both run with peer encryption off is set
-up in TLS as every other one, then leaves it (`TlsStream.unwrap`: the TLS shutdown, after
-which the same TCP socket carries plain frames); from then on `TlsStream`, `send_some` and
-`BlockingFrames` work on the plain socket in the same way.
+A peer data connection between two nodes is set up in TLS as every other one, then leaves
+it (`TlsStream.unwrap`: the TLS shutdown, after which the same TCP socket carries other
+bytes): into kvfs's own AEAD records (`TlsStream.seal`, a `kvfs.net.sealed.SealedSocket`
+over the TCP socket: peer encryption on, the default), or into plain frames when both nodes
+run with peer encryption off. From then on `TlsStream`, `send_some` and `BlockingFrames`
+work on the sealed or plain socket in the same way.
 
 `FrameStream` reads and writes whole frames on a trio stream; every connection (master
 requests, peer data, RDMA control) starts as one.
@@ -26,21 +28,26 @@ import trio
 
 from kvfs.wire.protocol import (MAX_HEADER, MAX_PAYLOAD, Frame, FrameKind, FrameParser, Head, HeaderDecoder,
                                 ProtocolError, encode_frame)
+from kvfs.net.sealed import SealedSocket
+
+Socket = ssl.SSLSocket | socket.socket | SealedSocket
 
 READ_SIZE = 65536  # bytes asked of the stream at a time once authenticated
 
 
 class TlsStream(trio.abc.Stream):
     """A trio stream over a non-blocking TLS socket (handshake done by `handshake()`), or over
-    the plain socket it leaves once `unwrap()` ends TLS on the connection (`plaintext`).
+    the plain socket it leaves once `unwrap()` ends TLS on the connection (`plaintext`), or
+    over kvfs's records on that socket once `seal()` put them on (`sealed`).
 
     TLS keeps state across a write that could not finish: a send cut short (cancelled) leaves
     the stream broken, and every later use raises BrokenResourceError."""
 
     def __init__(self, sock: ssl.SSLSocket) -> None:
         sock.setblocking(False)
-        self.socket: ssl.SSLSocket | socket.socket = sock
-        self.plaintext = False
+        self.socket: Socket = sock
+        self.plaintext = False  # TLS ended: the socket is a plain or a sealed one
+        self.sealed = False
         self._broken: str | None = None
         self._closed = False
 
@@ -88,6 +95,13 @@ class TlsStream(trio.abc.Stream):
         self.socket = plain
         self.plaintext = True
 
+    def seal(self, send_key: bytes, receive_key: bytes) -> None:
+        """Puts kvfs's records (kvfs.net.sealed) on the socket `unwrap()` left: every byte from
+        now on is sealed with SEND_KEY and opened with RECEIVE_KEY."""
+        assert isinstance(self.socket, socket.socket) and self.plaintext and not self.sealed
+        self.socket = SealedSocket(self.socket, send_key, receive_key)
+        self.sealed = True
+
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if self.plaintext:
             return await self._plain(lambda: self.socket.recv(max_bytes or READ_SIZE), readable=True)
@@ -130,7 +144,7 @@ class TlsStream(trio.abc.Stream):
         assert isinstance(self.socket, ssl.SSLSocket)
         return self.socket.getpeercert()
 
-    def detach(self) -> ssl.SSLSocket | socket.socket:
+    def detach(self) -> Socket:
         """The socket, for a worker thread; this stream is spent."""
         if self._broken is not None:
             raise trio.BrokenResourceError(self._broken)
@@ -145,11 +159,12 @@ class TlsStream(trio.abc.Stream):
         await trio.lowlevel.checkpoint()
 
 
-def send_some(sock: ssl.SSLSocket | socket.socket, view: memoryview) -> int:
+def send_some(sock: Socket, view: memoryview) -> int:
     """Writes what a non-blocking socket takes of VIEW now, from a worker thread; returns how
     many bytes. On TLS that is all of it or 0 (call again with the same view once the socket
     is writable: OpenSSL keeps its progress across retries of the same buffer); on a plain
-    socket, as much as its buffer takes."""
+    socket, as much as its buffer takes; on a sealed one, whole records (each encrypted once:
+    the rest of one the socket did not take goes first on the next call, with the same view)."""
     if isinstance(sock, ssl.SSLSocket):
         try:
             sock.send(view)
@@ -175,6 +190,7 @@ class FrameStream:
         self.stream = stream
         self.peer: Any = None  # the other side's identity (kvfs.security.credentials.Identity), once admitted
         self.plaintext = False  # TLS ended after admission (peer encryption off on both ends)
+        self.sealed = False  # TLS ended after admission, for kvfs's records (kvfs.net.sealed)
         self.welcome: Any = None  # the server's Welcome (kvfs.wire.auth), on a connection this side opened
         self.parser = FrameParser(max_header, max_payload)
         self._read_size = min(READ_SIZE, max_header + max_payload + 64)
@@ -214,12 +230,13 @@ class FrameStream:
 
 
 class BlockingFrames:
-    """Frames on a blocking TLS (or plain, once unwrapped) socket, for a worker thread: the
-    head is read exactly (so nothing of the payload is buffered), the payload decrypted (or
-    received) straight into the caller's buffer. A peer silent for `timeout_s` raises
-    TimeoutError (an OSError)."""
+    """Frames on a blocking TLS (or sealed, or plain, once unwrapped) socket, for a worker
+    thread: the head is read exactly (so nothing of the payload is buffered), the payload
+    decrypted (or received) straight into the caller's buffer. A peer silent for `timeout_s`
+    raises TimeoutError (an OSError); a sealed record that fails authentication,
+    SealedRecordError (a ProtocolError)."""
 
-    def __init__(self, sock: ssl.SSLSocket | socket.socket, parser: FrameParser, timeout_s: float) -> None:
+    def __init__(self, sock: Socket, parser: FrameParser, timeout_s: float) -> None:
         sock.setblocking(True)
         sock.settimeout(timeout_s)
         self.sock = sock
@@ -227,8 +244,8 @@ class BlockingFrames:
 
     @classmethod
     def detach(cls, frames: FrameStream, timeout_s: float) -> BlockingFrames:
-        """Takes over an authenticated `FrameStream` on a TLS socket (or one unwrapped); the trio
-        stream is spent."""
+        """Takes over an authenticated `FrameStream` on a TLS socket (or one unwrapped, sealed or
+        plain); the trio stream is spent."""
         if frames.parser.buffered:
             raise ProtocolError(f"{frames.parser.buffered} unexpected bytes after the handshake")
         assert isinstance(frames.stream, TlsStream)

@@ -14,11 +14,13 @@ and hands on each piece as it arrives: the kernel's first READs of a chunk are s
 while its last bytes are still on their way. The whole chunk is then verified against
 its chunk checksum, as a chunk without pieces is.
 
-With peer encryption off on both nodes (`kvfs node --peer-encryption off`), a chunk
-connection is set up in TLS as any other, then leaves it (kvfs.net.handshake): its frames,
-payloads included, go in the clear, and every chunk and piece is still verified against its
-checksum before a byte of it is served. RDMA control requests are refused on such a
-connection (they stay in TLS).
+A chunk connection is set up and authenticated in TLS as any other, then leaves it
+(kvfs.net.handshake) for kvfs's own AEAD records (kvfs.net.sealed), in which its frames,
+payloads included, travel encrypted and authenticated, each payload piece one record
+decrypted straight into the read buffer. With peer encryption off on both nodes (`kvfs node
+--peer-encryption off`) it leaves TLS for plain frames instead: every chunk and piece is
+still verified against its checksum before a byte of it is served. RDMA control requests
+are refused on a plain connection (they need encryption).
 
 `Transport` is what the node calls; an RDMA transport (one-sided reads from the
 registered arena) implements the same method.
@@ -146,8 +148,10 @@ class PeerServer:
                  fetches_per_peer: int = FETCHES_PER_PEER, plaintext: bool = False) -> None:
         self.store = store
         self.rdma = rdma
-        # PLAINTEXT: peer encryption off here; a connection whose client has it off too leaves TLS.
-        self.gate = Gate(tls, PEER_CLIENTS, "peer connection", handshake_timeout_s, plaintext=plaintext)
+        # Every admitted connection leaves TLS for kvfs's records, or (PLAINTEXT: peer encryption
+        # off here, and at the client too) for plain frames.
+        self.gate = Gate(tls, PEER_CLIENTS, "peer connection", handshake_timeout_s, plaintext=plaintext,
+                         sealed=True)
         self._requests = HeaderDecoder(Union[(FetchChunks, *RDMA_REQUESTS)])  # type: ignore[misc]
         self.served_bytes = 0
         self.send_stall_s = send_stall_s
@@ -166,6 +170,11 @@ class PeerServer:
     def plaintext_connections(self) -> int:
         """Connections admitted that left TLS (both ends with peer encryption off)."""
         return self.gate.plaintext_admitted
+
+    @property
+    def sealed_connections(self) -> int:
+        """Connections admitted that moved to kvfs's records."""
+        return self.gate.sealed_admitted
 
     async def serve(self, host: str, port: int, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         await serve_tcp(self._connection, host, port, task_status)
@@ -260,7 +269,7 @@ class _Answer:
 
     def __init__(self, frames: FrameStream, request_id: int, sent: Callable[[int], None],
                  threads: trio.CapacityLimiter, stall_s: float = SEND_STALL_S) -> None:
-        assert isinstance(frames.stream, TlsStream)  # (with TLS, or plain once unwrapped)
+        assert isinstance(frames.stream, TlsStream)  # (with TLS, or sealed or plain once unwrapped)
         self.frames = frames
         self.request_id = request_id
         self._socket = frames.stream.socket
@@ -352,8 +361,8 @@ class MeasuredTransport:
 
 
 class TcpTransport(MeasuredTransport):
-    """Fetches chunks from peers over persistent TLS connections (plain after a TLS setup,
-    with peers that also run with peer encryption off, when `plaintext`)."""
+    """Fetches chunks from peers over persistent connections in kvfs's records after a TLS
+    setup (plain instead, with peers that also run with peer encryption off, when `plaintext`)."""
 
     kind = "tcp"
 
@@ -363,7 +372,8 @@ class TcpTransport(MeasuredTransport):
         self.plaintext = plaintext
         self.kind = "tcp-plain" if plaintext else "tcp"  # as `kvfs status` shows it
         self.connections = 0  # opened, ...
-        self.plaintext_connections = 0  # ... of which left TLS
+        self.plaintext_connections = 0  # ... of which left TLS for plain frames
+        self.sealed_connections = 0  # ... of which for kvfs's records
         self.streams_per_peer = streams_per_peer
         self._idle: dict[str, list[BlockingFrames]] = {}
         self._chunks = HeaderDecoder(ChunkData)
@@ -382,9 +392,11 @@ class TcpTransport(MeasuredTransport):
             connection.close()  # the peer closed it (restarted, say): not worth a request
         host, port = split_address(address)
         with trio.move_on_after(CONNECT_TIMEOUT_S):
-            frames = await connect(host, port, self.tls, PEER_ROLE, tune=_tune, plaintext=self.plaintext)
+            frames = await connect(host, port, self.tls, PEER_ROLE, tune=_tune, plaintext=self.plaintext,
+                                   sealed=True)
             self.connections += 1
             self.plaintext_connections += frames.plaintext
+            self.sealed_connections += frames.sealed
             try:
                 return BlockingFrames.detach(frames, PEER_SILENCE_S), False
             except BaseException:

@@ -36,6 +36,9 @@ class Welcome(msgspec.Struct, tag=True):
     # This server runs with peer encryption off: it leaves TLS on this connection if the
     # client answers `Encryption(plaintext=True)`. A client must answer when this is set.
     plaintext: bool = False
+    # A peer port: the server's 32 random bytes for kvfs's own records (kvfs.net.sealed), which
+    # the connection moves to after admission. A client must answer when this is set.
+    sealed: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 class Encryption(msgspec.Struct, tag=True):
@@ -43,6 +46,7 @@ class Encryption(msgspec.Struct, tag=True):
     runs with peer encryption off, and so leaves TLS on this connection."""
 
     plaintext: bool
+    sealed: Annotated[bytes, msgspec.Meta(max_length=64)] = b""  # the client's 32 bytes, to a Welcome's
 
 
 HandshakeMessage = Welcome | Encryption
