@@ -104,7 +104,12 @@ def test_saturation_is_where_the_arrival_rate_passes_the_service_rate(run: tuple
     for point in points:
         capacity = 1e6 / point["mean_service_us"]  # requests/s one leader serves
         assert point["saturated"] == (point["offered_per_s"] >= capacity), point
-        if point["offered_load"] >= 1.5:  # far past capacity: the leader never idles
+        # Far past capacity the leader never idles. "Offered" counts all the leader work each
+        # trace request brings, part of which (its stores, after its loads) lands past the
+        # quick sweep's short window (0.6 s at 4 nodes x 50/s), so the middle half where
+        # utilization is measured sees less of it: between 1.5 and 3 that depends on how
+        # cheap the measured requests are on the machine (a cheaper leader: a shorter backlog).
+        if point["offered_load"] >= 3.0:
             assert point["utilization"] >= 0.9, point
         if point["offered_load"] <= 0.5:  # far below: it mostly idles, as offered
             assert point["utilization"] <= 0.75, point
