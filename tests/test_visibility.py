@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 
 from conftest import Cluster, busy_cpus, wait_until
+from kvfs.net.pushes import reply_waits
+from kvfs.wire import messages as m
 
 BLOCKS = 80
 SIZE = 64 << 10
@@ -65,3 +67,12 @@ def test_a_block_stored_on_one_node_is_found_on_another_as_soon_as_its_rename_re
     assert stats(b.path)["misses_answered_locally"] > answered
     for key in range(BLOCKS):
         assert (on_b / f"{key}.bin").read_bytes() == block(key)
+
+
+def test_only_replies_that_add_a_name_others_look_up_wait_for_their_pushes() -> None:
+    assert reply_waits(m.Create(1, b"key.bin", 0o644, 0, 0, 1, True), b".tmp")
+    assert reply_waits(m.Rename(1, b"key.bin_7.tmp", 1, b"key.bin"), b".tmp")  # publishing waits
+    assert reply_waits(m.MkDir(1, b"layer", 0o755, 0, 0), b".tmp")
+    assert not reply_waits(m.Create(1, b"key.bin_7.tmp", 0o644, 0, 0, 1, True), b".tmp")  # a writer's own
+    assert reply_waits(m.Create(1, b"key.bin_7.tmp", 0o644, 0, 0, 1, True), b"")  # no temp names configured
+    assert not reply_waits(m.Unlink(1, b"key.bin"), b".tmp")  # a removal never makes a copy answer "absent"

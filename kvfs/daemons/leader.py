@@ -91,7 +91,8 @@ class Term:
 
     def _server(self) -> MetadataServer:
         return MetadataServer(self.handle, self.config.tls, self.service, owner_of=owner_finder(self.service),
-                              group=self.group, may_act=self.may_act, epoch=lambda: self.leadership.epoch)
+                              group=self.group, may_act=self.may_act, epoch=lambda: self.leadership.epoch,
+                              temp_suffix=self.service.settings.temp_suffix)
 
     def may_act(self) -> bool:
         return self.leadership.may_act(time.monotonic())

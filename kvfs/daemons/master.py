@@ -150,7 +150,8 @@ class MasterProcess:
         self.save_failures = 0  # failed saves in a row; the changes stay dirty meanwhile
         self.slow_saves = 0
         self._slow_save_log = Every(10.0)
-        self.server = MetadataServer(self.handle, config.tls, self.service, owner_of=owner_finder(self.service))
+        self.server = MetadataServer(self.handle, config.tls, self.service, owner_of=owner_finder(self.service),
+                                     temp_suffix=self.service.settings.temp_suffix)
 
     def handle(self, request: m.Request, caller: int) -> Any:
         return self.requests.timed(type(request).__name__, lambda: self._handle_and_save(request, caller))

@@ -31,6 +31,16 @@ ACK_WAIT_S = 1.1 * COPY_LEASE_S
 ADDING_NAMES = (m.Create, m.MkDir, m.Symlink, m.Rename, m.Restore, m.Report, m.FinishRegistration)
 
 
+def reply_waits(request: m.Request, temp_suffix: bytes) -> bool:
+    """Whether the reply to `request` waits for the nodes its changes were pushed to: it can
+    add a name, other than a writer's temporary one. A temp file's name is looked up by no
+    other node (it is published later by a rename, whose reply waits); the create of one is
+    half of what vLLM's store would otherwise wait for."""
+    if isinstance(request, m.Create) and temp_suffix and request.name.endswith(temp_suffix):
+        return False
+    return isinstance(request, ADDING_NAMES)
+
+
 class Watcher:
     """One registered node's connection: its pushes as numbered and as acknowledged."""
 

@@ -30,7 +30,7 @@ from kvfs.wire.text import printable
 from kvfs.cluster.authority import MASTER_CLIENTS, MASTER_ROLE, Caller, Refused, check_request
 from kvfs.net.commit import GroupCommit
 from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, Gate, LogBudget, connect
-from kvfs.net.pushes import ACK_WAIT_S, ADDING_NAMES, Watcher
+from kvfs.net.pushes import ACK_WAIT_S, Watcher, reply_waits
 from kvfs.net.streams import FrameStream, peer_name, serve_tcp
 from kvfs.errors import KvfsError, MetadataError
 from kvfs.security.credentials import Identity, Tls
@@ -79,8 +79,9 @@ class MetadataServer:
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
                  owner_of: Callable[[int], int | None] = lambda version: None,
                  group: GroupCommit | None = None, may_act: Callable[[], bool] = lambda: True,
-                 epoch: Callable[[], int] = lambda: 0) -> None:
+                 epoch: Callable[[], int] = lambda: 0, temp_suffix: bytes = b"") -> None:
         self.handle = handle
+        self.temp_suffix = temp_suffix  # writers' temporary names: their creates wait for no node (kvfs.net.pushes)
         self.notifier = notifier
         self.owner_of = owner_of
         self.group = group
@@ -276,7 +277,7 @@ class MetadataServer:
             log.exception("%s from %s failed", type(request).__name__, peer)
             reply = (FrameKind.ERROR, ErrorReply(errno.EIO, f"{type(request).__name__} failed: {error!r}"))
         waits = [push for node, push in self.wake_pushers().items()
-                 if node != caller.node and isinstance(request, ADDING_NAMES)]
+                 if node != caller.node and reply_waits(request, self.temp_suffix)]
         try:
             frame = encode_frame(reply[0], request_id, reply[1])
         except ProtocolError as error:  # an answer too large to send: the caller gets an errno
@@ -286,7 +287,7 @@ class MetadataServer:
 
     def _must_wait(self, request: m.Request, node: int) -> bool:
         """Whether the answer to `request` waits for other nodes (see `wake_pushers`)."""
-        return (isinstance(request, ADDING_NAMES) and self.notifier is not None
+        return (reply_waits(request, self.temp_suffix) and self.notifier is not None
                 and any(other != node and other in self._watchers for other in self.notifier.notify))
 
     async def _push(self, frames: FrameStream, changes: list[Any], seq: int) -> None:
