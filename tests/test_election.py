@@ -9,12 +9,12 @@ from kvfs.cluster.election import Leadership, default_margin, renew_interval
 
 def test_acts_until_ttl_minus_margin_after_the_last_renewal_sent() -> None:
     lead = Leadership(lease=7, epoch=42, ttl_s=3.0, renewed_at=100.0)
-    assert lead.margin_s == default_margin(3.0) == 0.5
-    assert lead.may_act(100.0) and lead.may_act(102.49)
-    assert not lead.may_act(102.5)
-    assert "renewed 2.5 s ago" in lead.why_not(102.5)
+    assert lead.margin_s == default_margin(3.0) == 0.25
+    assert lead.may_act(100.0) and lead.may_act(102.74)
+    assert not lead.may_act(102.75)
+    assert "renewed 2.8 s ago" in lead.why_not(102.8)
     lead.renewed(sent_at=102.0, remaining_ttl_s=3)
-    assert lead.may_act(104.4) and not lead.may_act(104.5)
+    assert lead.may_act(104.7) and not lead.may_act(104.75)
     assert lead.epoch == 42 and lead.why_not(103.0) == ""
 
 
@@ -31,7 +31,7 @@ def test_an_older_answer_does_not_move_the_deadline_back() -> None:
     lead = Leadership(lease=1, epoch=5, ttl_s=3.0, renewed_at=10.0)
     lead.renewed(sent_at=12.0, remaining_ttl_s=3)
     lead.renewed(sent_at=11.0, remaining_ttl_s=3)
-    assert lead.deadline() == 14.5
+    assert lead.deadline() == 14.75
 
 
 def test_expired_lease_or_lost_fence_ends_it_for_good() -> None:
@@ -47,7 +47,7 @@ def test_expired_lease_or_lost_fence_ends_it_for_good() -> None:
 
 
 def test_margin_and_interval() -> None:
-    assert renew_interval(3.0) == 0.5
-    assert default_margin(60.0) == 1.0
+    assert renew_interval(3.0) == 0.25
+    assert default_margin(60.0) == 0.5
     with pytest.raises(ValueError):
         Leadership(lease=1, epoch=1, ttl_s=1.0, renewed_at=0.0, margin_s=1.0)

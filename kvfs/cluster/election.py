@@ -18,15 +18,20 @@ from dataclasses import dataclass
 
 
 def default_margin(ttl_s: float) -> float:
-    """How long before its own deadline a leader stops acting: a sixth of the TTL, at most 1 s."""
-    return min(1.0, ttl_s / 6)
+    """How long before its own deadline a leader stops acting: a twelfth of the TTL, at most
+    0.5 s. It covers a check and the act after it (a loop pass, bounded by the ~50 ms work
+    slices); the deadline already counts from when a renewal was sent, not answered."""
+    return min(0.5, ttl_s / 12)
 
 
 def renew_interval(ttl_s: float) -> float:
-    """How often the leader renews its lease: often, so that the renewal answered right
-    after a stall of etcd (its own leader lost: an election of up to twice its election
-    timeout) was sent late, and the leader's deadline is as far off as it can be."""
-    return ttl_s / 6
+    """How often the leader renews its lease: often, so that the first renewal answered
+    after a stall of etcd (its own leader lost: an election of 1 to 2 election timeouts,
+    more on a loaded machine) was sent soon after etcd had a leader again, and the
+    leader's deadline is as far off as it can be. With the defaults (TTL 3 s, etcd's
+    election timeout 1 s) the leader outlasts 2.5 s of etcd election, where TTL/6 for
+    both left 2.0 s, which an election on a loaded machine overran."""
+    return ttl_s / 12
 
 
 @dataclass

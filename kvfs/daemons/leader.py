@@ -6,7 +6,7 @@ own (--lease-ttl). The key's create_revision is the leadership's epoch. While it
 by, a master keeps a hot copy of the state (kvfs.net.follow: loaded once, then every
 commit of the leader applied as it lands), so that once elected it only catches up
 from the last revision it saw; without a copy (still loading, or it fell behind) it
-loads the state from etcd. The leader then listens, renews its lease every TTL/6 and
+loads the state from etcd. The leader then listens, renews its lease every TTL/12 and
 serves; every reply waits until the changes it may show are committed (group commit,
 kvfs.net.commit), and every commit is fenced on the epoch (kvfs.net.etcdstate).
 
@@ -134,7 +134,7 @@ class Term:
         await trio.sleep_forever()  # cancelled: the term is over
 
     async def _renew_forever(self) -> None:
-        """A keepalive every TTL/6, each in a task of its own: one stuck on a frozen etcd
+        """A keepalive every TTL/12, each in a task of its own: one stuck on a frozen etcd
         member does not hold back the next."""
         async with trio.open_nursery() as nursery:
             while True:
