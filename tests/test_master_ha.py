@@ -49,12 +49,6 @@ def masters(tmp_path: Path, etcd_cluster: EtcdCluster) -> Iterator[list[ElectedM
     yield from run_masters(tmp_path, etcd_cluster, TTL)
 
 
-@pytest.fixture
-def default_masters(tmp_path: Path, etcd_cluster: EtcdCluster) -> Iterator[list[ElectedMaster]]:
-    """Masters with the default lease TTL (3 s)."""
-    yield from run_masters(tmp_path, etcd_cluster, 3)
-
-
 def leading(etcd: EtcdCluster, masters: list[ElectedMaster], timeout: float = 15.0,
             other_than: ElectedMaster | None = None) -> tuple[ElectedMaster, int]:
     """The master etcd names as leader (and its epoch), once there is one (not OTHER_THAN)."""
