@@ -42,6 +42,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import trio  # noqa: E402
 
+from bench_master_etcd import create_files  # noqa: E402
 from conftest import load_tls  # noqa: E402
 from etcd import ElectedMaster, EtcdCluster  # noqa: E402
 from kvfs.clock import SystemClock  # noqa: E402
@@ -112,30 +113,6 @@ async def seed(endpoints: list[str], cluster: str, files: int) -> float:
 async def connect(address: str, nursery: trio.Nursery, timeout_s: float = 5.0) -> RemoteMaster:
     host, port = address.rsplit(":", 1)
     return await RemoteMaster.connect(host, int(port), load_tls("bench", "node"), nursery, request_timeout_s=timeout_s)
-
-
-async def create_files(address: str, directory: bytes, files: int, callers: int = 16) -> float:
-    async with trio.open_nursery() as nursery:
-        remote = await connect(address, nursery, 60.0)
-        node = (await remote.call(m.Register("bench", "127.0.0.1:0"))).node
-        await remote.call(m.Report([]))
-        await remote.call(m.FinishRegistration())
-        parent = (await remote.call(m.MkDir(ROOT_INO, directory, 0o755, 0, 0))).ino
-        names = iter(range(files))
-
-        async def caller() -> None:
-            for i in names:
-                opened = await remote.call(m.Create(parent, b"f%07d" % i, 0o644, 0, 0, node, True))
-                await remote.call(m.Seal(opened.version, 4096, time.time_ns(), []))
-
-        started = time.perf_counter()
-        async with trio.open_nursery() as callers_nursery:
-            for _ in range(callers):
-                callers_nursery.start_soon(caller)
-        elapsed = time.perf_counter() - started
-        await remote.call(m.MkDir(ROOT_INO, directory + b"-done", 0o755, 0, 0))
-        await remote.aclose()
-    return elapsed
 
 
 async def file_count(address: str) -> int:
@@ -243,7 +220,7 @@ def main() -> None:
                             load = wait_log(standby, r"standby: loaded \d+ files from etcd in ([\d.]+) s")
                             cpu0, _ = proc(standby.process.pid)  # type: ignore[union-attr]
                             leader_cpu0, _ = proc(current.process.pid)  # type: ignore[union-attr]
-                        created = trio.run(create_files, current.address, marker, args.follow)
+                        created = trio.run(create_files, current.address, marker.decode(), args.follow, 16, 60.0, True)
                         total = trio.run(file_count, current.address)  # the namespace the new leader must show
                         if standby is not None:
                             time.sleep(0.5)  # the last commits reach the standby

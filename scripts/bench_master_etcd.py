@@ -41,12 +41,15 @@ from kvfs.policy import LruPolicy  # noqa: E402
 from kvfs.wire import messages as m  # noqa: E402
 
 
-async def create_files(address: str, prefix: str, files: int, callers: int) -> float:
-    """Seconds to create FILES files (Create + Seal) with CALLERS concurrent callers."""
+async def create_files(address: str, prefix: str, files: int, callers: int, timeout_s: float = 30.0,
+                       done_marker: bool = False) -> float:
+    """Seconds to create FILES files (Create + Seal) in directory PREFIX with CALLERS concurrent
+    callers; with DONE_MARKER a directory PREFIX-done is made after the last one (a reader can
+    tell the files are all in)."""
     host, port = address.rsplit(":", 1)
     async with trio.open_nursery() as nursery:
         remote = await RemoteMaster.connect(host, int(port), load_tls("bench", "node"), nursery,
-                                            request_timeout_s=30)
+                                            request_timeout_s=timeout_s)
         node = (await remote.call(m.Register("bench", "127.0.0.1:0"))).node
         await remote.call(m.Report([]))
         await remote.call(m.FinishRegistration())
@@ -63,6 +66,8 @@ async def create_files(address: str, prefix: str, files: int, callers: int) -> f
             for _ in range(callers):
                 callers_nursery.start_soon(caller)
         elapsed = time.perf_counter() - started
+        if done_marker:
+            await remote.call(m.MkDir(ROOT_INO, prefix.encode() + b"-done", 0o755, 0, 0))
         await remote.aclose()
     return elapsed
 
