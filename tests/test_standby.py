@@ -88,6 +88,14 @@ async def until(condition: Any, what: str, timeout: float = 15.0) -> None:
             await trio.sleep(0.02)
 
 
+async def loaded_follower(client: EtcdClient, nursery: trio.Nursery) -> Follower:
+    """A standby following CLUSTER in NURSERY, once it has loaded the state."""
+    follower = Follower(client, CLUSTER, new_service)
+    nursery.start_soon(follower.run)
+    await until(lambda: follower.service is not None, "the standby's load")
+    return follower
+
+
 def test_the_copy_equals_a_fresh_load_after_renames_deletions_and_big_commits(etcd_cluster: EtcdCluster) -> None:
     async def main() -> None:
         client = EtcdClient(etcd_cluster.urls)
@@ -97,10 +105,8 @@ def test_the_copy_equals_a_fresh_load_after_renames_deletions_and_big_commits(et
         for i in range(200):
             leader.write(d1, b"f%03d" % i)
         await leader.commit()
-        follower = Follower(client, CLUSTER, new_service)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(follower.run)
-            await until(lambda: follower.service is not None, "the standby's load")
+            follower = await loaded_follower(client, nursery)
             # It loaded the state as it was before the latest commit began, and replays that commit.
             assert follower.loaded_files == 0
             # One commit of several txns: renames across and within directories, a rename over
@@ -150,10 +156,8 @@ def test_a_standby_cut_off_past_a_compaction_loads_again(etcd_cluster: EtcdClust
         for i in range(50):
             leader.write(d, b"a%d" % i)
         await leader.commit()
-        follower = Follower(client, CLUSTER, new_service)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(follower.run)
-            await until(lambda: follower.service is not None, "the standby's load")
+            follower = await loaded_follower(client, nursery)
             nursery.cancel_scope.cancel()  # cut off: it sees nothing of what follows
         seen = follower.revision
         for i in range(50):
