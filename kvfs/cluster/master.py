@@ -86,7 +86,6 @@ class MetadataService:
         self.ns = Namespace(clock.wall_ns(), settings.root_mode, settings.root_uid, settings.root_gid)
         self.objects = CountedObjects()  # an ObjectDirectory with per-node running totals
         self.dir_totals = DirTotals(self.objects)  # per directory, what its subtree holds (kvfs du)
-        self._dir_totals_current = True  # (false after `apply`, until `settle`)
         self.registry = Registry(settings.dead_after_s)
         if not settings.cluster:
             self.registry.add_local()
@@ -213,6 +212,9 @@ class MetadataService:
         leaves the state as a `load` of every record would. Changes nothing saved dirty."""
         ns, objects, now = self.ns, self.objects, self.clock.monotonic()
         given = {inode.ino: inode for inode in inodes}
+        touched = {*gone_inodes, *given, *(version.ino for version in versions)}
+        touched.update(objects.versions[v].ino for v in gone_versions if v in objects.versions)
+        self._totals_leave(touched)
         moved: dict[int, Inode] = {}
         for ino in [*gone_inodes, *given]:  # every entry that moves or goes first: a new one may take its name
             old, new = ns.inodes.get(ino), given.get(ino)
@@ -265,14 +267,27 @@ class MetadataService:
                 self._identify(inode)
                 self.policy.insert(ino, version.size, now)
         ns.dirty.clear()
-        self._dir_totals_current = False  # (recounted once, when the copy starts serving: `settle`)
+        for ino in gone_inodes:
+            self.dir_totals.removed_dir(ino)  # (a file's number is no directory's: nothing then)
+        self._totals_enter(touched)
 
-    def settle(self) -> None:
-        """What `apply` leaves to do once (the per-directory totals, O(files)), done before a
-        standby's copy starts serving; nothing if no commit was applied since."""
-        if not self._dir_totals_current:
-            self.dir_totals.recount(self.ns)
-            self._dir_totals_current = True
+    def _totals_leave(self, touched: set[int]) -> None:
+        """`apply`'s first half of the per-directory totals' upkeep: each touched inode stops
+        counting where it is linked, as it was; files first, then directories deepest first, so
+        that no subtree is taken from an ancestor twice. O(touched x depth)."""
+        ns = self.ns
+        present = [ns.inodes[ino] for ino in touched if ino in ns.inodes]
+        present.sort(key=lambda inode: (inode.children is not None, -ns.depth(inode)))
+        for inode in present:
+            self.dir_totals.leave(ns, inode)
+
+    def _totals_enter(self, touched: set[int]) -> None:
+        """The second half, once the records are in: directories shallowest first, then files."""
+        ns = self.ns
+        present = [ns.inodes[ino] for ino in touched if ino in ns.inodes]
+        present.sort(key=lambda inode: (inode.children is None, ns.depth(inode)))
+        for inode in present:
+            self.dir_totals.enter(ns, inode)
 
     def route_outcomes(self, caller: int) -> None:
         log = self.objects.dropped_log

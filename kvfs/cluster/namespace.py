@@ -270,6 +270,17 @@ class Namespace:
             ino = self.inodes[ino].parent
         return ancestor == ROOT_INO
 
+    def depth(self, inode: Inode) -> int:
+        """How many links lie between the root and INODE (0 for the root or one not linked)."""
+        depth, parent = 0, inode.parent
+        while parent and inode.ino != ROOT_INO:
+            depth += 1
+            if parent == ROOT_INO:
+                break
+            above = self.inodes.get(parent)
+            parent = above.parent if above is not None else 0
+        return depth
+
     def listing(self, directory: Inode, start_id: int, limit: int) -> list[tuple[bytes, Inode, int]]:
         """Up to `limit` entries after entry `start_id`: O(log n + limit) (kvfs.cluster.entries)."""
         inodes = self.inodes

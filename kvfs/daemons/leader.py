@@ -203,7 +203,6 @@ class Term:
                 (log.warning if follower.loads else log.info)(
                     "the standby's copy of the state cannot be used (loading it instead): %s", why)
         if self.caught_up >= 0:
-            self.service.settle()  # (the per-directory totals the applied commits left to count)
             self.service.liveness.last_pass = time.monotonic()  # standing by was no stall of this leader's
             self.state.adopt(self.service)
             self.server = self._server()
