@@ -19,6 +19,7 @@ from kvfs.clock import ManualClock
 from kvfs.cluster.backlog import STEP_ITEMS
 from kvfs.cluster.master import MasterSettings, MetadataService
 from kvfs.cluster.namespace import ROOT_INO
+from kvfs.cluster.objects import COMPACT_STEP
 from kvfs.cluster.persist import MasterState
 from kvfs.cluster.totals import count_nodes
 from kvfs.cluster.usage import walk_tops
@@ -136,14 +137,50 @@ def test_a_registration_touches_what_the_node_reported_not_what_it_stored() -> N
         if not left:
             break
     assert len(touched) <= files // STEP_ITEMS + 2
-    # Each slice touches its own files, but for the object directory's compaction of the node's
-    # id array (in C, once forgotten ids outnumber live ones: geometric, O(1) per file amortized).
-    compactions = [count for count in touched if count > SLICE]
-    assert len(compactions) <= files.bit_length() and sum(touched) <= SLICE * len(touched) + 3 * files
+    # Each slice touches its own files, and a few ids of the node's id array per file forgotten
+    # (its compaction, once forgotten ids outnumber live ones, goes with the forgets: never
+    # the whole array in one slice).
+    assert max(touched) <= SLICE + COMPACT_STEP * STEP_ITEMS
     listed = service.handle(m.ReadDir(directory, 0, 10_000), b).entries
     assert sorted(entry.name for entry in listed) == sorted(
         [b"a%06d" % i for i in range(0, files, 400)] + [b"theirs", b"new"])
     assert service.registry.nodes[a].kept is None  # reconciled: nothing of a's is hidden any more
+
+
+def test_forgetting_a_dead_node_touches_a_slice_per_pass_even_with_half_its_ids_forgotten() -> None:
+    service = cluster(forget_dead_after_s=60.0)
+    a, b = join(service, "a"), join(service, "b")
+    directory = service.handle(m.MkDir(ROOT_INO, b"model", 0o755, 0, 0), a).ino
+    files = 48 * STEP_ITEMS
+    stored = [store(service, directory, b"a%06d" % i, a) for i in range(files)]
+    join(service, "a", [held(service, v) for v in stored[::2]])  # restarted with half of them
+    service.backlog.drain()
+    versions, inodes = counted(service)
+    bound = SLICE + COMPACT_STEP * STEP_ITEMS  # a slice's files, and the compaction's share per forget
+    passes = []
+    for _ in range(400):  # a falls silent for good; b heartbeats; the expiry passes every 0.25 s
+        service.clock.advance(0.25)
+        service.handle(m.Heartbeat(0, 0), b)
+        versions.touched = inodes.touched = 0
+        service.expire_nodes()
+        passes.append(versions.touched)
+        assert inodes.touched <= SLICE
+        if "a" not in service.registry.by_name:
+            break
+    assert "a" not in service.registry.by_name
+    # The pass that forgot a: one slice of its files, not its id array (half of which was
+    # forgotten ids, compacted once they outnumber the live ones).
+    assert max(passes) <= bound
+    slices = 0
+    while True:
+        versions.touched = inodes.touched = 0
+        left = service.pending_work(0.0)
+        assert versions.touched <= bound and inodes.touched <= SLICE
+        slices += 1
+        if not left:
+            break
+    assert slices <= files // STEP_ITEMS + 2
+    assert service.ns.files == 0 and a not in service.objects.by_node
 
 
 def test_a_registration_again_midway_stops_the_previous_removal() -> None:
