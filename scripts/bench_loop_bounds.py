@@ -11,6 +11,11 @@ node "a" holds all but a few, in a vLLM-like tree of models, layers and blocks),
 - `forget_dead`: a dies and stays silent past forget_dead_after_s: the expiry pass that
   forgets it, and the longest slice after it.
 
+Slices of removal: `_slice_ms` is one step of the backlog; `_slice_save_ms` what the
+daemon does between two turns for requests, the steps of its budget (kvfs.daemons.master's
+SLICE_BUDGET_S) and the save of what they changed to lmdb, the state having been written
+there first (`first_save_ms`; --no-save leaves the lmdb out), the two alternating.
+
 Each figure is the longest single call in ms of CPU time (the thread's: a shared
 machine's scheduler adds its waits to wall time). With --base DIR (a checkout of an older
 commit, e.g. `git archive 0190e44 | tar -x -C DIR`), the same measurements run on that
@@ -28,6 +33,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,8 +41,10 @@ REPO = Path(__file__).resolve().parent.parent
 PAGE = 2000  # versions per Report, as nodes send them
 
 
-def measure(files: int) -> dict[str, float]:
-    """Runs in a child process whose kvfs is the tree under test."""
+def measure(files: int, state_dir: str | None = None) -> dict[str, float]:
+    """Runs in a child process whose kvfs is the tree under test. With `state_dir`, the
+    state is written to lmdb there first, and each slice of removal is the daemon's (its
+    budget's steps, then the save of what they changed, kvfs.daemons.master)."""
     import stat
 
     from kvfs.clock import ManualClock
@@ -85,6 +93,18 @@ def measure(files: int) -> dict[str, float]:
     gc.freeze()  # as the master daemon does (kvfs.daemons.master): no full collection walks the namespace
 
     out: dict[str, float] = {"files": made, "load_ms": loaded_ms}
+    state = None
+    if state_dir is not None:
+        from kvfs.cluster.persist import MasterState
+        from kvfs.daemons.master import SLICE_BUDGET_S
+
+        state = MasterState(Path(state_dir))
+        service.ns.dirty.update(service.ns.inodes)  # (everything, as a master that served them wrote it)
+        service.objects.dirty.update(service.objects.versions)
+        service.registry.dirty = True
+        started = time.thread_time()
+        state.save(service)
+        out["first_save_ms"] = (time.thread_time() - started) * 1000
 
     # The cyclic collector's passes land in whichever call allocates at the wrong moment: their
     # time is taken out of that call and listed on its own (the daemon freezes the heap as it
@@ -119,15 +139,34 @@ def measure(files: int) -> dict[str, float]:
         versions = service.objects.versions
         return [m.Held(v.version, v.size, True, v.on_disk, 0, v.checksums) for v in map(versions.__getitem__, ids)]
 
+    def save() -> None:
+        if state is not None:
+            state.save(service)
+
+    def slices(key: str) -> None:
+        """The backlog's work: one step per call (`_slice_ms`); with a state, the daemon's
+        slices too (`_slice_save_ms`: its budget's steps, then the save), alternately."""
+        daemon = False
+        while True:
+            if daemon:
+                left = timed(f"{key}_slice_save_ms", lambda: (service.pending_work(SLICE_BUDGET_S), save())[0])
+            else:
+                left = timed(f"{key}_slice_ms", lambda: service.pending_work(0.0))
+                save()
+            if not left:
+                break
+            daemon = state is not None and not daemon
+
     def register(name: str, held: list[int], key: str) -> int:
         node = service.handle(m.Register(name, f"{name}:1"), 0).node
+        save()
         for start in range(0, len(held), PAGE):
             report = m.Report(page(held[start:start + PAGE]))
             timed(f"{key}_report_ms", lambda: service.handle(report, node))
+            save()
         timed(f"{key}_finish_ms", lambda: service.handle(m.FinishRegistration(), node))
-        while True:  # the daemon's slices: one step per call here, the longest counts
-            if not timed(f"{key}_slice_ms", lambda: service.pending_work(0.0)):
-                break
+        save()
+        slices(key)
         return node
 
     b_node = register("b", held_of(2), "register_b")
@@ -151,19 +190,25 @@ def measure(files: int) -> dict[str, float]:
         if "a" not in service.registry.by_name:
             forgotten = True
             break
+        save()
     assert forgotten and a_node not in service.registry.nodes
-    while timed("forget_dead_slice_ms", lambda: service.pending_work(0.0)):
-        pass
+    timed("forget_dead_pass_save_ms", save)
+    slices("forget_dead")
     out["files_left"] = service.ns.files
+    if state is not None:
+        state.close()
     return out
 
 
-def child(tree: Path, files: int) -> dict[str, float]:
+def child(tree: Path, files: int, save: bool) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); sys.path.insert(1, {str(REPO / 'scripts')!r}); "
-            f"import bench_loop_bounds as b; print(json.dumps(b.measure({files})))")
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(tree), check=True, capture_output=True,
-                          text=True)
+    with tempfile.TemporaryDirectory(prefix="bench-loop-bounds-") as scratch:
+        state = repr(scratch) if save else "None"
+        code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); "
+                f"sys.path.insert(1, {str(REPO / 'scripts')!r}); "
+                f"import bench_loop_bounds as b; print(json.dumps(b.measure({files}, {state})))")
+        done = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(tree), check=True, capture_output=True,
+                              text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -178,6 +223,7 @@ def main() -> None:
     parser.add_argument("--files", default="1M")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--base", type=Path, help="an older tree to compare with, in alternating rounds")
+    parser.add_argument("--no-save", action="store_true", help="no lmdb state: steps only, no daemon slices")
     args = parser.parse_args()
     files = parse_count(args.files)
     trees = {"this": REPO} if args.base is None else {"base": args.base.resolve(), "this": REPO}
@@ -185,7 +231,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         order = list(trees.items()) if round_ % 2 == 0 else list(reversed(trees.items()))
         for name, tree in order:
-            results[name].append(child(tree, files))
+            results[name].append(child(tree, files, not args.no_save))
             print(f"round {round_ + 1}: {name} done", file=sys.stderr)
     keys = list(dict.fromkeys(key for r in results["this"] for key in r if key.endswith("_ms")))
     print(f"files: {int(results['this'][0]['files'])}; longest single call (CPU ms), median of {args.rounds} rounds")
