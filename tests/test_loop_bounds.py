@@ -183,6 +183,34 @@ def test_forgetting_a_dead_node_touches_a_slice_per_pass_even_with_half_its_ids_
     assert service.ns.files == 0 and a not in service.objects.by_node
 
 
+def test_a_reclaim_walks_the_nodes_files_on_its_tier_not_the_others() -> None:
+    service = cluster(publish_grace_s=0.0)
+    a, b = join(service, "a"), join(service, "b")
+    directory = service.handle(m.MkDir(ROOT_INO, b"model", 0o755, 0, 0), a).ino
+    files = 8 * STEP_ITEMS
+    on_a = [store(service, directory, b"a%06d" % i, a) for i in range(files)]
+    service.handle(m.Offloaded(on_a[:-20]), a)  # a's copies went to SSD, but for its 20 newest
+    [store(service, directory, b"b%02d" % i, b) for i in range(20)]  # b's: the newest files of all
+    versions, inodes = counted(service)
+
+    # b's DRAM: the policy's order of b's files only, not past a's (older, all before them).
+    removed = service.handle(m.Reclaim(b, 3 * 4096, "dram"), b)
+    assert [name for _, name, _ in removed.entries] == [b"b00", b"b01", b"b02"]
+    assert inodes.touched <= 3 * 16 and versions.touched <= 3 * 16
+    # a's DRAM: its 20 DRAM-only files, oldest first, not past the thousands on its SSD.
+    inodes.touched = versions.touched = 0
+    removed = service.handle(m.Reclaim(a, 2 * 4096, "dram"), a)
+    assert [name for _, name, _ in removed.entries] == [b"a%06d" % i for i in (files - 20, files - 19)]
+    assert inodes.touched <= 2 * 16 and versions.touched <= 2 * 16
+    # a's SSD: its oldest file on SSD, and a's copies that move to SSD now follow.
+    service.handle(m.Offloaded(on_a[-18:]), a)
+    inodes.touched = versions.touched = 0
+    removed = service.handle(m.Reclaim(a, 4096, "disk"), a)
+    assert [name for _, name, _ in removed.entries] == [b"a%06d" % 0]
+    assert inodes.touched <= 16 and versions.touched <= 16
+    assert service.handle(m.Reclaim(a, 4096, "dram"), a).entries == []  # none left only in DRAM
+
+
 def test_a_registration_again_midway_stops_the_previous_removal() -> None:
     service = cluster()
     a, b = join(service, "a"), join(service, "b")

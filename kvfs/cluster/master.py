@@ -35,10 +35,19 @@ from kvfs.policy import EvictionPolicy
 # their number): what a GetRecord answer and a node's SSD index record carry.
 XATTRS_MAX_BYTES = 256 << 10
 RECLAIM_MAX_FILES = 16  # files evicted per reclaim request
+# Candidates of the node and tier a reclaim looks at, at most, before it answers with what
+# it found: bounds the request when most are open (the node asks again as files close).
+RECLAIM_WALK_MAX = 8192
 # Files being published passed over per reclaim before the scan stops and they are taken
 # after all, in the policy's order: bounds the scan when nearly every file is fresh
 # (writers that never rename, at a rate that fills the tier within the grace).
 PUBLISHING_SKIP_MAX = 4096
+
+
+def evict_group(version: FileVersion) -> tuple[int, bool]:
+    """What the eviction policy files a file under: its node, and whether its copy is on SSD
+    (a reclaim asks for one node's DRAM-only files, or for its files on SSD)."""
+    return version.node, version.on_disk
 
 
 def name_identity(parent: int, name: bytes) -> int:
@@ -85,6 +94,7 @@ class MetadataService:
         self.settings = settings
         self.ns = Namespace(clock.wall_ns(), settings.root_mode, settings.root_uid, settings.root_gid)
         self.objects = CountedObjects()  # an ObjectDirectory with per-node running totals
+        self.objects.tier_changed = self._tier_changed
         self.dir_totals = DirTotals(self.objects)  # per directory, what its subtree holds (kvfs du)
         self._dir_totals_current = True  # (false after `apply`, until `settle`)
         self.registry = Registry(settings.dead_after_s)
@@ -202,7 +212,7 @@ class MetadataService:
                 self._temp_files.add(inode.ino)
             if version is not None and version.sealed:
                 self._identify(inode)
-                self.policy.insert(inode.ino, version.size, now)
+                self.policy.insert(inode.ino, version.size, now, evict_group(version))
         self.dir_totals.recount(self.ns)
 
     def apply(self, inodes: list[Inode], versions: list[FileVersion], gone_inodes: list[int],
@@ -263,7 +273,7 @@ class MetadataService:
             version = objects.versions.get(inode.version)
             if version is not None and version.sealed:
                 self._identify(inode)
-                self.policy.insert(ino, version.size, now)
+                self.policy.insert(ino, version.size, now, evict_group(version))
         ns.dirty.clear()
         self._dir_totals_current = False  # (recounted once, when the copy starts serving: `settle`)
 
@@ -424,7 +434,15 @@ class MetadataService:
     def admit(self, inode: Inode, size: int) -> None:
         """A sealed, current file becomes evictable."""
         self._identify(inode)
-        self.policy.insert(inode.ino, size, self.clock.monotonic())
+        version = self.objects.versions.get(inode.version)
+        group = evict_group(version) if version is not None else None
+        self.policy.insert(inode.ino, size, self.clock.monotonic(), group)
+
+    def _tier_changed(self, version: FileVersion) -> None:
+        """A file's copy moved to the other tier: a reclaim of that tier finds it there."""
+        inode = self.ns.inodes.get(version.ino)
+        if inode is not None and inode.version == version.version:
+            self.policy.regroup(inode.ino, evict_group(version))
 
     def remove_file(self, inode: Inode, now: int, dropped: list[int], linger: bool = False) -> None:
         """Takes a file out of the namespace; its bytes go once nobody has them open.
@@ -847,10 +865,12 @@ class MetadataService:
         freed = 0
         now = self.clock.monotonic()
         publishing: list[tuple[Inode, FileVersion]] = []  # ranked after every published file
-        for ino in self.policy.candidates():
+        # The policy's order of this node's files on this tier only (never walking past
+        # other nodes' files, or, for DRAM, files already on SSD): O(what it skips here).
+        for walked, ino in enumerate(self.policy.candidates((req.node, req.tier == "disk"))):
             # Bytes of small files free less than their sum (blocks are powers of two, and
             # a writer needs a whole chunk): a few at a time; the node asks again if needed.
-            if freed >= req.nbytes or len(victims) >= RECLAIM_MAX_FILES:
+            if freed >= req.nbytes or len(victims) >= RECLAIM_MAX_FILES or walked >= RECLAIM_WALK_MAX:
                 break
             inode = self.ns.inodes.get(ino)
             version = self._evictable(inode, req.node, req.tier)
