@@ -17,7 +17,7 @@ from typing import Any
 
 from kvfs.clock import ManualClock
 from kvfs.cluster.backlog import STEP_ITEMS
-from kvfs.cluster.master import MasterSettings, MetadataService
+from kvfs.cluster.master import ORPHAN_WALK_MAX, MasterSettings, MetadataService
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.cluster.objects import COMPACT_STEP
 from kvfs.cluster.persist import MasterState
@@ -209,6 +209,27 @@ def test_a_reclaim_walks_the_nodes_files_on_its_tier_not_the_others() -> None:
     assert [name for _, name, _ in removed.entries] == [b"a%06d" % 0]
     assert inodes.touched <= 16 and versions.touched <= 16
     assert service.handle(m.Reclaim(a, 4096, "dram"), a).entries == []  # none left only in DRAM
+
+
+def test_collecting_orphans_looks_at_a_bounded_share_of_the_temp_files_each_time() -> None:
+    service = cluster(temp_grace_s=60.0)
+    a = join(service, "a")
+    files = 5 * ORPHAN_WALK_MAX
+    for i in range(files):  # a writer that never renames: temp files pile up, a few of them orphans
+        opened = service.handle(m.Create(ROOT_INO, b"k%05d.tmp" % i, 0o644, 0, 0, a, True), a)
+        if i % 50 == 0:
+            service.handle(m.Seal(opened.version, 4096, service.clock.wall_ns(), [1], release=True), a)
+    versions, inodes = counted(service)
+    assert service.handle(m.CollectOrphans(), a).entries == []  # none past the grace yet
+    assert inodes.touched <= ORPHAN_WALK_MAX and versions.touched <= ORPHAN_WALK_MAX
+    service.clock.advance(61)
+    collected: list[bytes] = []
+    for _ in range(files // ORPHAN_WALK_MAX):  # each call goes on where the last one stopped
+        inodes.touched = versions.touched = 0
+        collected += [name for _, name, _ in service.handle(m.CollectOrphans(), a).entries]
+        assert inodes.touched <= 3 * ORPHAN_WALK_MAX and versions.touched <= 3 * ORPHAN_WALK_MAX
+    assert sorted(collected) == [b"k%05d.tmp" % i for i in range(0, files, 50)]
+    assert service.handle(m.CollectOrphans(), a).entries == []
 
 
 def test_a_registration_again_midway_stops_the_previous_removal() -> None:

@@ -25,6 +25,7 @@ from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace, check_name, check
 from kvfs.cluster.objects import FileVersion
 from kvfs.cluster.opens import OpenHandles
 from kvfs.cluster.registry import LOCAL_NODE, Registry
+from kvfs.cluster.tempfiles import TempFiles
 from kvfs.cluster.totals import CountedObjects
 from kvfs.cluster.usage import DirectoryUsage, DirTotals
 from kvfs.cluster.validate import check_request
@@ -42,6 +43,9 @@ RECLAIM_WALK_MAX = 8192
 # after all, in the policy's order: bounds the scan when nearly every file is fresh
 # (writers that never rename, at a rate that fills the tier within the grace).
 PUBLISHING_SKIP_MAX = 4096
+# Temp files a CollectOrphans looks at, at most: the next request goes on from there (nodes
+# ask every gc interval), so with more than this an orphan waits a few more intervals.
+ORPHAN_WALK_MAX = 1024
 
 
 def evict_group(version: FileVersion) -> tuple[int, bool]:
@@ -100,7 +104,7 @@ class MetadataService:
         self.registry = Registry(settings.dead_after_s)
         if not settings.cluster:
             self.registry.add_local()
-        self._temp_files: set[int] = set()
+        self._temp_files = TempFiles()
         # Files being published: created here and not yet renamed or read. The value is
         # when the file was closed (sealed), None while it is still being written.
         self._unpublished: dict[int, float | None] = {}
@@ -899,7 +903,7 @@ class MetadataService:
     def _collect_orphans(self, req: m.CollectOrphans) -> m.Removed:
         deadline = self.clock.wall_ns() - int(self.settings.temp_grace_s * 1e9)
         orphans = []
-        for ino in self._temp_files:
+        for ino in self._temp_files.take_round(ORPHAN_WALK_MAX):
             inode = self.ns.inodes[ino]
             version = self.objects.versions.get(inode.version)
             if version is not None and version.sealed and not version.in_use and inode.mtime_ns < deadline:
