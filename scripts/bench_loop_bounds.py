@@ -8,8 +8,13 @@ node "a" holds all but a few, in a vLLM-like tree of models, layers and blocks),
 - `status` and `du`: a ClusterStatus and a DirUsage(files=True) request;
 - `register_half`: a registers again with half its files (the rest was only in its DRAM):
   the longest Report, the FinishRegistration, and the longest slice of the removal after it;
+- `reclaim_*`: Reclaim requests (16 files at most) for b's DRAM-only files and its files on
+  SSD (spread through the policy's order among a's), a's DRAM-only files, and a node c that
+  holds nothing (`nothing`: a walk of the whole order, before candidates were kept per node
+  and tier);
 - `forget_dead`: a dies and stays silent past forget_dead_after_s: the expiry pass that
-  forgets it, and the longest slice after it.
+  forgets it, and the longest slice after it;
+- `collect_orphans`: files/10 temp files being written (none an orphan), and CollectOrphans.
 
 Slices of removal: `_slice_ms` is one step of the backlog; `_slice_save_ms` what the
 daemon does between two turns for requests, the steps of its budget (kvfs.daemons.master's
@@ -41,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 PAGE = 2000  # versions per Report, as nodes send them
 
 
-def measure(files: int, state_dir: str | None = None) -> dict[str, float]:
+def measure(files: int, state_dir: str | None = None, policy: str = "reuse") -> dict[str, float]:
     """Runs in a child process whose kvfs is the tree under test. With `state_dir`, the
     state is written to lmdb there first, and each slice of removal is the daemon's (its
     budget's steps, then the save of what they changed, kvfs.daemons.master)."""
@@ -51,11 +56,11 @@ def measure(files: int, state_dir: str | None = None) -> dict[str, float]:
     from kvfs.cluster.master import MasterSettings, MetadataService
     from kvfs.cluster.namespace import ROOT_INO, Inode
     from kvfs.cluster.objects import FileVersion
-    from kvfs.policy import LruPolicy
+    from kvfs.policy import make_policy
     from kvfs.wire import messages as m
 
     clock = ManualClock()
-    service = MetadataService(clock, LruPolicy(), MasterSettings(cluster=True, forget_dead_after_s=10.0))
+    service = MetadataService(clock, make_policy(policy), MasterSettings(cluster=True, forget_dead_after_s=10.0))
     now = clock.wall_ns()
     inodes = [Inode(ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, now, now, now, children={})]
     versions = []
@@ -175,6 +180,15 @@ def measure(files: int, state_dir: str | None = None) -> dict[str, float]:
     for _ in range(3):
         timed("status_ms", lambda: service.handle(m.ClusterStatus(), 0))
         timed("du_ms", lambda: service.handle(m.DirUsage(files=True), 0))
+    # Reclaims (16 files at most each): b's DRAM-only files, spread through the order among a's;
+    # b's on SSD; a's DRAM-only; and c, a node holding nothing evictable (the worst case of a
+    # walk through the whole order).
+    c_node = register("c", [], "register_c")
+    for node, tier, key in [(b_node, "dram", "b_dram"), (b_node, "disk", "b_disk"), (a_node, "dram", "a_dram"),
+                            (c_node, "dram", "nothing")]:
+        timed(f"reclaim_{key}_ms", lambda: service.handle(m.Reclaim(node, 16 * 4096, tier), node))
+        save()
+    a_held = held_of(1)  # (less what a's reclaim took)
     register("a", a_held[::2], "register_half")
     del a_held
     for _ in range(3):
@@ -194,19 +208,26 @@ def measure(files: int, state_dir: str | None = None) -> dict[str, float]:
     assert forgotten and a_node not in service.registry.nodes
     timed("forget_dead_pass_save_ms", save)
     slices("forget_dead")
+    # A writer that never renames: temp files, being written (none an orphan); b asks for orphans.
+    temp_dir = service.handle(m.MkDir(ROOT_INO, b"temp", 0o755, 0, 0), b_node).ino
+    for i in range(max(1, files // 10)):
+        service.handle(m.Create(temp_dir, b"k%07d.tmp" % i, 0o644, 0, 0, b_node, True), b_node)
+    save()
+    for _ in range(3):
+        timed("collect_orphans_ms", lambda: service.handle(m.CollectOrphans(), b_node))
     out["files_left"] = service.ns.files
     if state is not None:
         state.close()
     return out
 
 
-def child(tree: Path, files: int, save: bool) -> dict[str, float]:
+def child(tree: Path, files: int, save: bool, policy: str) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(tree))
     with tempfile.TemporaryDirectory(prefix="bench-loop-bounds-") as scratch:
         state = repr(scratch) if save else "None"
         code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); "
                 f"sys.path.insert(1, {str(REPO / 'scripts')!r}); "
-                f"import bench_loop_bounds as b; print(json.dumps(b.measure({files}, {state})))")
+                f"import bench_loop_bounds as b; print(json.dumps(b.measure({files}, {state}, {policy!r})))")
         done = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(tree), check=True, capture_output=True,
                               text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -224,6 +245,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--base", type=Path, help="an older tree to compare with, in alternating rounds")
     parser.add_argument("--no-save", action="store_true", help="no lmdb state: steps only, no daemon slices")
+    parser.add_argument("--policy", default="reuse", help="the master's eviction policy (its default: reuse)")
     args = parser.parse_args()
     files = parse_count(args.files)
     trees = {"this": REPO} if args.base is None else {"base": args.base.resolve(), "this": REPO}
@@ -231,7 +253,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         order = list(trees.items()) if round_ % 2 == 0 else list(reversed(trees.items()))
         for name, tree in order:
-            results[name].append(child(tree, files, not args.no_save))
+            results[name].append(child(tree, files, not args.no_save, args.policy))
             print(f"round {round_ + 1}: {name} done", file=sys.stderr)
     keys = list(dict.fromkeys(key for r in results["this"] for key in r if key.endswith("_ms")))
     print(f"files: {int(results['this'][0]['files'])}; longest single call (CPU ms), median of {args.rounds} rounds")

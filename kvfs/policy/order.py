@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left, insort
-from collections import OrderedDict
 from typing import Hashable, Iterator
 
 _MISSING = object()
@@ -25,7 +24,9 @@ class StampOrder:
     __slots__ = ("main", "late", "late_stamps", "group", "cls")
 
     def __init__(self, group: Hashable = None, cls: int = 0) -> None:
-        self.main: OrderedDict[int, float] = OrderedDict()  # appended with stamps that never go down
+        # Appended with stamps that never go down: a plain dict keeps that order (and takes
+        # about 60 B less per key than an OrderedDict: a master ranks millions).
+        self.main: dict[int, float] = {}
         self.late: list[tuple[float, int]] = []  # (stamp, key), sorted: keys that came with an older stamp
         self.late_stamps: dict[int, float] = {}
         self.group, self.cls = group, cls  # (what the owning policy files it under)
@@ -42,11 +43,10 @@ class StampOrder:
     def renew(self, key: int, stamp: float) -> None:
         """The key (in the list) was used now: `stamp` is the newest."""
         if key in self.main:
-            self.main.move_to_end(key)
-            self.main[key] = stamp
+            del self.main[key]
         else:
             self.discard(key)
-            self.main[key] = stamp
+        self.main[key] = stamp
 
     def discard(self, key: int) -> float:
         """Takes the key out; returns its stamp. `key` must be in the list."""

@@ -58,7 +58,7 @@ class ReusePolicy:
         self._where: dict[int, StampOrder] = {}  # resident key -> its list (its group and class)
         self._uses: OrderedDict[int, int] = OrderedDict()  # identity (or key) -> uses so far (bounded)
         self._identity: dict[int, int] = {}  # key -> identity, for keys given one
-        self._clock = 0  # accesses so far: the policy's notion of time
+        self._clock = 0.0  # accesses so far: the policy's notion of time (a float: 8 B less than an int)
 
     def _lists(self, group: Hashable) -> list[StampOrder]:
         lists = self._groups.get(group)
@@ -87,11 +87,11 @@ class ReusePolicy:
         order.add(key, stamp)
 
     def insert(self, key: int, size: int, now: float, group: Hashable = None) -> None:
-        self._clock += 1
+        self._clock += 1.0
         self._place(key, self._count_use(key), group)
 
     def touch(self, key: int, now: float) -> None:
-        self._clock += 1
+        self._clock += 1.0
         order = self._where.get(key)
         if order is not None:
             self._place(key, self._count_use(key), order.group)
