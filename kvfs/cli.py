@@ -501,7 +501,7 @@ def _check_master(master: str) -> preflight.Check:
 
 def run_remove_node(args: argparse.Namespace) -> int:
     removed = ask_master(args, m.RemoveNode(args.name))
-    print(f"removed node {args.name}: {len(removed.entries)} files, {format_size(removed.freed_bytes)}")
+    print(f"removed node {args.name}: {removed.files or len(removed.entries)} files, {format_size(removed.freed_bytes)}")
     return 0
 
 

@@ -232,6 +232,45 @@ def test_collecting_orphans_looks_at_a_bounded_share_of_the_temp_files_each_time
     assert service.handle(m.CollectOrphans(), a).entries == []
 
 
+def test_removing_a_node_answers_with_its_count_and_its_files_go_in_slices() -> None:
+    service = cluster()
+    a, b = join(service, "a"), join(service, "b")
+    directory = service.handle(m.MkDir(ROOT_INO, b"model", 0o755, 0, 0), a).ino
+    files = 16 * STEP_ITEMS
+    for i in range(files):
+        store(service, directory, b"a%06d" % i, a, size=100)
+    kept = store(service, directory, b"theirs", b)
+    for _ in range(40):  # a falls silent; b heartbeats; the expiry passes every 0.25 s
+        service.clock.advance(0.25)
+        service.handle(m.Heartbeat(0, 0), b)
+        service.expire_nodes()
+        if not service.registry.nodes[a].live:
+            break
+    assert not service.registry.nodes[a].live
+    service.backlog.drain()  # (its files hidden from b's copies)
+    versions, inodes = counted(service)
+    removed = service.handle(m.RemoveNode("a"), 0)
+    assert versions.touched <= SLICE + COMPACT_STEP * STEP_ITEMS and inodes.touched <= SLICE
+    assert removed.files == files and removed.freed_bytes == 100 * files
+    assert len(removed.entries) == STEP_ITEMS  # (the first slice's; the rest follow)
+    assert "a" not in service.registry.by_name
+    while True:
+        versions.touched = inodes.touched = 0
+        left = service.pending_work(0.0)
+        assert versions.touched <= SLICE + COMPACT_STEP * STEP_ITEMS and inodes.touched <= SLICE
+        if not left:
+            break
+    assert [entry.name for entry in service.handle(m.ReadDir(directory, 0, 100), b).entries] == [b"theirs"]
+    assert list(service.objects.versions) == [kept] and a not in service.objects.by_node
+    forgotten: list[bytes] = []
+    while True:  # b's kernel forgets every name of a's, over heartbeats
+        beat = service.handle(m.Heartbeat(0, 0), b)
+        if not beat.forget:
+            break
+        forgotten += [name for _, name, _ in beat.forget]
+    assert sorted(forgotten) == [b"a%06d" % i for i in range(files)]
+
+
 def test_a_registration_again_midway_stops_the_previous_removal() -> None:
     service = cluster()
     a, b = join(service, "a"), join(service, "b")
