@@ -2,7 +2,8 @@
 backlog, for registration, status, usage, a restart that lost files, and a dead node forgotten.
 
 The pure `MetadataService` is loaded with N files (a saved state, as after a restart:
-node "a" holds all but a few, in a vLLM-like tree of models, layers and blocks), then:
+node "b" holds one in 1,000, "d" a fifth, "a" the rest, in a vLLM-like tree of models,
+layers and blocks), then:
 
 - `register_full`: node a registers again holding everything (Report pages of 2,000, Finish);
 - `status` and `du`: a ClusterStatus and a DirUsage(files=True) request;
@@ -12,6 +13,7 @@ node "a" holds all but a few, in a vLLM-like tree of models, layers and blocks),
   SSD (spread through the policy's order among a's), a's DRAM-only files, and a node c that
   holds nothing (`nothing`: a walk of the whole order, before candidates were kept per node
   and tier);
+- `remove_node`: RemoveNode of d (down since the restart), and the longest slice after it;
 - `forget_dead`: a dies and stays silent past forget_dead_after_s: the expiry pass that
   forgets it, and the longest slice after it;
 - `collect_orphans`: files/10 temp files being written (none an orphan), and CollectOrphans.
@@ -85,14 +87,14 @@ def measure(files: int, state_dir: str | None = None, policy: str = "reuse") -> 
                 if made >= files:
                     break
                 file_ino = add(directory, b"block-%06d.bin" % block, False)
-                node = 2 if made % 1000 == 0 else 1  # b holds a few, a the rest
+                node = 2 if made % 1000 == 0 else 3 if made % 5 == 1 else 1  # b holds a few, d a fifth, a the rest
                 version = FileVersion(made + 1, file_ino, node, 4096, sealed=True, checksums=[made],
                                       on_disk=made % 3 == 0)
                 inodes[-1].version = version.version
                 versions.append(version)
                 made += 1
     started = time.thread_time()
-    service.load(inodes, versions, ino, entry, made + 1, [(1, "a", "a:1"), (2, "b", "b:1")])
+    service.load(inodes, versions, ino, entry, made + 1, [(1, "a", "a:1"), (2, "b", "b:1"), (3, "d", "d:1")])
     loaded_ms = (time.thread_time() - started) * 1000  # (a restart's, before the master serves)
     del inodes
     gc.freeze()  # as the master daemon does (kvfs.daemons.master): no full collection walks the namespace
@@ -194,6 +196,11 @@ def measure(files: int, state_dir: str | None = None, policy: str = "reuse") -> 
     for _ in range(3):
         timed("status_after_ms", lambda: service.handle(m.ClusterStatus(), 0))
         timed("du_after_ms", lambda: service.handle(m.DirUsage(files=True), 0))
+
+    # d (down since the restart) is removed by an operator.
+    timed("remove_node_ms", lambda: service.handle(m.RemoveNode("d"), 0))
+    save()
+    slices("remove_node")
 
     # a falls silent for good; b heartbeats; the expiry passes run every 0.25 s.
     forgotten = False
