@@ -17,7 +17,7 @@ from typing import Any
 
 from kvfs.clock import ManualClock
 from kvfs.cluster.backlog import STEP_ITEMS
-from kvfs.cluster.master import ORPHAN_WALK_MAX, MasterSettings, MetadataService
+from kvfs.cluster.master import ORPHAN_WALK_MAX, RECLAIM_WALK_MAX, MasterSettings, MetadataService
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.cluster.objects import COMPACT_STEP
 from kvfs.cluster.persist import MasterState
@@ -209,6 +209,19 @@ def test_a_reclaim_walks_the_nodes_files_on_its_tier_not_the_others() -> None:
     assert [name for _, name, _ in removed.entries] == [b"a%06d" % 0]
     assert inodes.touched <= 16 and versions.touched <= 16
     assert service.handle(m.Reclaim(a, 4096, "dram"), a).entries == []  # none left only in DRAM
+
+
+def test_a_reclaim_among_open_files_looks_at_a_bounded_number() -> None:
+    service = cluster(publish_grace_s=0.0)
+    a = join(service, "a")
+    files = RECLAIM_WALK_MAX + 2 * STEP_ITEMS
+    stored = [store(service, ROOT_INO, b"k%06d" % i, a) for i in range(files)]
+    for version in stored:  # every file being read; the last one read is closed again
+        service.handle(m.OpenRead(service.objects.versions[version].ino), a)
+    service.handle(m.Release(stored[-1], False), a)
+    versions, inodes = counted(service)
+    assert service.handle(m.Reclaim(a, 4096, "dram"), a).entries == []  # (it asks again as files close)
+    assert inodes.touched <= RECLAIM_WALK_MAX + 16 and versions.touched <= RECLAIM_WALK_MAX + 16
 
 
 def test_collecting_orphans_looks_at_a_bounded_share_of_the_temp_files_each_time() -> None:
