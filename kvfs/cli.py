@@ -501,7 +501,8 @@ def _check_master(master: str) -> preflight.Check:
 
 def run_remove_node(args: argparse.Namespace) -> int:
     removed = ask_master(args, m.RemoveNode(args.name))
-    print(f"removed node {args.name}: {len(removed.entries)} files, {format_size(removed.freed_bytes)}")
+    files = removed.files or len(removed.entries)  # (a master before Removed.files lists them all)
+    print(f"removed node {args.name}: {files} files, {format_size(removed.freed_bytes)}")
     return 0
 
 

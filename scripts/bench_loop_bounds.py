@@ -2,14 +2,26 @@
 backlog, for registration, status, usage, a restart that lost files, and a dead node forgotten.
 
 The pure `MetadataService` is loaded with N files (a saved state, as after a restart:
-node "a" holds all but a few, in a vLLM-like tree of models, layers and blocks), then:
+node "b" holds one in 1,000, "d" a fifth, "a" the rest, in a vLLM-like tree of models,
+layers and blocks), then:
 
 - `register_full`: node a registers again holding everything (Report pages of 2,000, Finish);
 - `status` and `du`: a ClusterStatus and a DirUsage(files=True) request;
 - `register_half`: a registers again with half its files (the rest was only in its DRAM):
   the longest Report, the FinishRegistration, and the longest slice of the removal after it;
+- `reclaim_*`: Reclaim requests (16 files at most) for b's DRAM-only files and its files on
+  SSD (spread through the policy's order among a's), a's DRAM-only files, and a node c that
+  holds nothing (`nothing`: a walk of the whole order, before candidates were kept per node
+  and tier);
+- `remove_node`: RemoveNode of d (down since the restart), and the longest slice after it;
 - `forget_dead`: a dies and stays silent past forget_dead_after_s: the expiry pass that
-  forgets it, and the longest slice after it.
+  forgets it, and the longest slice after it;
+- `collect_orphans`: files/10 temp files being written (none an orphan), and CollectOrphans.
+
+Slices of removal: `_slice_ms` is one step of the backlog; `_slice_save_ms` what the
+daemon does between two turns for requests, the steps of its budget (kvfs.daemons.master's
+SLICE_BUDGET_S) and the save of what they changed to lmdb, the state having been written
+there first (`first_save_ms`; --no-save leaves the lmdb out), the two alternating.
 
 Each figure is the longest single call in ms of CPU time (the thread's: a shared
 machine's scheduler adds its waits to wall time). With --base DIR (a checkout of an older
@@ -28,6 +40,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,19 +48,21 @@ REPO = Path(__file__).resolve().parent.parent
 PAGE = 2000  # versions per Report, as nodes send them
 
 
-def measure(files: int) -> dict[str, float]:
-    """Runs in a child process whose kvfs is the tree under test."""
+def measure(files: int, state_dir: str | None = None, policy: str = "reuse") -> dict[str, float]:
+    """Runs in a child process whose kvfs is the tree under test. With `state_dir`, the
+    state is written to lmdb there first, and each slice of removal is the daemon's (its
+    budget's steps, then the save of what they changed, kvfs.daemons.master)."""
     import stat
 
     from kvfs.clock import ManualClock
     from kvfs.cluster.master import MasterSettings, MetadataService
     from kvfs.cluster.namespace import ROOT_INO, Inode
     from kvfs.cluster.objects import FileVersion
-    from kvfs.policy import LruPolicy
+    from kvfs.policy import make_policy
     from kvfs.wire import messages as m
 
     clock = ManualClock()
-    service = MetadataService(clock, LruPolicy(), MasterSettings(cluster=True, forget_dead_after_s=10.0))
+    service = MetadataService(clock, make_policy(policy), MasterSettings(cluster=True, forget_dead_after_s=10.0))
     now = clock.wall_ns()
     inodes = [Inode(ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, now, now, now, children={})]
     versions = []
@@ -72,19 +87,31 @@ def measure(files: int) -> dict[str, float]:
                 if made >= files:
                     break
                 file_ino = add(directory, b"block-%06d.bin" % block, False)
-                node = 2 if made % 1000 == 0 else 1  # b holds a few, a the rest
+                node = 2 if made % 1000 == 0 else 3 if made % 5 == 1 else 1  # b holds a few, d a fifth, a the rest
                 version = FileVersion(made + 1, file_ino, node, 4096, sealed=True, checksums=[made],
                                       on_disk=made % 3 == 0)
                 inodes[-1].version = version.version
                 versions.append(version)
                 made += 1
     started = time.thread_time()
-    service.load(inodes, versions, ino, entry, made + 1, [(1, "a", "a:1"), (2, "b", "b:1")])
+    service.load(inodes, versions, ino, entry, made + 1, [(1, "a", "a:1"), (2, "b", "b:1"), (3, "d", "d:1")])
     loaded_ms = (time.thread_time() - started) * 1000  # (a restart's, before the master serves)
     del inodes
     gc.freeze()  # as the master daemon does (kvfs.daemons.master): no full collection walks the namespace
 
     out: dict[str, float] = {"files": made, "load_ms": loaded_ms}
+    state = None
+    if state_dir is not None:
+        from kvfs.cluster.persist import MasterState
+        from kvfs.daemons.master import SLICE_BUDGET_S
+
+        state = MasterState(Path(state_dir))
+        service.ns.dirty.update(service.ns.inodes)  # (everything, as a master that served them wrote it)
+        service.objects.dirty.update(service.objects.versions)
+        service.registry.dirty = True
+        started = time.thread_time()
+        state.save(service)
+        out["first_save_ms"] = (time.thread_time() - started) * 1000
 
     # The cyclic collector's passes land in whichever call allocates at the wrong moment: their
     # time is taken out of that call and listed on its own (the daemon freezes the heap as it
@@ -119,15 +146,34 @@ def measure(files: int) -> dict[str, float]:
         versions = service.objects.versions
         return [m.Held(v.version, v.size, True, v.on_disk, 0, v.checksums) for v in map(versions.__getitem__, ids)]
 
+    def save() -> None:
+        if state is not None:
+            state.save(service)
+
+    def slices(key: str) -> None:
+        """The backlog's work: one step per call (`_slice_ms`); with a state, the daemon's
+        slices too (`_slice_save_ms`: its budget's steps, then the save), alternately."""
+        daemon = False
+        while True:
+            if daemon:
+                left = timed(f"{key}_slice_save_ms", lambda: (service.pending_work(SLICE_BUDGET_S), save())[0])
+            else:
+                left = timed(f"{key}_slice_ms", lambda: service.pending_work(0.0))
+                save()
+            if not left:
+                break
+            daemon = state is not None and not daemon
+
     def register(name: str, held: list[int], key: str) -> int:
         node = service.handle(m.Register(name, f"{name}:1"), 0).node
+        save()
         for start in range(0, len(held), PAGE):
             report = m.Report(page(held[start:start + PAGE]))
             timed(f"{key}_report_ms", lambda: service.handle(report, node))
+            save()
         timed(f"{key}_finish_ms", lambda: service.handle(m.FinishRegistration(), node))
-        while True:  # the daemon's slices: one step per call here, the longest counts
-            if not timed(f"{key}_slice_ms", lambda: service.pending_work(0.0)):
-                break
+        save()
+        slices(key)
         return node
 
     b_node = register("b", held_of(2), "register_b")
@@ -136,11 +182,25 @@ def measure(files: int) -> dict[str, float]:
     for _ in range(3):
         timed("status_ms", lambda: service.handle(m.ClusterStatus(), 0))
         timed("du_ms", lambda: service.handle(m.DirUsage(files=True), 0))
+    # Reclaims (16 files at most each): b's DRAM-only files, spread through the order among a's;
+    # b's on SSD; a's DRAM-only; and c, a node holding nothing evictable (the worst case of a
+    # walk through the whole order).
+    c_node = register("c", [], "register_c")
+    for node, tier, key in [(b_node, "dram", "b_dram"), (b_node, "disk", "b_disk"), (a_node, "dram", "a_dram"),
+                            (c_node, "dram", "nothing")]:
+        timed(f"reclaim_{key}_ms", lambda: service.handle(m.Reclaim(node, 16 * 4096, tier), node))
+        save()
+    a_held = held_of(1)  # (less what a's reclaim took)
     register("a", a_held[::2], "register_half")
     del a_held
     for _ in range(3):
         timed("status_after_ms", lambda: service.handle(m.ClusterStatus(), 0))
         timed("du_after_ms", lambda: service.handle(m.DirUsage(files=True), 0))
+
+    # d (down since the restart) is removed by an operator.
+    timed("remove_node_ms", lambda: service.handle(m.RemoveNode("d"), 0))
+    save()
+    slices("remove_node")
 
     # a falls silent for good; b heartbeats; the expiry passes run every 0.25 s.
     forgotten = False
@@ -151,19 +211,32 @@ def measure(files: int) -> dict[str, float]:
         if "a" not in service.registry.by_name:
             forgotten = True
             break
+        save()
     assert forgotten and a_node not in service.registry.nodes
-    while timed("forget_dead_slice_ms", lambda: service.pending_work(0.0)):
-        pass
+    timed("forget_dead_pass_save_ms", save)
+    slices("forget_dead")
+    # A writer that never renames: temp files, being written (none an orphan); b asks for orphans.
+    temp_dir = service.handle(m.MkDir(ROOT_INO, b"temp", 0o755, 0, 0), b_node).ino
+    for i in range(max(1, files // 10)):
+        service.handle(m.Create(temp_dir, b"k%07d.tmp" % i, 0o644, 0, 0, b_node, True), b_node)
+    save()
+    for _ in range(3):
+        timed("collect_orphans_ms", lambda: service.handle(m.CollectOrphans(), b_node))
     out["files_left"] = service.ns.files
+    if state is not None:
+        state.close()
     return out
 
 
-def child(tree: Path, files: int) -> dict[str, float]:
+def child(tree: Path, files: int, save: bool, policy: str) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); sys.path.insert(1, {str(REPO / 'scripts')!r}); "
-            f"import bench_loop_bounds as b; print(json.dumps(b.measure({files})))")
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(tree), check=True, capture_output=True,
-                          text=True)
+    with tempfile.TemporaryDirectory(prefix="bench-loop-bounds-") as scratch:
+        state = repr(scratch) if save else "None"
+        code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); "
+                f"sys.path.insert(1, {str(REPO / 'scripts')!r}); "
+                f"import bench_loop_bounds as b; print(json.dumps(b.measure({files}, {state}, {policy!r})))")
+        done = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(tree), check=True, capture_output=True,
+                              text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -178,6 +251,8 @@ def main() -> None:
     parser.add_argument("--files", default="1M")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--base", type=Path, help="an older tree to compare with, in alternating rounds")
+    parser.add_argument("--no-save", action="store_true", help="no lmdb state: steps only, no daemon slices")
+    parser.add_argument("--policy", default="reuse", help="the master's eviction policy (its default: reuse)")
     args = parser.parse_args()
     files = parse_count(args.files)
     trees = {"this": REPO} if args.base is None else {"base": args.base.resolve(), "this": REPO}
@@ -185,7 +260,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         order = list(trees.items()) if round_ % 2 == 0 else list(reversed(trees.items()))
         for name, tree in order:
-            results[name].append(child(tree, files))
+            results[name].append(child(tree, files, not args.no_save, args.policy))
             print(f"round {round_ + 1}: {name} done", file=sys.stderr)
     keys = list(dict.fromkeys(key for r in results["this"] for key in r if key.endswith("_ms")))
     print(f"files: {int(results['this'][0]['files'])}; longest single call (CPU ms), median of {args.rounds} rounds")

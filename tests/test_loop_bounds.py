@@ -17,8 +17,9 @@ from typing import Any
 
 from kvfs.clock import ManualClock
 from kvfs.cluster.backlog import STEP_ITEMS
-from kvfs.cluster.master import MasterSettings, MetadataService
+from kvfs.cluster.master import ORPHAN_WALK_MAX, RECLAIM_WALK_MAX, MasterSettings, MetadataService
 from kvfs.cluster.namespace import ROOT_INO
+from kvfs.cluster.objects import COMPACT_STEP
 from kvfs.cluster.persist import MasterState
 from kvfs.cluster.totals import count_nodes
 from kvfs.cluster.usage import walk_tops
@@ -136,14 +137,151 @@ def test_a_registration_touches_what_the_node_reported_not_what_it_stored() -> N
         if not left:
             break
     assert len(touched) <= files // STEP_ITEMS + 2
-    # Each slice touches its own files, but for the object directory's compaction of the node's
-    # id array (in C, once forgotten ids outnumber live ones: geometric, O(1) per file amortized).
-    compactions = [count for count in touched if count > SLICE]
-    assert len(compactions) <= files.bit_length() and sum(touched) <= SLICE * len(touched) + 3 * files
+    # Each slice touches its own files, and a few ids of the node's id array per file forgotten
+    # (its compaction, once forgotten ids outnumber live ones, goes with the forgets: never
+    # the whole array in one slice).
+    assert max(touched) <= SLICE + COMPACT_STEP * STEP_ITEMS
     listed = service.handle(m.ReadDir(directory, 0, 10_000), b).entries
     assert sorted(entry.name for entry in listed) == sorted(
         [b"a%06d" % i for i in range(0, files, 400)] + [b"theirs", b"new"])
     assert service.registry.nodes[a].kept is None  # reconciled: nothing of a's is hidden any more
+
+
+def test_forgetting_a_dead_node_touches_a_slice_per_pass_even_with_half_its_ids_forgotten() -> None:
+    service = cluster(forget_dead_after_s=60.0)
+    a, b = join(service, "a"), join(service, "b")
+    directory = service.handle(m.MkDir(ROOT_INO, b"model", 0o755, 0, 0), a).ino
+    files = 48 * STEP_ITEMS
+    stored = [store(service, directory, b"a%06d" % i, a) for i in range(files)]
+    join(service, "a", [held(service, v) for v in stored[::2]])  # restarted with half of them
+    service.backlog.drain()
+    versions, inodes = counted(service)
+    bound = SLICE + COMPACT_STEP * STEP_ITEMS  # a slice's files, and the compaction's share per forget
+    passes = []
+    for _ in range(400):  # a falls silent for good; b heartbeats; the expiry passes every 0.25 s
+        service.clock.advance(0.25)
+        service.handle(m.Heartbeat(0, 0), b)
+        versions.touched = inodes.touched = 0
+        service.expire_nodes()
+        passes.append(versions.touched)
+        assert inodes.touched <= SLICE
+        if "a" not in service.registry.by_name:
+            break
+    assert "a" not in service.registry.by_name
+    # The pass that forgot a: one slice of its files, not its id array (half of which was
+    # forgotten ids, compacted once they outnumber the live ones).
+    assert max(passes) <= bound
+    slices = 0
+    while True:
+        versions.touched = inodes.touched = 0
+        left = service.pending_work(0.0)
+        assert versions.touched <= bound and inodes.touched <= SLICE
+        slices += 1
+        if not left:
+            break
+    assert slices <= files // STEP_ITEMS + 2
+    assert service.ns.files == 0 and a not in service.objects.by_node
+
+
+def test_a_reclaim_walks_the_nodes_files_on_its_tier_not_the_others() -> None:
+    service = cluster(publish_grace_s=0.0)
+    a, b = join(service, "a"), join(service, "b")
+    directory = service.handle(m.MkDir(ROOT_INO, b"model", 0o755, 0, 0), a).ino
+    files = 8 * STEP_ITEMS
+    on_a = [store(service, directory, b"a%06d" % i, a) for i in range(files)]
+    service.handle(m.Offloaded(on_a[:-20]), a)  # a's copies went to SSD, but for its 20 newest
+    [store(service, directory, b"b%02d" % i, b) for i in range(20)]  # b's: the newest files of all
+    versions, inodes = counted(service)
+
+    # b's DRAM: the policy's order of b's files only, not past a's (older, all before them).
+    removed = service.handle(m.Reclaim(b, 3 * 4096, "dram"), b)
+    assert [name for _, name, _ in removed.entries] == [b"b00", b"b01", b"b02"]
+    assert inodes.touched <= 3 * 16 and versions.touched <= 3 * 16
+    # a's DRAM: its 20 DRAM-only files, oldest first, not past the thousands on its SSD.
+    inodes.touched = versions.touched = 0
+    removed = service.handle(m.Reclaim(a, 2 * 4096, "dram"), a)
+    assert [name for _, name, _ in removed.entries] == [b"a%06d" % i for i in (files - 20, files - 19)]
+    assert inodes.touched <= 2 * 16 and versions.touched <= 2 * 16
+    # a's SSD: its oldest file on SSD, and a's copies that move to SSD now follow.
+    service.handle(m.Offloaded(on_a[-18:]), a)
+    inodes.touched = versions.touched = 0
+    removed = service.handle(m.Reclaim(a, 4096, "disk"), a)
+    assert [name for _, name, _ in removed.entries] == [b"a%06d" % 0]
+    assert inodes.touched <= 16 and versions.touched <= 16
+    assert service.handle(m.Reclaim(a, 4096, "dram"), a).entries == []  # none left only in DRAM
+
+
+def test_a_reclaim_among_open_files_looks_at_a_bounded_number() -> None:
+    service = cluster(publish_grace_s=0.0)
+    a = join(service, "a")
+    files = RECLAIM_WALK_MAX + 2 * STEP_ITEMS
+    stored = [store(service, ROOT_INO, b"k%06d" % i, a) for i in range(files)]
+    for version in stored:  # every file being read; the last one read is closed again
+        service.handle(m.OpenRead(service.objects.versions[version].ino), a)
+    service.handle(m.Release(stored[-1], False), a)
+    versions, inodes = counted(service)
+    assert service.handle(m.Reclaim(a, 4096, "dram"), a).entries == []  # (it asks again as files close)
+    assert inodes.touched <= RECLAIM_WALK_MAX + 16 and versions.touched <= RECLAIM_WALK_MAX + 16
+
+
+def test_collecting_orphans_looks_at_a_bounded_share_of_the_temp_files_each_time() -> None:
+    service = cluster(temp_grace_s=60.0)
+    a = join(service, "a")
+    files = 5 * ORPHAN_WALK_MAX
+    for i in range(files):  # a writer that never renames: temp files pile up, a few of them orphans
+        opened = service.handle(m.Create(ROOT_INO, b"k%05d.tmp" % i, 0o644, 0, 0, a, True), a)
+        if i % 50 == 0:
+            service.handle(m.Seal(opened.version, 4096, service.clock.wall_ns(), [1], release=True), a)
+    versions, inodes = counted(service)
+    assert service.handle(m.CollectOrphans(), a).entries == []  # none past the grace yet
+    assert inodes.touched <= ORPHAN_WALK_MAX and versions.touched <= ORPHAN_WALK_MAX
+    service.clock.advance(61)
+    collected: list[bytes] = []
+    for _ in range(files // ORPHAN_WALK_MAX):  # each call goes on where the last one stopped
+        inodes.touched = versions.touched = 0
+        collected += [name for _, name, _ in service.handle(m.CollectOrphans(), a).entries]
+        assert inodes.touched <= 3 * ORPHAN_WALK_MAX and versions.touched <= 3 * ORPHAN_WALK_MAX
+    assert sorted(collected) == [b"k%05d.tmp" % i for i in range(0, files, 50)]
+    assert service.handle(m.CollectOrphans(), a).entries == []
+
+
+def test_removing_a_node_answers_with_its_count_and_its_files_go_in_slices() -> None:
+    service = cluster()
+    a, b = join(service, "a"), join(service, "b")
+    directory = service.handle(m.MkDir(ROOT_INO, b"model", 0o755, 0, 0), a).ino
+    files = 16 * STEP_ITEMS
+    for i in range(files):
+        store(service, directory, b"a%06d" % i, a, size=100)
+    kept = store(service, directory, b"theirs", b)
+    for _ in range(40):  # a falls silent; b heartbeats; the expiry passes every 0.25 s
+        service.clock.advance(0.25)
+        service.handle(m.Heartbeat(0, 0), b)
+        service.expire_nodes()
+        if not service.registry.nodes[a].live:
+            break
+    assert not service.registry.nodes[a].live
+    service.backlog.drain()  # (its files hidden from b's copies)
+    versions, inodes = counted(service)
+    removed = service.handle(m.RemoveNode("a"), 0)
+    assert versions.touched <= SLICE + COMPACT_STEP * STEP_ITEMS and inodes.touched <= SLICE
+    assert removed.files == files and removed.freed_bytes == 100 * files
+    assert len(removed.entries) == STEP_ITEMS  # (the first slice's; the rest follow)
+    assert "a" not in service.registry.by_name
+    while True:
+        versions.touched = inodes.touched = 0
+        left = service.pending_work(0.0)
+        assert versions.touched <= SLICE + COMPACT_STEP * STEP_ITEMS and inodes.touched <= SLICE
+        if not left:
+            break
+    assert [entry.name for entry in service.handle(m.ReadDir(directory, 0, 100), b).entries] == [b"theirs"]
+    assert list(service.objects.versions) == [kept] and a not in service.objects.by_node
+    forgotten: list[bytes] = []
+    while True:  # b's kernel forgets every name of a's, over heartbeats
+        beat = service.handle(m.Heartbeat(0, 0), b)
+        if not beat.forget:
+            break
+        forgotten += [name for _, name, _ in beat.forget]
+    assert sorted(forgotten) == [b"a%06d" % i for i in range(files)]
 
 
 def test_a_registration_again_midway_stops_the_previous_removal() -> None:

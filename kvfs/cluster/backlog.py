@@ -15,7 +15,7 @@ from collections import deque
 from typing import Callable, Iterator
 
 Job = Iterator[None]  # each step does a bounded amount of work, then yields
-STEP_ITEMS = 1024  # items a job handles per step (about a millisecond of Python each)
+STEP_ITEMS = 1024  # items a job handles per step (1-10 ms of Python: a file removed is the costliest item)
 
 
 class Backlog:

@@ -25,6 +25,7 @@ from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace, check_name, check
 from kvfs.cluster.objects import FileVersion
 from kvfs.cluster.opens import OpenHandles
 from kvfs.cluster.registry import LOCAL_NODE, Registry
+from kvfs.cluster.tempfiles import TempFiles
 from kvfs.cluster.totals import CountedObjects
 from kvfs.cluster.usage import DirectoryUsage, DirTotals
 from kvfs.cluster.validate import check_request
@@ -35,10 +36,22 @@ from kvfs.policy import EvictionPolicy
 # their number): what a GetRecord answer and a node's SSD index record carry.
 XATTRS_MAX_BYTES = 256 << 10
 RECLAIM_MAX_FILES = 16  # files evicted per reclaim request
+# Candidates of the node and tier a reclaim looks at, at most, before it answers with what
+# it found: bounds the request when most are open (the node asks again as files close).
+RECLAIM_WALK_MAX = 8192
 # Files being published passed over per reclaim before the scan stops and they are taken
 # after all, in the policy's order: bounds the scan when nearly every file is fresh
 # (writers that never rename, at a rate that fills the tier within the grace).
 PUBLISHING_SKIP_MAX = 4096
+# Temp files a CollectOrphans looks at, at most: the next request goes on from there (nodes
+# ask every gc interval), so with more than this an orphan waits a few more intervals.
+ORPHAN_WALK_MAX = 1024
+
+
+def evict_group(version: FileVersion) -> tuple[int, bool]:
+    """What the eviction policy files a file under: its node, and whether its copy is on SSD
+    (a reclaim asks for one node's DRAM-only files, or for its files on SSD)."""
+    return version.node, version.on_disk
 
 
 def name_identity(parent: int, name: bytes) -> int:
@@ -85,11 +98,12 @@ class MetadataService:
         self.settings = settings
         self.ns = Namespace(clock.wall_ns(), settings.root_mode, settings.root_uid, settings.root_gid)
         self.objects = CountedObjects()  # an ObjectDirectory with per-node running totals
+        self.objects.tier_changed = self._tier_changed
         self.dir_totals = DirTotals(self.objects)  # per directory, what its subtree holds (kvfs du)
         self.registry = Registry(settings.dead_after_s)
         if not settings.cluster:
             self.registry.add_local()
-        self._temp_files: set[int] = set()
+        self._temp_files = TempFiles()
         # Files being published: created here and not yet renamed or read. The value is
         # when the file was closed (sealed), None while it is still being written.
         self._unpublished: dict[int, float | None] = {}
@@ -201,7 +215,7 @@ class MetadataService:
                 self._temp_files.add(inode.ino)
             if version is not None and version.sealed:
                 self._identify(inode)
-                self.policy.insert(inode.ino, version.size, now)
+                self.policy.insert(inode.ino, version.size, now, evict_group(version))
         self.dir_totals.recount(self.ns)
 
     def apply(self, inodes: list[Inode], versions: list[FileVersion], gone_inodes: list[int],
@@ -265,7 +279,7 @@ class MetadataService:
             version = objects.versions.get(inode.version)
             if version is not None and version.sealed:
                 self._identify(inode)
-                self.policy.insert(ino, version.size, now)
+                self.policy.insert(ino, version.size, now, evict_group(version))
         ns.dirty.clear()
         for ino in gone_inodes:
             self.dir_totals.removed_dir(ino)  # (a file's number is no directory's: nothing then)
@@ -439,7 +453,15 @@ class MetadataService:
     def admit(self, inode: Inode, size: int) -> None:
         """A sealed, current file becomes evictable."""
         self._identify(inode)
-        self.policy.insert(inode.ino, size, self.clock.monotonic())
+        version = self.objects.versions.get(inode.version)
+        group = evict_group(version) if version is not None else None
+        self.policy.insert(inode.ino, size, self.clock.monotonic(), group)
+
+    def _tier_changed(self, version: FileVersion) -> None:
+        """A file's copy moved to the other tier: a reclaim of that tier finds it there."""
+        inode = self.ns.inodes.get(version.ino)
+        if inode is not None and inode.version == version.version:
+            self.policy.regroup(inode.ino, evict_group(version))
 
     def remove_file(self, inode: Inode, now: int, dropped: list[int], linger: bool = False) -> None:
         """Takes a file out of the namespace; its bytes go once nobody has them open.
@@ -862,10 +884,12 @@ class MetadataService:
         freed = 0
         now = self.clock.monotonic()
         publishing: list[tuple[Inode, FileVersion]] = []  # ranked after every published file
-        for ino in self.policy.candidates():
+        # The policy's order of this node's files on this tier only (never walking past
+        # other nodes' files, or, for DRAM, files already on SSD): O(what it skips here).
+        for walked, ino in enumerate(self.policy.candidates((req.node, req.tier == "disk"))):
             # Bytes of small files free less than their sum (blocks are powers of two, and
             # a writer needs a whole chunk): a few at a time; the node asks again if needed.
-            if freed >= req.nbytes or len(victims) >= RECLAIM_MAX_FILES:
+            if freed >= req.nbytes or len(victims) >= RECLAIM_MAX_FILES or walked >= RECLAIM_WALK_MAX:
                 break
             inode = self.ns.inodes.get(ino)
             version = self._evictable(inode, req.node, req.tier)
@@ -894,7 +918,7 @@ class MetadataService:
     def _collect_orphans(self, req: m.CollectOrphans) -> m.Removed:
         deadline = self.clock.wall_ns() - int(self.settings.temp_grace_s * 1e9)
         orphans = []
-        for ino in self._temp_files:
+        for ino in self._temp_files.take_round(ORPHAN_WALK_MAX):
             inode = self.ns.inodes[ino]
             version = self.objects.versions.get(inode.version)
             if version is not None and version.sealed and not version.in_use and inode.mtime_ns < deadline:

@@ -254,14 +254,19 @@ class Membership:
                 self.forgotten += 1
         return [node.node_id for node in dead]
 
-    def _forget_job(self, node_id: int) -> Iterator[None]:
+    def _forget_job(self, node_id: int, entries: list[tuple[int, bytes, int]] | None = None) -> Iterator[None]:
         """The versions of a forgotten node (no longer registered: hidden, as no live node holds
-        them, and its id is never reused) leave the namespace a slice at a time."""
+        them, and its id is never reused) leave the namespace a slice at a time; the files
+        of the first slice are listed in `entries`."""
         ids = self.objects.by_node.get(node_id, array("Q"))[:]  # (a copy in C)
         versions = self.objects.versions
         for start in range(0, len(ids), STEP_ITEMS):
             found = [version for version in map(versions.get, dict.fromkeys(ids[start:start + STEP_ITEMS]))
                      if version is not None and version.node == node_id]
+            if entries is not None:
+                inodes = (self.ns.inodes.get(version.ino) for version in found if version.current)
+                entries += [(inode.parent, inode.name, inode.ino) for inode in inodes if inode is not None]
+                entries = None
             self._forget_versions(found)
             self.files.route_outcomes(node_id)  # (their node does not hold them: nothing to free)
             yield
@@ -372,13 +377,13 @@ class Membership:
             raise MetadataError(errno.ENOENT, f"no node named {req.name!r}")
         if node.live or node.registering:
             raise MetadataError(errno.EBUSY, f"node {req.name!r} is up; stop it first")
-        gone = self.objects.of_node(node.node_id)
-        entries = [(inode.parent, inode.name, inode.ino) for inode in
-                   (self.ns.inodes.get(version.ino) for version in gone if version.current) if inode is not None]
-        freed = sum(version.size for version in gone if version.current)
-        self._forget_versions(gone)
+        # As a node forgotten for its silence: unregistered, its files (hidden) go in slices, the
+        # first now; the answer counts them all and lists the first slice's (all, up to STEP_ITEMS).
+        files, _, _, freed = self.objects.totals(node.node_id)
         self._unregister(node)
-        return m.Removed([], entries, freed)
+        entries: list[tuple[int, bytes, int]] = []
+        self.backlog.add(self._forget_job(node.node_id, entries))
+        return m.Removed([], entries, freed, files=files)
 
     def cluster_status(self, req: m.ClusterStatus) -> m.ClusterInfo:
         """O(nodes): each node's files and bytes are running totals (kvfs.cluster.totals)."""

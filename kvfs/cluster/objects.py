@@ -10,12 +10,16 @@ from __future__ import annotations
 import errno
 from array import array
 from itertools import compress
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 from kvfs.errors import MetadataError
 
 
 SHARED_SIZES = 4096  # distinct file sizes whose int objects versions share
+# Ids of a node's id array examined per add or forget of one of its versions while the array
+# is being compacted: the compaction's cost is spread over the changes that made it due (a
+# rebuild in one go is ~80 ms per million ids), and it ends before the forgotten ids double.
+COMPACT_STEP = 4
 _SEALED, _CURRENT, _ON_DISK, _HELD = 1, 2, 4, 8
 _NO_SUMS = b""
 
@@ -75,6 +79,54 @@ def _pack(checksums: Sequence[int]) -> bytes:
     return array("Q", checksums).tobytes() if checksums else _NO_SUMS
 
 
+class NodeIds:
+    """A node's version ids, 8 bytes each, in an array that ids are appended to. Ids of
+    versions forgotten since stay until they outnumber the live ones; the array is then
+    compacted a few ids per change (`step`), never in one go: meanwhile the ids are those
+    kept so far, then the rest of the old array (ids appended meanwhile go to its end)."""
+
+    __slots__ = ("kept", "old", "pos")
+
+    def __init__(self) -> None:
+        self.kept = array("Q")
+        self.old: array[int] | None = None  # being compacted, from `pos` on
+        self.pos = 0
+
+    def append(self, version_id: int) -> None:
+        (self.kept if self.old is None else self.old).append(version_id)
+
+    def __len__(self) -> int:
+        return len(self.kept) + (len(self.old) - self.pos if self.old is not None else 0)
+
+    def ids(self) -> array[int]:
+        """A copy of the ids (in C): callers walk it while versions come and go."""
+        return self.kept + self.old[self.pos:] if self.old is not None else self.kept[:]
+
+    def __getitem__(self, index: slice) -> array[int]:
+        return self.ids() if index == slice(None) else self.ids()[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ids())
+
+    @property
+    def compacting(self) -> bool:
+        return self.old is not None
+
+    def start(self) -> None:
+        self.old, self.kept, self.pos = self.kept, array("Q"), 0
+
+    def step(self, live: Callable[[int], bool], count: int) -> int:
+        """Keeps the live ids of the next `count` of the old array; returns how many it examined."""
+        old, pos = self.old, self.pos
+        assert old is not None
+        chunk = old[pos:pos + count]
+        self.kept.extend(compress(chunk, map(live, chunk)))
+        self.pos = pos + len(chunk)
+        if self.pos >= len(old):
+            self.old, self.pos = None, 0
+        return len(chunk)
+
+
 class ObjectDirectory:
     def __init__(self) -> None:
         self.versions: dict[int, FileVersion] = {}
@@ -82,9 +134,9 @@ class ObjectDirectory:
         self.sealed_bytes = 0
         self.dirty: set[int] = set()  # versions changed since the owner last saved them
         # node -> its versions' ids (append-only, 8 bytes each; ids of versions forgotten since
-        # stay until they are half of the array): a node's death, registration and removal
-        # touch that node's versions only, never every version.
-        self.by_node: dict[int, array[int]] = {}
+        # stay until they are half of the array, then go a few per change: `NodeIds`): a
+        # node's death, registration and removal touch that node's versions only.
+        self.by_node: dict[int, NodeIds] = {}
         self._node_versions: dict[int, int] = {}  # node -> how many versions it stores
         self._sizes: dict[int, int] = {}  # sizes seen, each one int object (see `seal`)
         self.retired: set[int] = set()  # versions no longer current, kept while open or held (a few)
@@ -130,14 +182,16 @@ class ObjectDirectory:
         self.versions[version.version] = version
         ids = self.by_node.get(version.node)
         if ids is None:
-            ids = self.by_node[version.node] = array("Q")
+            ids = self.by_node[version.node] = NodeIds()
         ids.append(version.version)
         self._node_versions[version.node] = self._node_versions.get(version.node, 0) + 1
+        if ids.compacting:
+            ids.step(self.versions.__contains__, COMPACT_STEP)
 
     def of_node(self, node: int) -> list[FileVersion]:
         """The versions stored on a node (O(its versions), not of every version)."""
         versions = self.versions
-        ids = self.by_node.get(node, ())
+        ids = self.by_node.get(node, NodeIds())
         if len(ids) == self._node_versions.get(node, 0):  # no forgotten ids among them
             return [versions[version_id] for version_id in ids]
         found = []
@@ -190,9 +244,12 @@ class ObjectDirectory:
         left = self._node_versions[node] = self._node_versions[node] - 1
         if not left:
             del self._node_versions[node], self.by_node[node]
-        elif len(self.by_node[node]) > 2 * left + 64:  # mostly forgotten ids: keep the live ones (in C)
+        else:
             ids = self.by_node[node]
-            self.by_node[node] = array("Q", compress(ids, map(self.versions.__contains__, ids)))
+            if not ids.compacting and len(ids) > 2 * left + 64:  # mostly forgotten ids: keep the live ones
+                ids.start()
+            if ids.compacting:
+                ids.step(self.versions.__contains__, COMPACT_STEP)
         if version.sealed:
             self.sealed_bytes -= version.size
         self.dirty.add(version.version)

@@ -13,6 +13,8 @@ retired, forgotten, offloaded, resized); the service changes `on_disk`, `size` a
 
 from __future__ import annotations
 
+from typing import Callable
+
 from kvfs.cluster.objects import FileVersion, ObjectDirectory
 
 # Per node: [files, DRAM-only files, files on SSD, bytes] of its current versions.
@@ -39,6 +41,9 @@ class CountedObjects(ObjectDirectory):
         # forget since it began knows every version it was told about is still there (O(1)).
         self.forgotten: dict[int, int] = {}
         self._counting = True  # (off while a saved state loads: counted once at the end)
+        # Told of a version whose copy moved between tiers (the master files its inode under
+        # the node's other tier in the eviction policy): whoever set `on_disk`, it follows.
+        self.tier_changed: Callable[[FileVersion], None] = lambda version: None
 
     def _count(self, version: FileVersion, sign: int) -> None:
         if not version.current:
@@ -100,6 +105,7 @@ class CountedObjects(ObjectDirectory):
             self._count(version, -1)
             version.on_disk = on_disk
             self._count(version, 1)
+            self.tier_changed(version)
 
     def set_size(self, version: FileVersion, size: int) -> None:
         self._count(version, -1)

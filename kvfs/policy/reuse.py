@@ -36,7 +36,10 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Iterator
+from typing import Hashable, Iterator
+
+from kvfs.policy.base import ALL
+from kvfs.policy.order import StampOrder
 
 BONUS_SCALE = 5e7  # bonus (in accesses) times resident blocks
 CLASS_WEIGHTS = (0.0, 1.0, 1.3, 2.0)  # first use, 2nd, 3rd, later
@@ -49,12 +52,19 @@ class ReusePolicy:
     def __init__(self, bonus: float | None = None, history: int = HISTORY) -> None:
         self.fixed_bonus = bonus  # None: BONUS_SCALE / resident blocks
         self.history = history
-        # One LRU list per class; within a class, priority grows with the last-use time.
-        self._lists: list[OrderedDict[int, int]] = [OrderedDict() for _ in CLASS_WEIGHTS]
-        self._class: dict[int, int] = {}  # resident key -> its class
+        # Per group (see `EvictionPolicy`), one LRU list per class; within a class, priority
+        # grows with the last-use time.
+        self._groups: dict[Hashable, list[StampOrder]] = {}
+        self._where: dict[int, StampOrder] = {}  # resident key -> its list (its group and class)
         self._uses: OrderedDict[int, int] = OrderedDict()  # identity (or key) -> uses so far (bounded)
         self._identity: dict[int, int] = {}  # key -> identity, for keys given one
-        self._clock = 0  # accesses so far: the policy's notion of time
+        self._clock = 0.0  # accesses so far: the policy's notion of time (a float: 8 B less than an int)
+
+    def _lists(self, group: Hashable) -> list[StampOrder]:
+        lists = self._groups.get(group)
+        if lists is None:
+            lists = self._groups[group] = [StampOrder(group, cls) for cls in range(len(CLASS_WEIGHTS))]
+        return lists
 
     def _count_use(self, key: int) -> int:
         history = self._identity.get(key, key)
@@ -64,28 +74,40 @@ class ReusePolicy:
             self._uses.popitem(last=False)
         return uses
 
-    def _place(self, key: int, uses: int) -> None:
-        old = self._class.get(key)
+    def _place(self, key: int, uses: int, group: Hashable, renamed: bool = False) -> None:
+        """Files the key under its class, as used now (or, `renamed`, as recent as it was:
+        every key's last-use time is its own, so the order never depends on how keys are grouped)."""
+        old = self._where.get(key)
+        stamp = self._clock
         if old is not None:
-            del self._lists[old][key]
-        cls = min(uses, len(CLASS_WEIGHTS)) - 1
-        self._class[key] = cls
-        self._lists[cls][key] = self._clock
+            last_use = old.discard(key)
+            if renamed:
+                stamp = last_use
+        order = self._where[key] = self._lists(group)[min(uses, len(CLASS_WEIGHTS)) - 1]
+        order.add(key, stamp)
 
-    def insert(self, key: int, size: int, now: float) -> None:
-        self._clock += 1
-        self._place(key, self._count_use(key))
+    def insert(self, key: int, size: int, now: float, group: Hashable = None) -> None:
+        self._clock += 1.0
+        self._place(key, self._count_use(key), group)
 
     def touch(self, key: int, now: float) -> None:
-        self._clock += 1
-        if key in self._class:
-            self._place(key, self._count_use(key))
+        self._clock += 1.0
+        order = self._where.get(key)
+        if order is not None:
+            self._place(key, self._count_use(key), order.group)
 
     def remove(self, key: int) -> None:
         self._identity.pop(key, None)
-        cls = self._class.pop(key, None)
-        if cls is not None:
-            del self._lists[cls][key]
+        order = self._where.pop(key, None)
+        if order is not None:
+            order.discard(key)
+
+    def regroup(self, key: int, group: Hashable) -> None:
+        order = self._where.get(key)
+        if order is not None and order.group != group:
+            stamp = order.discard(key)
+            order = self._where[key] = self._lists(group)[order.cls]
+            order.add(key, stamp)
 
     def identify(self, key: int, identity: int) -> None:
         """Uses counted under the key so far join the identity's history (a block stored
@@ -98,25 +120,26 @@ class ReusePolicy:
         if not uses:
             return
         self._uses[identity] = uses
-        if key in self._class and uses > 1:  # named right after it was stored: as recent as it was
-            self._place(key, uses)
+        order = self._where.get(key)
+        if order is not None and uses > 1:  # named right after it was stored: as recent as it was
+            self._place(key, uses, order.group, renamed=True)
 
-    def candidates(self) -> Iterator[int]:
-        """Keys by priority (last use + class bonus), lowest first: a lazy merge of the class lists."""
-        streams = [self._by_priority(entries, self.bonus * weight)
-                   for entries, weight in zip(self._lists, CLASS_WEIGHTS)]
+    def candidates(self, group: Hashable = ALL) -> Iterator[int]:
+        """Keys by priority (last use + class bonus), lowest first: a lazy merge of the class
+        lists (of one group, or of every group)."""
+        if group is ALL:
+            lists = [order for orders in self._groups.values() for order in orders]
+        else:
+            lists = self._groups.get(group, [])
+        bonus = self.bonus
+        streams = [order.items(bonus * CLASS_WEIGHTS[order.cls]) for order in lists if order]
         return (key for _, key in heapq.merge(*streams))
 
     @property
     def bonus(self) -> float:
         if self.fixed_bonus is not None:
             return self.fixed_bonus
-        return BONUS_SCALE / max(1, len(self._class))
-
-    @staticmethod
-    def _by_priority(entries: OrderedDict[int, int], shift: float) -> Iterator[tuple[float, int]]:
-        return ((time + shift, key) for key, time in entries.items())
+        return BONUS_SCALE / max(1, len(self._where))
 
     def __len__(self) -> int:
-        return len(self._class)
-
+        return len(self._where)

@@ -440,6 +440,7 @@ class Removed(msgspec.Struct):
     # (Reclaim) the caller's versions that other nodes' requests released since its last
     # heartbeat: their room is free now, not at the next beat.
     released: list[int] = []
+    files: int = 0  # (RemoveNode) files removed, those listed and those that go in slices after
 
 
 class Listing(msgspec.Struct):
