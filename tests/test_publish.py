@@ -236,3 +236,65 @@ def test_numbers_are_unique_across_node_and_master_restarts(cluster: Cluster) ->
         store(b, f"b{i}")
     # a0-a4 were in the killed node's DRAM only: gone with it (acknowledged as stored, not as on SSD)
     assert sorted(os.listdir(b.path / "u")) == sorted([f"a{i}" for i in range(5, 15)] + [f"b{i}" for i in [*range(5), *range(10, 15)]])
+
+
+# The master's side, on a real etcd: a standby's copy applies a publish's records -------
+
+
+def test_a_standby_applies_publishes_and_number_grants_as_a_fresh_load_would(etcd_cluster) -> None:
+    import time
+
+    import trio
+    from master_view import saved_view
+    from test_standby import Leader, derived_view, elect, new_service, until
+
+    from kvfs.cluster.namespace import ROOT_INO
+    from kvfs.errors import MetadataError
+    from kvfs.net.etcd import EtcdClient
+    from kvfs.net.etcdstate import EtcdState
+    from kvfs.net.follow import Follower
+    from kvfs.wire import messages as m
+
+    def publish(leader: Leader, numbers: tuple[int, int], parent: int, name: bytes, **options: bool) -> m.Published:
+        ino, version = numbers
+        return leader.call(m.Publish(parent, name, leader.node, ino, version, 0o644, 0, 0, 4096, [7],
+                                     time.time_ns(), time.time_ns(), **options))
+
+    async def main() -> None:
+        client = EtcdClient(etcd_cluster.urls)
+        leader = Leader(client, await elect(client))
+        directory = leader.call(m.MkDir(ROOT_INO, b"kv", 0o755, 0, 0)).ino
+        leader.write(directory, b"old")
+        await leader.commit()
+        follower = Follower(client, "t", new_service)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(follower.run)
+            await until(lambda: follower.service is not None, "the standby's load")
+            block = leader.call(m.GrantNumbers(8))
+            numbers = [(block.first_ino + i, block.first_version + i) for i in range(block.count)]
+            await leader.commit()  # a grant alone is committed: its counters
+            publish(leader, numbers[0], directory, b"new")
+            publish(leader, numbers[1], directory, b"old")  # replaces the file that had the name
+            leader.call(m.MkDir(directory, b"sub", 0o755, 0, 0))
+            for refused, options, code in ((numbers[2], {}, errno.EISDIR), (numbers[0], {}, errno.EINVAL),
+                                           ((block.first_ino + 8, block.first_version + 8), {}, errno.EINVAL),
+                                           (numbers[3], {"noreplace": True}, errno.EEXIST)):
+                name = b"sub" if code == errno.EISDIR else b"new"
+                with pytest.raises(MetadataError) as raised:
+                    publish(leader, refused, directory, name, **options)
+                assert raised.value.errno == code
+            await leader.commit()
+            await until(lambda: follower.revision >= leader.state.revision, "the standby following")
+            nursery.cancel_scope.cancel()
+        copy, _ = await follower.catch_up(leader.state.revision, 5.0)
+        copy.settle()
+        fresh = new_service()
+        await EtcdState(client, "t").load(fresh)
+        assert saved_view(copy) == saved_view(fresh) == saved_view(leader.service)
+        assert derived_view(copy) == derived_view(fresh)
+        assert copy.ns.lookup(directory, b"new").ino == numbers[0][0]
+        assert copy.ns.lookup(directory, b"old").version == numbers[1][1]
+        assert fresh.ns.next_ino >= block.first_ino + 8 and fresh.objects.next_version >= block.first_version + 8
+        await client.aclose()
+
+    trio.run(main)
