@@ -172,6 +172,19 @@ def test_a_refused_publish_gives_the_errno_and_leaves_the_temp_file(two_nodes) -
     wait_until(lambda: stats(a)["dram_used"] <= used + 4096, what="the temp file's bytes freed")
 
 
+def test_an_abandoned_temp_file_is_collected_by_its_node(cluster: Cluster) -> None:
+    """A writer that closed a temp file and died before the rename: the node collects it
+    once it was untouched for --temp-grace, and frees its bytes; a fresh one stays."""
+    a = cluster.add_node("64M", "--temp-grace", "1", "--gc-interval", "0.2")
+    (a.path / "o").mkdir()
+    used = stats(a)["dram_used"]
+    write_temp(a.path / "o" / "abandoned.tmp", os.urandom(1 << 20))
+    wait_until(lambda: not (a.path / "o" / "abandoned.tmp").exists(), what="the orphan collected")
+    wait_until(lambda: stats(a)["dram_used"] == used, what="its bytes freed")
+    store_like_vllm(a.path / "o", "published", b"p")  # published files are the master's: never orphans
+    assert (a.path / "o" / "published").read_bytes() == b"p"
+
+
 def test_a_node_killed_before_the_rename_leaves_nothing_behind(cluster: Cluster) -> None:
     """kill -9 with an unpublished temp file (on SSD too): the master never held anything of
     it, and the node comes back clean, its temp file gone."""
