@@ -58,6 +58,13 @@ def rename_noreplace(old: Path, new: Path) -> int:
     return 0 if result == 0 else ctypes.get_errno()
 
 
+def reads(path: Path, expected: bytes) -> bool:
+    try:
+        return path.read_bytes() == expected
+    except OSError:
+        return False
+
+
 def stats(node: KvfsMount) -> dict:
     return json.loads(os.getxattr(node.path, "user.kvfs.stats"))
 
@@ -151,6 +158,30 @@ def test_local_operations_on_a_temp_file(two_nodes) -> None:
         file.write(b"def")
     os.rename(fourth, a.path / "ops" / "w")
     assert (b.path / "ops" / "w").read_bytes() == b"abcdef"
+
+
+def test_a_temp_file_still_open_is_handed_over_unsealed(two_nodes) -> None:
+    """A rename, or an fchmod, while the writer still has the temp file open publishes it
+    unsealed: the writer goes on writing, and its close seals it as for any file."""
+    a, b = two_nodes
+    (a.path / "open").mkdir()
+    renamed = a.path / "open" / "r.tmp"
+    with open(renamed, "xb") as file:
+        file.write(b"first ")
+        file.flush()
+        os.rename(renamed, a.path / "open" / "r")
+        file.write(b"second")
+    wait_until(lambda: reads(b.path / "open" / "r", b"first second"), what="the whole file on the other node")
+    chmodded = a.path / "open" / "c.tmp"
+    with open(chmodded, "xb") as file:
+        file.write(b"one ")
+        file.flush()
+        os.fchmod(file.fileno(), 0o600)
+        file.write(b"two")
+    assert (b.path / "open" / "c.tmp").read_bytes() == b"one two"  # the master's now, by its temp name
+    assert os.stat(b.path / "open" / "c.tmp").st_mode & 0o777 == 0o600
+    os.rename(chmodded, a.path / "open" / "c")
+    assert (b.path / "open" / "c").read_bytes() == b"one two"
 
 
 def test_a_refused_publish_gives_the_errno_and_leaves_the_temp_file(two_nodes) -> None:
