@@ -140,6 +140,10 @@ def test_local_operations_on_a_temp_file(two_nodes) -> None:
     assert stats(a)["dram_used"] > used
     os.rename(first, second)
     assert not first.exists() and os.stat(second).st_size == 1 << 20
+    assert "user.kvfs.version" in os.listxattr(second)  # answered here: the file stays private
+    with pytest.raises(OSError) as raised:
+        os.getxattr(second, "user.tag")
+    assert raised.value.errno == errno.ENODATA and not (b.path / "ops" / "y.tmp").exists()
     os.unlink(second)
     assert not second.exists()
     wait_until(lambda: stats(a)["dram_used"] == used, what="the unlinked temp file's bytes freed")

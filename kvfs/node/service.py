@@ -430,6 +430,9 @@ class Node:
         """A version of a temp file only this node knows (not reported to the master)."""
         return self.private.of_version(version) is not None
 
+    def is_private_ino(self, ino: int) -> bool:
+        return ino in self.private
+
     async def _create_private(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
                               exclusive: bool) -> tuple[OpenFile, m.Attr] | None:
         """A temp file created here, with numbers from the granted block: no request. None:

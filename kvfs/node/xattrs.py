@@ -51,6 +51,9 @@ class XattrNode(Protocol):
     async def promote(self, ino: int) -> None:
         """A temp file only this node knows goes to the master first (kvfs.node.private)."""
 
+    def is_private_ino(self, ino: int) -> bool:
+        """A temp file only this node knows: it has no user.* attribute (setting one promotes it)."""
+
     def store_stats(self) -> dict[str, float]:
         """The node's store and activity counters."""
 
@@ -81,7 +84,8 @@ class NodeXattrs:
             # kernel asks for security.capability before every write to a file (to clear
             # it), which would otherwise be a master round trip per write.
             raise StorageError(errno.ENODATA, f"no xattr {name!r} on inode {ino} (only user.* attributes exist)")
-        await self.node.promote(ino)
+        if self.node.is_private_ino(ino):
+            raise StorageError(errno.ENODATA, f"no xattr {name!r} on inode {ino}")
         return (await self.master.call(m.GetXattr(ino, name))).value
 
     async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
@@ -129,7 +133,8 @@ class NodeXattrs:
                                           f"copied to SSD: {self.store.faults.last_error()}")
 
     async def listxattr(self, ino: int) -> list[bytes]:
-        await self.node.promote(ino)
+        if self.node.is_private_ino(ino):  # (ls -l asks: no reason to hand the file over)
+            return list(VIRTUAL_XATTRS)
         names = (await self.master.call(m.ListXattr(ino))).names
         if ino == ROOT_INO:
             return names + [ROOT_STATS, ROOT_USAGE]
