@@ -39,7 +39,7 @@ ADMIN: frozenset[type[m.Request]] = READ_ONLY | {m.RemoveNode}
 NODE_ONLY: frozenset[type[m.Request]] = frozenset({m.RemoveNode})  # what a node may not do
 
 # Requests that name the node they act for, and those that name versions the caller must store.
-_NODE_FIELD = (m.Create, m.OpenWrite, m.Reclaim, m.Restore)
+_NODE_FIELD = (m.Create, m.OpenWrite, m.Reclaim, m.Restore, m.Publish)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from kvfs.cluster.registry import LOCAL_NODE, Registry
 from kvfs.cluster.tempfiles import TempFiles
 from kvfs.cluster.totals import CountedObjects
 from kvfs.cluster.usage import DirectoryUsage, DirTotals
-from kvfs.cluster.validate import check_request
+from kvfs.cluster.validate import check_request, file_size, new_name, time_ns
 from kvfs.errors import MetadataError
 from kvfs.policy import EvictionPolicy
 
@@ -157,6 +157,8 @@ class MetadataService:
             m.Unwatch: lambda req: self.members.unwatch(req, self._caller),
             m.RemoveNode: self.members.remove_node,
             m.DirUsage: self._dir_usage,
+            m.GrantNumbers: self._grant_numbers,
+            m.Publish: self._publish,
         }
         self.usage = DirectoryUsage()
         self.notify: set[int] = set()  # nodes with name changes to push
@@ -649,6 +651,67 @@ class MetadataService:
         self._link(new_parent, req.name_new, source, now, counted=moved)
         directories = [self.attr(self.ns.inodes[ino]) for ino in dict.fromkeys((req.parent_old, req.parent_new))]
         return m.Done(dropped, self._files_on_disk(source), directories)
+
+    # Node-private temp files (kvfs.node.private) ------------------------------------
+
+    def _grant_numbers(self, req: m.GrantNumbers) -> m.Numbers:
+        """A block of inode and version numbers, taken from the counters: saved before the
+        answer like any change (the root's record is marked to carry them), so no number
+        of it is handed out again after a restart or a failover."""
+        self._known_node(self._caller)
+        first_ino, first_version = self.ns.next_ino, self.objects.next_version
+        self.ns.next_ino += req.count
+        self.objects.next_version += req.count
+        self.ns.dirty.add(ROOT_INO)  # (the counters are saved with any change)
+        return m.Numbers(first_ino, first_version, req.count)
+
+    def _publish(self, req: m.Publish) -> m.Published:
+        """Create, seal and rename in one: the file enters under its final name, with
+        rename's rules for a name that exists. Refusals change nothing."""
+        new_name(req.name)
+        file_size(req.size, "published size")
+        time_ns(req.mtime_ns, "mtime")
+        time_ns(req.ctime_ns, "ctime")
+        self._known_node(req.node)
+        if not (req.ino < self.ns.next_ino and req.version < self.objects.next_version) \
+                or req.ino in self.ns.inodes or req.version in self.objects.versions:
+            raise MetadataError(errno.EINVAL, f"publish of {req.name!r}: inode {req.ino} or version {req.version} "
+                                              "is not a granted, unused number")
+        directory = self.ns.directory(req.parent)
+        if not directory.linked:
+            raise MetadataError(errno.ENOENT, f"directory {req.parent} was removed")
+        target = self._entry(req.parent, req.name)
+        now = self.clock.wall_ns()
+        dropped: list[int] = []
+        if target is not None:
+            if req.noreplace:
+                raise MetadataError(errno.EEXIST, f"{req.name!r} exists in directory {req.parent}")
+            if target.is_dir:
+                raise MetadataError(errno.EISDIR, f"{req.name!r} in directory {req.parent} is a directory")
+            self.remove_file(target, now, dropped, linger=True)
+        self._claim(req.parent, req.name)  # a hidden file's name, once nothing can fail
+        inode = Inode(req.ino, stat.S_IFREG | stat.S_IMODE(req.mode), req.uid, req.gid, now, req.mtime_ns,
+                      max(req.ctime_ns, req.mtime_ns))
+        self.ns.inodes[inode.ino] = inode
+        self.ns.files += 1
+        self.ns.dirty.add(inode.ino)
+        version = FileVersion(req.version, inode.ino, req.node, writers=0 if req.sealed else req.writers)
+        self.objects._add(version)  # (its number was granted: next_version is past it)
+        self.objects.dirty.add(version.version)
+        if req.sealed:
+            self.objects.seal(version, req.size, req.checksums)
+        elif req.writers:
+            self._count_open(version.version, True, req.writers)
+        inode.version = version.version
+        self._link(directory, req.name, inode, now)
+        inode.mtime_ns, inode.ctime_ns = req.mtime_ns, max(req.ctime_ns, req.mtime_ns)
+        self.ns.reference(inode, self._caller)  # the caller's kernel holds it (it created it)
+        if req.sealed:
+            self.admit(inode, req.size)
+        else:  # being written: published by the rename that follows, or evicted last meanwhile
+            self._unpublished[inode.ino] = None
+            self._unpublished_peak = max(self._unpublished_peak, len(self._unpublished))
+        return m.Published(self.attr(inode), dropped, directories=[self.attr(directory)])
 
     def _files_on_disk(self, inode: Inode) -> list[int]:
         """Current versions on SSD at or below an inode (their recorded paths change with it)."""

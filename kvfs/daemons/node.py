@@ -91,7 +91,8 @@ class Daemon:
         self.node = Node(EmbeddedMaster(self.service), self.store, clock, forget_entries=self._forget_entries,
                          transport=transport,
                          invalidate_attrs=self._invalidate_attrs if config.master is not None else None,
-                         unsealed_per_user=unsealed_cap(config))
+                         unsealed_per_user=unsealed_cap(config), temp_suffix=settings.temp_suffix,
+                         temp_grace_s=config.temp_grace_s)
         self.operations = KvfsOperations(self.node, config)
         self.link: MasterLink | None = None
         self.peer_server: PeerServer | None = None

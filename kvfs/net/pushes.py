@@ -28,7 +28,7 @@ COPY_LEASE_S = 1.0  # a node's copies answer misses this long after a heartbeat 
 ACK_WAIT_S = 1.1 * COPY_LEASE_S
 # Requests that can add a name to a directory (or bring one back): only their replies wait.
 # A removal or a changed entry never makes a copy answer "absent" for a name that exists.
-ADDING_NAMES = (m.Create, m.MkDir, m.Symlink, m.Rename, m.Restore, m.Report, m.FinishRegistration)
+ADDING_NAMES = (m.Create, m.MkDir, m.Symlink, m.Rename, m.Restore, m.Report, m.FinishRegistration, m.Publish)
 
 
 def reply_waits(request: m.Request, temp_suffix: bytes) -> bool:

@@ -57,6 +57,9 @@ class MemberFiles(Protocol):
     def open_counts(self) -> list[tuple[int, bool, int]]:
         """(version, writer, handles) of every handle open here."""
 
+    def is_private(self, version: int) -> bool:
+        """A temp file's version the master does not know yet (kvfs.node.private)."""
+
     def drop(self, versions: Iterable[int]) -> None:
         """Frees versions the master no longer knows."""
 
@@ -203,6 +206,8 @@ class Membership:
         held = []
         records = self.store.disk_records()
         for version, size, checksums, on_disk in self.store.holdings():
+            if self.files.is_private(version):  # a temp file only this node knows (kvfs.node.private)
+                continue
             record = records.get(version)
             held.append(m.Held(version, size, True, on_disk, self.unreported_seals.get(version, 0), checksums,
                                to_file_record(record.file) if record is not None and on_disk else None))

@@ -38,6 +38,7 @@ from kvfs.config import format_size
 from kvfs.disk.records import DiskRecord
 from kvfs.errors import KvfsError, MetadataError, StorageError
 from kvfs.node.membership import Membership, to_disk_file, to_file_record
+from kvfs.node.private import BLOCK as NUMBER_BLOCK, NumberBlocks, PrivateFile, PrivateFiles
 from kvfs.node.xattrs import NodeXattrs
 from kvfs.store.evictions import EvictionSummary
 from kvfs.store.faults import STORAGE_ERRORS
@@ -108,7 +109,7 @@ class Node:
                  forget_entries: Callable[[list[tuple[int, bytes, int]]], None] = lambda entries: None,
                  transport: Transport | None = None,
                  invalidate_attrs: Callable[[int], Awaitable[None]] | None = None,
-                 unsealed_per_user: int = 0) -> None:
+                 unsealed_per_user: int = 0, temp_suffix: bytes = b"", temp_grace_s: float = 300.0) -> None:
         self.master = master
         self.store = store
         store.owner = self
@@ -150,6 +151,14 @@ class Node:
         # Registration, heartbeats and the directory copies' fetches and pushes.
         self.membership = Membership(master, store, self.dircache, self)
         self.xattrs = NodeXattrs(master, store, self)  # user.* and the virtual user.kvfs.* attributes
+        # Cluster mode: temp files stay on this node until renamed (kvfs.node.private).
+        self.temp_suffix = temp_suffix if transport is not None else b""
+        self.temp_grace_s = temp_grace_s
+        self.private = PrivateFiles()
+        self.numbers = NumberBlocks()
+        self._numbers_lock = trio.Lock()
+        self.number_requests = 0  # GrantNumbers sent
+        self.published = 0
 
     def forget_entries(self, entries: list[tuple[int, bytes, int]]) -> None:
         """Names removed behind the kernel's back (eviction, collection, another node): their
@@ -181,6 +190,10 @@ class Node:
 
     async def lookup(self, parent: int, name: bytes) -> m.Attr | None:
         check_name(name)  # as the master would: a name that cannot exist is no miss (ENAMETOOLONG)
+        private = self.private.named(parent, name) if self.temp_suffix else None
+        if private is not None:  # this node's own temp file: nobody else knows it
+            self.lookups_found += 1
+            return self._current(private.attr())
         if self.dircache is not None:  # cluster mode: the node's copy of the directory first
             if self.membership.copies_current() and self.dircache.absent(parent, name):  # (kvfs.net.pushes)
                 self.lookups_absent += 1
@@ -224,6 +237,9 @@ class Node:
         # permissions on path walks): those that came with this node's own change answer
         # (kvfs.node.dircache.OwnChanges); while the master is unreachable the last known
         # ones do, so that files stored here stay readable.
+        private = self.private.of_ino(ino)
+        if private is not None:
+            return self._current(private.attr())
         fresh = self.own_changes.get(ino, self.clock.monotonic())
         if fresh is not None:
             return fresh
@@ -250,6 +266,14 @@ class Node:
 
     async def setattr(self, ino: int, size: int | None, mode: int | None, uid: int | None, gid: int | None,
                       atime_ns: int | None, mtime_ns: int | None, handle: OpenFile | None) -> m.Attr:
+        private = self.private.of_ino(ino)
+        if private is not None:
+            if (mode, uid, gid, atime_ns, mtime_ns) == (None,) * 5 and private.version in self._writing:
+                self._check_file_size(size or 0)  # a truncate while written: this node's alone
+                if size is not None:
+                    self._resize(private.version, size)
+                return await self.getattr(ino)
+            await self.promote(ino)  # anything else: the master's, as for any file
         if size is not None:
             await self._truncate(ino, size, handle)
         if (mode, uid, gid, atime_ns, mtime_ns) != (None,) * 5:
@@ -314,6 +338,10 @@ class Node:
         return (await self.master.call(m.ReadLink(ino))).target
 
     async def unlink(self, parent: int, name: bytes) -> None:
+        private = self.private.named(parent, name) if self.temp_suffix else None
+        if private is not None:
+            self._unlink_private(private)
+            return
         done = await self.change(m.Unlink(parent, name))
         self.drop(done.dropped)
         self._own_change(parent, name, False, done)
@@ -323,7 +351,16 @@ class Node:
         self._own_change(parent, name, False, done)
 
     async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes, noreplace: bool) -> None:
+        private = self.private.named(parent_old, name_old) if self.temp_suffix else None
+        if private is not None:
+            await self._rename_private(private, parent_new, name_new, noreplace)
+            return
+        replaced = self.private.named(parent_new, name_new) if self.temp_suffix else None
+        if replaced is not None and noreplace:
+            raise MetadataError(errno.EEXIST, f"{name_new!r} exists in directory {parent_new}")
         done = await self.change(m.Rename(parent_old, name_old, parent_new, name_new, noreplace))
+        if replaced is not None:  # a file renamed over this node's temp file: that one goes
+            self._unlink_private(replaced)
         self.membership.names.moved(parent_old, name_old, parent_new, name_new)
         self._own_change(parent_old, name_old, False, done)
         self._own_change(parent_new, name_new, True, done)
@@ -342,7 +379,7 @@ class Node:
             answer = await self.master.call(request)
             if isinstance(answer, m.Opened) and answer.parent is not None:
                 directories = [answer.parent]
-            elif isinstance(answer, m.Done):
+            elif isinstance(answer, (m.Done, m.Published)):
                 directories = answer.directories
             for attr in directories:
                 self._remember_dir(attr)
@@ -377,14 +414,193 @@ class Node:
     # Files ---------------------------------------------------------------------------------
 
     async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int, exclusive: bool) -> tuple[OpenFile, m.Attr]:
+        if self.temp_suffix and name.endswith(self.temp_suffix):
+            created = await self._create_private(parent, name, mode, uid, gid, exclusive)
+            if created is not None:
+                return created
         opened = await self.change(m.Create(parent, name, mode, uid, gid, self.node_id, exclusive))
         self._own_change(parent, name, True, opened)
         self.membership.names.seen(parent, name, opened.attr)
         handle = await self._start_writing(opened, truncate=False, uid=uid)
         return handle, self._current(opened.attr)
 
+    # Private temp files (kvfs.node.private) --------------------------------------------
+
+    def is_private(self, version: int) -> bool:
+        """A version of a temp file only this node knows (not reported to the master)."""
+        return self.private.of_version(version) is not None
+
+    def is_private_ino(self, ino: int) -> bool:
+        return ino in self.private
+
+    async def _create_private(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+                              exclusive: bool) -> tuple[OpenFile, m.Attr] | None:
+        """A temp file created here, with numbers from the granted block: no request. None:
+        the name is a private file no writer has open, which a non-exclusive create opens
+        through the master (it is handed over first, as for a second write session)."""
+        check_name(name)
+        existing = self.private.named(parent, name)
+        if existing is not None:
+            if exclusive:
+                raise MetadataError(errno.EEXIST, f"{name!r} exists in directory {parent}")
+            state = self._writing.get(existing.version)
+            if state is None:
+                await self._publish(existing, existing.parent, existing.name, noreplace=False)
+                return None
+            state.writers += 1  # joining the version being written, as the master would
+            self._count_open(existing.version, True, 1)
+            return OpenFile(existing.ino, existing.version, True, 0), self._current(existing.attr())
+        ino, version = await self._take_numbers()
+        now = self.clock.wall_ns()
+        private = PrivateFile(parent, name, ino, version, mode, uid, gid, now, now, now,
+                              last_used=self.clock.monotonic())
+        self.private.add(private)
+        try:
+            handle = await self._start_writing(m.Opened(private.attr(), version), truncate=False, uid=uid)
+        except BaseException:
+            self.private.forget(private)
+            raise
+        return handle, self._current(private.attr())
+
+    async def _take_numbers(self) -> tuple[int, int]:
+        """An inode and a version number from the granted blocks; the next block is asked
+        for in the background before they run out (here, only if they did)."""
+        taken = self.numbers.take()
+        if taken is None:
+            await self._refill_numbers()
+            taken = self.numbers.take()
+            if taken is None:  # (taken by other creates meanwhile: one more block)
+                await self._refill_numbers(force=True)
+                taken = self.numbers.take()
+                assert taken is not None
+        if self.numbers.low() and not self._numbers_lock.locked():
+            self.store.spawn(self._refill_in_background)
+        return taken
+
+    async def _refill_numbers(self, force: bool = False) -> None:
+        async with self._numbers_lock:
+            if self.numbers.low() or force:
+                self.number_requests += 1
+                self.numbers.add(await self.master.call(m.GrantNumbers(NUMBER_BLOCK)))
+
+    async def _refill_in_background(self) -> None:
+        try:
+            await self._refill_numbers()
+        except KvfsError as error:  # the next create that finds none left asks again
+            log.debug("asking the master for inode and version numbers failed: %s", error)
+
+    async def _open_private(self, ino: int, flags: int) -> tuple[OpenFile, bool] | None:
+        """A reader of a private file opens it here; a writer (a second write session,
+        O_TRUNC) is served by the master once the file is handed to it (None)."""
+        private = self.private.of_ino(ino)
+        assert private is not None
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            await self.promote(ino)
+            return None
+        source = await self.store.open_read(private.version)
+        self._count_open(private.version, False, 1)
+        self.reader_opens[source.tier] += 1
+        handle = OpenFile(ino, private.version, False, private.size, source, leased=False)
+        if private.version in self._writing:
+            self._early_readers.setdefault(private.version, []).append(handle)
+        return handle, False
+
+    def _release_private(self, handle: OpenFile, private: PrivateFile) -> None:
+        """A handle of a private file closed: the last writer seals it here (the master
+        learns of it at the rename); an unlinked one goes with its last handle."""
+        version = handle.version
+        self._count_open(version, handle.writable, -1)
+        if handle.source is not None:
+            self.store.close_read(handle.source)
+            self._forget_early_reader(handle)
+        state = self._writing.get(version)
+        if handle.writable and state is not None:
+            state.writers -= 1
+            if state.writers:
+                return
+            del self._writing[version]
+            self.unsealed.credit(state.uid, state.charged)
+            if private.linked:
+                private.checksums = self.store.seal(version, state.size)
+                private.size, private.sealed = state.size, True
+                private.mtime_ns, private.ctime_ns = state.mtime_ns, max(state.ctime_ns, state.mtime_ns)
+                private.last_used = self.clock.monotonic()
+                for reader in self._early_readers.pop(version, []):
+                    reader.size = state.size
+        if not private.linked and (version, False) not in self._opens and (version, True) not in self._opens:
+            self._discard_private(private)
+
+    def _unlink_private(self, private: PrivateFile) -> None:
+        self.private.unlink(private)  # (the kernel made the change: it needs no invalidation)
+        if (private.version, False) not in self._opens and (private.version, True) not in self._opens:
+            self._discard_private(private)
+
+    def _discard_private(self, private: PrivateFile) -> None:
+        self.private.forget(private)
+        self._early_readers.pop(private.version, None)
+        self.store.drop(private.version)
+
+    async def _rename_private(self, private: PrivateFile, parent: int, name: bytes, noreplace: bool) -> None:
+        """To another temp name: here alone. To any other name: published."""
+        if not name.endswith(self.temp_suffix):
+            await self._publish(private, parent, name, noreplace)
+            return
+        target = self.private.named(parent, name)
+        if target is private:
+            return
+        if target is not None:
+            if noreplace:
+                raise MetadataError(errno.EEXIST, f"{name!r} exists in directory {parent}")
+            self._unlink_private(target)
+        self.private.move(private, parent, name)
+        private.ctime_ns = self.clock.wall_ns()
+        private.last_used = self.clock.monotonic()
+
+    async def promote(self, ino: int) -> None:
+        """Hands a private file to the master under its own name, for what is not handled
+        here (chmod, xattrs, a second write session): from then on it is any file."""
+        private = self.private.of_ino(ino)
+        if private is not None:
+            await self._publish(private, private.parent, private.name, noreplace=False)
+
+    async def _publish(self, private: PrivateFile, parent: int, name: bytes, noreplace: bool) -> None:
+        """One request: the master creates, seals and renames the file, saves that and
+        answers once the other nodes have the name (kvfs.net.pushes). A refusal leaves the
+        temp file as it was (a failed rename changes nothing)."""
+        state = self._writing.get(private.version)
+        request = m.Publish(parent, name, self.node_id, private.ino, private.version, private.mode, private.uid,
+                            private.gid, private.size, private.checksums, private.mtime_ns, private.ctime_ns,
+                            sealed=state is None, writers=state.writers if state is not None else 0,
+                            noreplace=noreplace)
+        if state is not None:
+            request.size, request.mtime_ns = state.size, state.mtime_ns
+        published = await self.change(request)
+        self.private.forget(private)
+        self.published += 1
+        self.membership.names.seen(parent, name, published.attr)
+        self._own_change(parent, name, True, published)
+        self.drop(published.dropped)
+        if state is None:
+            self._remember_local(private.ino, private.version, published.attr)
+            if self.store.ssd is not None and self.store.settings.offload == "eager":
+                self.store.offloader.queue(private.version)  # (passed over while it was private)
+
+    def _collect_private_orphans(self) -> None:
+        """Private temp files closed and untouched for the grace period go, as the master's
+        orphans do (a writer that died between close and rename)."""
+        deadline = self.clock.monotonic() - self.temp_grace_s
+        for private in self.private:
+            if private.sealed and private.last_used < deadline and (private.version, False) not in self._opens:
+                self.private.unlink(private)
+                self.forget_entries([(private.parent, private.name, private.ino)])
+                self._discard_private(private)
+
     async def open(self, ino: int, flags: int, uid: int = 0) -> tuple[OpenFile, bool]:
         """Opens a file; returns the handle and whether the kernel may keep its cached pages."""
+        if ino in self.private:  # (kvfs.node.private: a read here, a write through the master)
+            opened = await self._open_private(ino, flags)
+            if opened is not None:
+                return opened
         with _stale_if_gone(ino):
             return await self._open(ino, flags, uid)
 
@@ -547,11 +763,13 @@ class Node:
         """(version, writer, handles) of every handle open here, for a registration."""
         if self.releases is not None:  # released here, not yet there: the master learns these are closed
             self.releases.forget()
-        return [(version, writer, count) for (version, writer), count in self._opens.items()]
+        return [(version, writer, count) for (version, writer), count in self._opens.items()
+                if self.private.of_version(version) is None]  # (the master knows nothing of those)
 
     def writing(self) -> list[m.Held]:
         """The versions being written here, for a registration."""
-        return [m.Held(version, state.size, False, False, state.mtime_ns) for version, state in self._writing.items()]
+        return [m.Held(version, state.size, False, False, state.mtime_ns) for version, state in self._writing.items()
+                if self.private.of_version(version) is None]
 
     def _count_open(self, version: int, writer: bool, delta: int) -> None:
         key = (version, writer)
@@ -653,6 +871,10 @@ class Node:
         return m.Seal(handle.version, state.size, state.mtime_ns, checksums, state.ctime_ns)
 
     async def release(self, handle: OpenFile) -> None:
+        private = self.private.of_version(handle.version)
+        if private is not None:
+            self._release_private(handle, private)
+            return
         self._count_open(handle.version, handle.writable, -1)
         seal = None
         try:
@@ -742,6 +964,8 @@ class Node:
             log.info(line)
 
     async def describe(self, version: int) -> DiskRecord | None:
+        if self.private.of_version(version) is not None:
+            return None  # not copied to SSD while private: a restart must not bring it back
         try:
             info = await self.master.call(m.GetRecord(version))
         except KvfsError:
@@ -798,6 +1022,7 @@ class Node:
     async def collect_orphans(self) -> int:
         """Runs every gc interval; also gives the eviction summary held back by its rate limit."""
         self.log_evictions()
+        self._collect_private_orphans()
         try:
             removed = await self.master.call(m.CollectOrphans(), wait_s=0)
         except MasterUnavailable:

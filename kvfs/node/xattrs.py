@@ -48,6 +48,12 @@ class XattrNode(Protocol):
     async def change(self, request: m.Request) -> Any:
         """A change of this node, sent to the master: its answer."""
 
+    async def promote(self, ino: int) -> None:
+        """A temp file only this node knows goes to the master first (kvfs.node.private)."""
+
+    def is_private_ino(self, ino: int) -> bool:
+        """A temp file only this node knows: it has no user.* attribute (setting one promotes it)."""
+
     def store_stats(self) -> dict[str, float]:
         """The node's store and activity counters."""
 
@@ -78,6 +84,8 @@ class NodeXattrs:
             # kernel asks for security.capability before every write to a file (to clear
             # it), which would otherwise be a master round trip per write.
             raise StorageError(errno.ENODATA, f"no xattr {name!r} on inode {ino} (only user.* attributes exist)")
+        if self.node.is_private_ino(ino):
+            raise StorageError(errno.ENODATA, f"no xattr {name!r} on inode {ino}")
         return (await self.master.call(m.GetXattr(ino, name))).value
 
     async def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
@@ -85,12 +93,14 @@ class NodeXattrs:
             return await self._control(value.decode(errors="replace").strip())
         if name.startswith(VIRTUAL_PREFIX):
             raise StorageError(errno.EPERM, f"xattr {name!r} is read-only (maintained by kvfs)")
+        await self.node.promote(ino)
         await self.node.change(m.SetXattr(ino, name, value))
         await self._refresh_file_record(ino)
 
     async def removexattr(self, ino: int, name: bytes) -> None:
         if name.startswith(VIRTUAL_PREFIX):
             raise StorageError(errno.EPERM, f"xattr {name!r} is read-only (maintained by kvfs)")
+        await self.node.promote(ino)
         await self.node.change(m.RemoveXattr(ino, name))
         await self._refresh_file_record(ino)
 
@@ -123,6 +133,8 @@ class NodeXattrs:
                                           f"copied to SSD: {self.store.faults.last_error()}")
 
     async def listxattr(self, ino: int) -> list[bytes]:
+        if self.node.is_private_ino(ino):  # (ls -l asks: no reason to hand the file over)
+            return list(VIRTUAL_XATTRS)
         names = (await self.master.call(m.ListXattr(ino))).names
         if ino == ROOT_INO:
             return names + [ROOT_STATS, ROOT_USAGE]
@@ -130,6 +142,7 @@ class NodeXattrs:
         return names + list(VIRTUAL_XATTRS) if attr.version else names
 
     async def _virtual_xattr(self, ino: int, name: bytes) -> bytes:
+        await self.node.promote(ino)
         attr = await self.node.getattr(ino)
         if not attr.version or name not in VIRTUAL_XATTRS:
             raise StorageError(errno.ENODATA, f"no xattr {name!r} on inode {ino}")

@@ -388,6 +388,40 @@ class Unwatch(Request):
     inos: Ids
 
 
+NUMBERS_MAX = 1 << 16  # inode and version numbers granted in one block at most
+
+
+class GrantNumbers(Request):
+    """A block of `count` inode and `count` version numbers for the caller's node-private
+    temp files (kvfs.node.private): never handed out again, across restarts too."""
+
+    count: Annotated[int, msgspec.Meta(ge=1, le=NUMBERS_MAX)]
+
+
+class Publish(Request):
+    """A node-private temp file enters the namespace as `name` in `parent`: create, seal (when
+    `sealed`) and rename in one request, with rename's replace rules (`noreplace`: EEXIST
+    when the name exists). `ino` and `version` come from a block the master granted the
+    node. Unsealed (`writers` handles still open on the node): the file is handed to the
+    master while being written, which then goes on as for any file created there."""
+
+    parent: U64
+    name: Name
+    node: U64
+    ino: U64
+    version: VersionId
+    mode: Mode
+    uid: U32
+    gid: U32
+    size: U64
+    checksums: Checksums
+    mtime_ns: int
+    ctime_ns: int
+    sealed: bool = True
+    writers: U64 = 0
+    noreplace: bool = False
+
+
 # Responses --------------------------------------------------------------------------
 
 
@@ -470,6 +504,24 @@ class MasterStats(msgspec.Struct):
     sealed_bytes: int
     capacity: int = 0  # cluster-wide (live nodes); 0 in single-node mode
     used: int = 0
+
+
+class Numbers(msgspec.Struct):
+    """A GrantNumbers' block: inodes first_ino .. first_ino + count - 1, versions likewise."""
+
+    first_ino: int
+    first_version: int
+    count: int
+
+
+class Published(msgspec.Struct):
+    """A Publish's result: the file's attributes, as a rename's `Done` otherwise."""
+
+    attr: Attr
+    dropped: list[int] = []
+    relocated: list[int] = []
+    directories: list[Attr] = []
+    changes: list[NameChange] = []  # name changes waiting for the caller (see `NameChanges`)
 
 
 class Registered(msgspec.Struct):
@@ -573,5 +625,6 @@ RESPONSE_TYPES: dict[type, type] = {
     GetVersion: VersionInfo, Reclaim: Removed, Offloaded: Done, GetRecord: FileRecord, Lost: Removed,
     Restore: Restored, CollectOrphans: Removed, Stats: MasterStats, Register: Registered, Report: Reported,
     FinishRegistration: Done, Heartbeat: Beat, ClusterStatus: ClusterInfo, WatchNames: Names, Unwatch: Done,
-    RemoveNode: Removed, DirUsage: DirUsageInfo, Symlink: Attr, ReadLink: LinkTarget,
+    RemoveNode: Removed, DirUsage: DirUsageInfo, Symlink: Attr, ReadLink: LinkTarget, GrantNumbers: Numbers,
+    Publish: Published,
 }
