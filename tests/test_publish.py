@@ -335,7 +335,6 @@ def test_a_standby_applies_publishes_and_number_grants_as_a_fresh_load_would(etc
             await until(lambda: follower.revision >= leader.state.revision, "the standby following")
             nursery.cancel_scope.cancel()
         copy, _ = await follower.catch_up(leader.state.revision, 5.0)
-        copy.settle()
         fresh = new_service()
         await EtcdState(client, "t").load(fresh)
         assert saved_view(copy) == saved_view(fresh) == saved_view(leader.service)
