@@ -222,7 +222,7 @@ class ElectedMaster:
     """`kvfs master --etcd` in a child process, on an ephemeral loopback port."""
 
     def __init__(self, root: Path, etcd: EtcdCluster, name: str = "master", cluster: str = "default",
-                 lease_ttl: int = 3, metrics_listen: str | None = None) -> None:
+                 lease_ttl: int | None = None, metrics_listen: str | None = None) -> None:
         import sys
 
         from conftest import tls_dir
@@ -231,8 +231,9 @@ class ElectedMaster:
         self.root.mkdir(parents=True, exist_ok=True)
         self.log_path = root / "master.log"
         self.argv = [sys.executable, "-m", "kvfs", "master", "--listen", "127.0.0.1:0", "--etcd", etcd.endpoints,
-                     "--cluster", cluster, "--lease-ttl", str(lease_ttl), "--tls-dir", tls_dir(name, "master"),
-                     "--log-level", "debug"]
+                     "--cluster", cluster, "--tls-dir", tls_dir(name, "master"), "--log-level", "debug"]
+        if lease_ttl is not None:  # (None: the default operators run, 3 s)
+            self.argv += ["--lease-ttl", str(lease_ttl)]
         if metrics_listen is not None:  # (port 0: a free one, named in the log)
             self.argv += ["--metrics-listen", metrics_listen]
         self.process: subprocess.Popen[bytes] | None = None
