@@ -56,6 +56,7 @@ RETRY_S = 0.1  # a commit that failed (etcd unreachable) is tried again this soo
 CATCH_UP_S = 5.0  # an elected standby's copy must reach the epoch's revision this soon, else it loads
 LOAD_TIMEOUT_S = 10.0  # a page of a load (10,000 records) may take this long: loads do not hold the lease
 WATCH_S = 0.05  # how often the leader looks at its deadline
+HOLD = object()  # a commit round with nothing to write, held while the leader is paused (Term._take)
 RENEWALS_IN_FLIGHT = 8  # more waiting on an etcd without a leader would only be sent earlier, not answered sooner
 
 
@@ -86,7 +87,7 @@ class Term:
         self.service = new_service(self.config)  # replaced by the copy, or loaded, in `run`
         self.state = EtcdState(master.client, self.config.cluster)
         self.requests = master.requests
-        self.group = GroupCommit(lambda: self.state.take(self.service), self._write)
+        self.group = GroupCommit(self._take, self._write)
         self.server = self._server()
         self.caught_up = -1  # records the copy applied at the election (-1: the state was loaded)
         self.ended = ""  # why the term ended
@@ -96,6 +97,7 @@ class Term:
         self._retry_log = Every(5.0)
         self._renew_log = Every(5.0)
         self._renewing = 0  # keepalives in flight
+        self._renew_failures = 0  # keepalives failed since the last one answered
         self._checking = False  # a paused leader is reading the leader key
         self._pause_noted = False  # the current pause was logged
 
@@ -130,19 +132,30 @@ class Term:
         for scope in self._connections:
             scope.cancel()
 
+    def _take(self) -> Batch | object | None:
+        """The changes to commit; while the leader may not act, HOLD even when there are none,
+        so that the replies and pushes this round releases wait in `_write` for the pause's
+        end instead of meeting a closed connection."""
+        batch = self.state.take(self.service)
+        return HOLD if batch is None and not self.may_act() else batch
+
     def handle(self, request: m.Request, caller: int) -> Any:
         return self.requests.timed(type(request).__name__, lambda: self.service.handle(request, caller))
 
-    async def _write(self, batch: Batch) -> None:
-        """Commits a batch, or ends the term (and never returns)."""
+    async def _write(self, batch: Batch | object) -> None:
+        """Commits a batch (HOLD: none), or ends the term (and never returns). It returns, and
+        so releases the replies waiting for it, only while the leader may act: a pause that
+        began during the commit holds them until it ends."""
         failures = 0
         while True:
             if self.leadership.lost:
                 self.end(f"may no longer lead: {self.leadership.lost}")
                 break
-            if not self.may_act():  # paused (the watch ends the term if it lasts): nothing is written
+            if not self.may_act():  # paused (the watch ends the term if it lasts): nothing written or released
                 await trio.sleep(RETRY_S)
                 continue
+            if not isinstance(batch, Batch):  # HOLD
+                return
             try:
                 await self.state.commit(batch, self.leadership.epoch)
             except Fenced as fenced:
@@ -157,7 +170,7 @@ class Term:
                 continue
             if failures:
                 log.warning("committed to etcd again after %d failed tries", failures)
-            return
+            batch = HOLD  # committed: returns once the leader may act
         await trio.sleep_forever()  # cancelled: the term is over
 
     async def _renew_forever(self) -> None:
@@ -176,11 +189,16 @@ class Term:
         try:
             ttl = await self.master.renewer.keepalive(self.leadership.lease)
         except EtcdError as error:
+            self._renew_failures += 1
             if self._renew_log.due():
                 log.warning("renewing the leader lease failed: %s", error)
             return
         finally:
             self._renewing -= 1
+        if self._renew_failures:
+            log.warning("renewed the leader lease again after %d failed tries: %.1f s between the renewals sent",
+                        self._renew_failures, sent - self.leadership.renewed_at)
+            self._renew_failures = 0
         self.leadership.renewed(sent, ttl, time.monotonic())
         if self.leadership.lost:
             self.end(self.leadership.lost)
@@ -236,6 +254,10 @@ class Term:
                           f"{lead.pause_limit_s:g} s (etcd without quorum, or this master cut off from it)")
                 self.end(lead.lost)
                 return
+            if lead.paused_since is not None:
+                # Nodes cannot heartbeat a paused leader (their connections wait, or close): its
+                # own pause convicts nobody, as for a stall of its loop (kvfs.cluster.liveness).
+                self.service.liveness.grace(now)
             await trio.sleep(WATCH_S)
 
     async def serve(self, stream: trio.SocketStream) -> bool:
