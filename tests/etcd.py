@@ -133,6 +133,13 @@ class EtcdCluster:
                 return i
         raise RuntimeError("no etcd member says it leads")
 
+    def _note(self, i: int, what: str) -> None:
+        """Marks a fault in the member's log, in etcd's own form, to time what followed."""
+        now = time.time()
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+        with open(self.log_path(i), "a") as log:
+            log.write(json.dumps({"level": "info", "ts": stamp, "msg": f"test: {what}"}) + "\n")
+
     def kill(self, i: int) -> None:
         process = self.processes[i]
         assert process is not None
@@ -140,6 +147,7 @@ class EtcdCluster:
             self.cont(i)
         process.kill()
         process.wait()
+        self._note(i, "killed (SIGKILL)")
 
     def stop(self, i: int) -> None:
         """SIGSTOP: the member is frozen (its sockets stay open and silent)."""
@@ -147,12 +155,14 @@ class EtcdCluster:
         assert process is not None and process.poll() is None
         process.send_signal(signal.SIGSTOP)
         self.stopped.add(i)
+        self._note(i, "stopped (SIGSTOP)")
 
     def cont(self, i: int) -> None:
         process = self.processes[i]
         assert process is not None
         process.send_signal(signal.SIGCONT)
         self.stopped.discard(i)
+        self._note(i, "continued (SIGCONT)")
 
     def restart(self, i: int) -> None:
         """Starts member I again on its data (after kill)."""
