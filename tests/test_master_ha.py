@@ -7,7 +7,9 @@ again once it returns."""
 
 from __future__ import annotations
 
+import re
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -117,6 +119,15 @@ class Session:
         except* (OSError, MetadataError, *REFUSALS):  # closed, refused, not reachable
             pass
         return answered
+
+
+def metrics(master: ElectedMaster) -> dict[str, float]:
+    """The master's metrics now (every elected master serves them, on the port its log names)."""
+    found = re.search(r"metrics on http://\S+?:(\d+)/metrics", master.log_text())
+    assert found, master.log_text()[-2000:]
+    with urllib.request.urlopen(f"http://127.0.0.1:{found.group(1)}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {name: float(value) for name, value in re.findall(r"^(\w+) (\S+)$", text, re.M)}
 
 
 def saved_names(etcd: EtcdCluster) -> set[bytes]:
@@ -264,6 +275,8 @@ def test_quorum_lost_briefly_pauses_the_leader_and_it_resumes_at_the_same_epoch(
     etcd_cluster.stop(2)
     try:
         wait_until(lambda: "master paused" in first.log_text(), "the leader pausing", 10.0)
+        paused = metrics(first)
+        assert paused["kvfs_master_paused"] == 1 and paused["kvfs_master_epoch"] == epoch
     finally:
         etcd_cluster.cont(1)
         etcd_cluster.cont(2)
@@ -274,6 +287,8 @@ def test_quorum_lost_briefly_pauses_the_leader_and_it_resumes_at_the_same_epoch(
     assert "loaded" not in log.split("master paused")[1]  # its state was kept, not reloaded
     assert leader(etcd_cluster) == (first.address, epoch)
     assert "master leading" not in standby.log_text()
+    resumed = metrics(first)
+    assert resumed["kvfs_master_paused"] == 0 and resumed["kvfs_master_leader"] == 1
     Session(first).mkdirs([b"after"])
     assert Session(first).epoch() == epoch
     assert {b"kept", b"after"} <= saved_names(etcd_cluster)

@@ -36,8 +36,8 @@ def renew_interval(ttl_s: float) -> float:
     after a stall of etcd (its own leader lost: an election of 1 to 2 election timeouts,
     more on a loaded machine) was sent soon after etcd had a leader again, and the
     leader's deadline is as far off as it can be. With the defaults (TTL 3 s, etcd's
-    election timeout 1 s) the leader outlasts 2.5 s of etcd election, where TTL/6 for
-    both left 2.0 s, which an election on a loaded machine overran."""
+    election timeout 1 s) an etcd election of up to 2.5 s goes unnoticed; a longer one
+    pauses the leader (see Leadership), which resumes once etcd answers."""
     return ttl_s / 12
 
 
