@@ -46,9 +46,9 @@ def test_no_resume_past_the_deadline_or_after_the_lease_ended() -> None:
 
 def test_a_pause_past_its_limit_is_over() -> None:
     leader = lead()
-    assert leader.pause_limit_s == default_pause_limit(3.0) == 6.0
+    assert leader.pause_limit_s == default_pause_limit(3.0) == 9.0
     leader.pause(102.8)
-    assert not leader.pause_over(108.7)
-    assert leader.pause_over(108.75)  # two TTLs after the deadline
+    assert not leader.pause_over(111.7)
+    assert leader.pause_over(111.75)  # three TTLs after the deadline
     never_paused = lead()
     assert not never_paused.pause_over(1000.0)  # (its watch pauses it first)

@@ -42,12 +42,14 @@ def renew_interval(ttl_s: float) -> float:
 
 
 def default_pause_limit(ttl_s: float) -> float:
-    """How long a paused leader waits for a renewal before it steps down: two TTLs. It
-    covers etcd's quorum lost for up to about a TTL and etcd's election once it returns
-    (one to two election timeouts, 1-2 s by default, more on a loaded host), during which
-    etcd lets no lease expire. Longer, the outage is no blip: had etcd had a leader all
-    along (this master cut off from it), the lease ended long ago and a standby leads."""
-    return 2 * ttl_s
+    """How long a paused leader waits for a renewal before it steps down: three TTLs. It
+    covers etcd's quorum lost for about a TTL and etcd's election once it returns, during
+    which etcd lets no lease expire: one to two election timeouts (1-2 s by default), but
+    several rounds on etcd 3.4 without --pre-vote (its default), whose member left alone
+    raised its term meanwhile and disrupts the others when they return (5 s measured on
+    a loaded host). Longer, the outage is no blip: had etcd had a leader all along (this
+    master cut off from it), the lease ended long ago and a standby leads."""
+    return 3 * ttl_s
 
 
 @dataclass

@@ -16,7 +16,7 @@ unreachable) *pauses*: it answers nothing and writes nothing, but keeps its stat
 renewal answered later, with the leader key still holding its lease and epoch, resumes
 it at the same epoch, without a load: no other master can have led while its key
 existed. A leader steps down, closing every connection and dropping its state, when its
-pause outlasts the limit (two TTLs: etcd's quorum lost, or this master cut off from it),
+pause outlasts the limit (three TTLs: etcd's quorum lost, or this master cut off from it),
 when etcd says its lease is gone or the key is another's, or when a write is fenced. It
 then revokes its lease (so nobody waits out the TTL) and stands by again. A standby
 polls the leader key; when the key goes (the leader's lease ended), it campaigns.
