@@ -133,6 +133,13 @@ class EtcdCluster:
                 return i
         raise RuntimeError("no etcd member says it leads")
 
+    def _note(self, i: int, what: str) -> None:
+        """Marks a fault in the member's log, in etcd's own form, to time what followed."""
+        now = time.time()
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+        with open(self.log_path(i), "a") as log:
+            log.write(json.dumps({"level": "info", "ts": stamp, "msg": f"test: {what}"}) + "\n")
+
     def kill(self, i: int) -> None:
         process = self.processes[i]
         assert process is not None
@@ -140,6 +147,7 @@ class EtcdCluster:
             self.cont(i)
         process.kill()
         process.wait()
+        self._note(i, "killed (SIGKILL)")
 
     def stop(self, i: int) -> None:
         """SIGSTOP: the member is frozen (its sockets stay open and silent)."""
@@ -147,12 +155,14 @@ class EtcdCluster:
         assert process is not None and process.poll() is None
         process.send_signal(signal.SIGSTOP)
         self.stopped.add(i)
+        self._note(i, "stopped (SIGSTOP)")
 
     def cont(self, i: int) -> None:
         process = self.processes[i]
         assert process is not None
         process.send_signal(signal.SIGCONT)
         self.stopped.discard(i)
+        self._note(i, "continued (SIGCONT)")
 
     def restart(self, i: int) -> None:
         """Starts member I again on its data (after kill)."""
@@ -222,7 +232,7 @@ class ElectedMaster:
     """`kvfs master --etcd` in a child process, on an ephemeral loopback port."""
 
     def __init__(self, root: Path, etcd: EtcdCluster, name: str = "master", cluster: str = "default",
-                 lease_ttl: int = 3, metrics_listen: str | None = None) -> None:
+                 lease_ttl: int | None = None, metrics_listen: str | None = None) -> None:
         import sys
 
         from conftest import tls_dir
@@ -231,8 +241,9 @@ class ElectedMaster:
         self.root.mkdir(parents=True, exist_ok=True)
         self.log_path = root / "master.log"
         self.argv = [sys.executable, "-m", "kvfs", "master", "--listen", "127.0.0.1:0", "--etcd", etcd.endpoints,
-                     "--cluster", cluster, "--lease-ttl", str(lease_ttl), "--tls-dir", tls_dir(name, "master"),
-                     "--log-level", "debug"]
+                     "--cluster", cluster, "--tls-dir", tls_dir(name, "master"), "--log-level", "debug"]
+        if lease_ttl is not None:  # (None: the default operators run, 3 s)
+            self.argv += ["--lease-ttl", str(lease_ttl)]
         if metrics_listen is not None:  # (port 0: a free one, named in the log)
             self.argv += ["--metrics-listen", metrics_listen]
         self.process: subprocess.Popen[bytes] | None = None

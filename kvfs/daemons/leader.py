@@ -10,11 +10,16 @@ loads the state from etcd. The leader then listens, renews its lease every TTL/1
 serves; every reply waits until the changes it may show are committed (group commit,
 kvfs.net.commit), and every commit is fenced on the epoch (kvfs.net.etcdstate).
 
-A leader steps down at once, closing every connection and dropping its state, when it
-may no longer act (kvfs.cluster.election: no renewal for TTL minus a margin, as after a
-freeze or with etcd's quorum lost), when etcd says its lease is gone, or when a write is
-fenced. It then revokes its lease (so nobody waits out the TTL) and stands by again. A
-standby polls the leader key; when the key goes (the leader's lease ended), it campaigns.
+A leader whose renewals go unanswered until its deadline (kvfs.cluster.election: TTL
+minus a margin after the last renewal sent; etcd electing a leader of its own, or
+unreachable) *pauses*: it answers nothing and writes nothing, but keeps its state. A
+renewal answered later, with the leader key still holding its lease and epoch, resumes
+it at the same epoch, without a load: no other master can have led while its key
+existed. A leader steps down, closing every connection and dropping its state, when its
+pause outlasts the limit (three TTLs: etcd's quorum lost, or this master cut off from it),
+when etcd says its lease is gone or the key is another's, or when a write is fenced. It
+then revokes its lease (so nobody waits out the TTL) and stands by again. A standby
+polls the leader key; when the key goes (the leader's lease ended), it campaigns.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ COMPACT_S = 60.0  # the leader drops etcd's history older than this, every this 
 RETRY_S = 0.1  # a commit that failed (etcd unreachable) is tried again this soon, while the lease holds
 CATCH_UP_S = 5.0  # an elected standby's copy must reach the epoch's revision this soon, else it loads
 LOAD_TIMEOUT_S = 10.0  # a page of a load (10,000 records) may take this long: loads do not hold the lease
+WATCH_S = 0.05  # how often the leader looks at its deadline
+HOLD = object()  # a commit round with nothing to write, held while the leader is paused (Term._take)
+RENEWALS_IN_FLIGHT = 8  # more waiting on an etcd without a leader would only be sent earlier, not answered sooner
 
 
 async def compact_forever(client: EtcdClient, revision: Callable[[], int], interval_s: float = COMPACT_S) -> None:
@@ -79,7 +87,7 @@ class Term:
         self.service = new_service(self.config)  # replaced by the copy, or loaded, in `run`
         self.state = EtcdState(master.client, self.config.cluster)
         self.requests = master.requests
-        self.group = GroupCommit(lambda: self.state.take(self.service), self._write)
+        self.group = GroupCommit(self._take, self._write)
         self.server = self._server()
         self.caught_up = -1  # records the copy applied at the election (-1: the state was loaded)
         self.ended = ""  # why the term ended
@@ -88,6 +96,10 @@ class Term:
         self._scope = trio.CancelScope()
         self._retry_log = Every(5.0)
         self._renew_log = Every(5.0)
+        self._renewing = 0  # keepalives in flight
+        self._renew_failures = 0  # keepalives failed since the last one answered
+        self._checking = False  # a paused leader is reading the leader key
+        self._pause_noted = False  # the current pause was logged
 
     def _server(self) -> MetadataServer:
         return MetadataServer(self.handle, self.config.tls, self.service, owner_of=owner_finder(self.service),
@@ -97,6 +109,21 @@ class Term:
     def may_act(self) -> bool:
         return self.leadership.may_act(time.monotonic())
 
+    @property
+    def paused(self) -> bool:
+        return self.serving and self.leadership.paused_since is not None
+
+    def _note_pause(self) -> None:
+        """Logs a pause once, however it was noticed (the watch, or a late renewal)."""
+        lead = self.leadership
+        if lead.paused_since is None or self._pause_noted or lead.lost:
+            return
+        self._pause_noted = True
+        log.warning("master paused (epoch %d): no lease renewal answered for %.1f s (etcd electing a leader, or "
+                    "unreachable); answering nothing until one is, stepping down if none is within %g s",
+                    lead.epoch, time.monotonic() - lead.renewed_at, lead.pause_limit_s)
+        systemd.notify(f"STATUS=paused (epoch {lead.epoch}): no lease renewal answered")
+
     def end(self, reason: str) -> None:
         if not self.ended:
             self.ended = reason
@@ -105,17 +132,30 @@ class Term:
         for scope in self._connections:
             scope.cancel()
 
+    def _take(self) -> Batch | object | None:
+        """The changes to commit; while the leader may not act, HOLD even when there are none,
+        so that the replies and pushes this round releases wait in `_write` for the pause's
+        end instead of meeting a closed connection."""
+        batch = self.state.take(self.service)
+        return HOLD if batch is None and not self.may_act() else batch
+
     def handle(self, request: m.Request, caller: int) -> Any:
         return self.requests.timed(type(request).__name__, lambda: self.service.handle(request, caller))
 
-    async def _write(self, batch: Batch) -> None:
-        """Commits a batch, or ends the term (and never returns)."""
+    async def _write(self, batch: Batch | object) -> None:
+        """Commits a batch (HOLD: none), or ends the term (and never returns). It returns, and
+        so releases the replies waiting for it, only while the leader may act: a pause that
+        began during the commit holds them until it ends."""
         failures = 0
         while True:
-            why = self.leadership.why_not(time.monotonic())
-            if why:
-                self.end(f"may no longer lead: {why}")
+            if self.leadership.lost:
+                self.end(f"may no longer lead: {self.leadership.lost}")
                 break
+            if not self.may_act():  # paused (the watch ends the term if it lasts): nothing written or released
+                await trio.sleep(RETRY_S)
+                continue
+            if not isinstance(batch, Batch):  # HOLD
+                return
             try:
                 await self.state.commit(batch, self.leadership.epoch)
             except Fenced as fenced:
@@ -130,40 +170,101 @@ class Term:
                 continue
             if failures:
                 log.warning("committed to etcd again after %d failed tries", failures)
-            return
+            batch = HOLD  # committed: returns once the leader may act
         await trio.sleep_forever()  # cancelled: the term is over
 
     async def _renew_forever(self) -> None:
         """A keepalive every TTL/12, each in a task of its own: one stuck on a frozen etcd
-        member does not hold back the next."""
+        member (each attempt bounded by the client's timeout, then the next member) does not
+        hold back the next."""
         async with trio.open_nursery() as nursery:
             while True:
                 await trio.sleep(renew_interval(self.leadership.ttl_s))
-                nursery.start_soon(self._renew_once)
+                if self._renewing < RENEWALS_IN_FLIGHT:
+                    nursery.start_soon(self._renew_once)
 
     async def _renew_once(self) -> None:
+        self._renewing += 1
         sent = time.monotonic()
         try:
-            ttl = await self.master.client.keepalive(self.leadership.lease)
+            ttl = await self.master.renewer.keepalive(self.leadership.lease)
         except EtcdError as error:
+            self._renew_failures += 1
             if self._renew_log.due():
                 log.warning("renewing the leader lease failed: %s", error)
             return
-        self.leadership.renewed(sent, ttl)
+        finally:
+            self._renewing -= 1
+        if self._renew_failures:
+            log.warning("renewed the leader lease again after %d failed tries: %.1f s between the renewals sent",
+                        self._renew_failures, sent - self.leadership.renewed_at)
+            self._renew_failures = 0
+        self.leadership.renewed(sent, ttl, time.monotonic())
         if self.leadership.lost:
             self.end(self.leadership.lost)
+            return
+        self._note_pause()
+        if self.leadership.paused_since is not None:
+            await self._confirm_and_resume()
+
+    async def _confirm_and_resume(self) -> None:
+        """A paused leader whose lease lives: resumes if the leader key still holds its lease
+        and epoch (then no other master can have led, and its state is current), else steps
+        down. A failed read leaves it paused, for the next renewal to try again."""
+        if self._checking:
+            return
+        self._checking = True
+        try:
+            held = await self.master.client.holder(self.master.key)
+        except EtcdError as error:
+            if self._renew_log.due():
+                log.warning("paused: reading the leader key failed (trying again at the next renewal): %s", error)
+            return
+        finally:
+            self._checking = False
+        lead = self.leadership
+        if lead.lost:
+            return
+        if held != (lead.epoch, lead.lease):
+            lead.lose("the leader key is gone" if held is None else
+                      f"the leader key is another's (epoch {held[0]}, lease {held[1]:x}): another master leads")
+            self.end(lead.lost)
+            return
+        now = time.monotonic()
+        since = lead.paused_since
+        if since is not None and lead.resume(now):
+            self._pause_noted = False
+            log.warning("master resumed (epoch %d) after %.1f s paused: its lease lived and the leader key is still "
+                        "its own, so its state is current", lead.epoch, now - since)
+            systemd.notify(f"STATUS=leading (epoch {lead.epoch}) as {self.master.address}")
 
     async def _watch(self) -> None:
-        """Ends the term as soon as the leader may no longer act."""
+        """Pauses the leader once its deadline passed unrenewed; ends the term once it lost
+        its leadership or its pause outlasted the limit."""
         while True:
-            why = self.leadership.why_not(time.monotonic())
-            if why:
-                self.end(f"may no longer lead: {why}")
+            lead = self.leadership
+            now = time.monotonic()
+            if lead.lost:
+                self.end(f"may no longer lead: {lead.lost}")
                 return
-            await trio.sleep(0.05)
+            lead.pause(now)
+            self._note_pause()
+            if lead.pause_over(now):
+                lead.lose(f"no lease renewal answered for {now - lead.renewed_at:.1f} s, paused past the limit of "
+                          f"{lead.pause_limit_s:g} s (etcd without quorum, or this master cut off from it)")
+                self.end(lead.lost)
+                return
+            if lead.paused_since is not None:
+                # Nodes cannot heartbeat a paused leader (their connections wait, or close): its
+                # own pause convicts nobody, as for a stall of its loop (kvfs.cluster.liveness).
+                self.service.liveness.grace(now)
+            await trio.sleep(WATCH_S)
 
     async def serve(self, stream: trio.SocketStream) -> bool:
-        """Serves a new connection until it closes or the term ends (False: not serving)."""
+        """Serves a new connection until it closes or the term ends (False: not serving). One
+        that comes while the leader is paused waits for the pause to end (at most its limit)."""
+        while self.paused and not self.ended:
+            await trio.sleep(WATCH_S)
         if not self.serving or not self.may_act():
             return False
         with trio.CancelScope() as scope:
@@ -229,7 +330,11 @@ class ElectedMaster:
     def __init__(self, config: MasterConfig) -> None:
         assert config.etcd is not None
         self.config = config
-        self.client = EtcdClient(config.etcd, timeout_s=min(2.0, max(0.5, config.lease_ttl_s / 3)))
+        attempt_s = min(2.0, max(0.5, config.lease_ttl_s / 3))  # one member's answer; then the next member's
+        self.client = EtcdClient(config.etcd, timeout_s=attempt_s)
+        # Renewals have a client (threads, connections) of their own: commits retrying against
+        # an etcd without a leader never hold back the keepalive that would find it back.
+        self.renewer = EtcdClient(config.etcd, timeout_s=attempt_s)
         # Loads and the standby's watch: large reads that are slow on a busy etcd, and that no
         # renewal waits for (a renewal must fail fast and move on to the next member).
         self.reader = EtcdClient(config.etcd, timeout_s=LOAD_TIMEOUT_S)
@@ -263,13 +368,14 @@ class ElectedMaster:
             with trio.CancelScope(shield=True):
                 await self._resign()
                 await self.client.aclose()
+                await self.renewer.aclose()
                 await self.reader.aclose()
 
     def _describe(self, out: Families) -> None:
         term = self.term
         leading = term is not None and term.serving
         describe_election(out, term.leadership.epoch if term is not None and leading else 0, self.follower,
-                          self.caught_up)
+                          self.caught_up, paused=term is not None and term.paused)
         if term is not None and leading:
             MasterMetrics(term.service, self.requests, term.server).describe(out)
 

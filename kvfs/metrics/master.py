@@ -47,11 +47,15 @@ class MasterMetrics:
                    {(n.name,): n.activity.offload_backlog_bytes for n in nodes})
 
 
-def describe_election(out: Families, epoch: int, follower: Follower | None, caught_up: int) -> None:
+def describe_election(out: Families, epoch: int, follower: Follower | None, caught_up: int,
+                      paused: bool = False) -> None:
     """An elected master's (--etcd) role: EPOCH is its leadership's, 0 while it stands by;
     FOLLOWER its copy of the state while it stands by; CAUGHT_UP the records that copy
-    applied at its election (-1: it loaded the state instead, or never led)."""
+    applied at its election (-1: it loaded the state instead, or never led); PAUSED while
+    it leads but answers nothing, its lease's renewals unanswered."""
     out.gauge("master_leader", "1 while this master leads, 0 while it stands by", int(epoch > 0))
+    out.gauge("master_paused", "1 while this leader is paused: no lease renewal answered by its deadline (etcd "
+              "electing a leader, or unreachable); it answers nothing until one is, or steps down", int(paused))
     out.gauge("master_epoch", "the epoch (the leader key's etcd revision) this master leads in; 0: standing by",
               epoch)
     out.gauge("master_takeover_records", "records of the leader's commits the standby copy applied at this "

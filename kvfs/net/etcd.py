@@ -242,6 +242,17 @@ class EtcdClient:
         entry = kvs[0]
         return _unb64(entry.get("value", "")), int(entry.get("create_revision", 0))
 
+    async def holder(self, key: bytes) -> tuple[int, int] | None:
+        """(create_revision, lease id) of KEY (lease 0: none), or None when it does not exist."""
+        answer = await self._call("/v3/kv/range", {"key": _b64(key), "keys_only": True})
+        kvs = answer.get("kvs") or []
+        if not kvs:
+            return None
+        try:
+            return int(kvs[0].get("create_revision", 0)), int(kvs[0].get("lease", 0))
+        except (TypeError, ValueError):
+            raise EtcdError(f"etcd {key.decode(errors='replace')}: bad revision or lease in {kvs[0]!r}") from None
+
     async def get_revisions(self, key: bytes) -> tuple[int, int] | None:
         """(KEY's mod_revision, etcd's revision now), or None when KEY does not exist."""
         answer = await self._call("/v3/kv/range", {"key": _b64(key)})
