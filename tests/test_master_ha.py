@@ -8,6 +8,7 @@ again once it returns."""
 from __future__ import annotations
 
 import re
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -69,15 +70,16 @@ def leading(etcd: EtcdCluster, masters: list[ElectedMaster], timeout: float = 15
 class Session:
     """A node's connection to a master, run in its own trio loop per call."""
 
-    def __init__(self, master: ElectedMaster, name: str = "n1") -> None:
+    def __init__(self, master: ElectedMaster, name: str = "n1", timeout_s: float = 10.0) -> None:
         self.master = master
         self.name = name
+        self.timeout_s = timeout_s
 
     async def _with(self, work: Any) -> Any:
         async with trio.open_nursery() as nursery:
             host, port = self.master.address.rsplit(":", 1)
             remote = await RemoteMaster.connect(host, int(port), load_tls(self.name, "node"), nursery,
-                                                request_timeout_s=10)
+                                                request_timeout_s=self.timeout_s)
             try:
                 await remote.call(m.Register(self.name, "127.0.0.1:0"))
                 await remote.call(m.Report([]))
@@ -275,6 +277,27 @@ def test_quorum_lost_briefly_pauses_the_leader_and_it_resumes_at_the_same_epoch(
     # leases) once it misses their heartbeats. (A frozen etcd leader would instead resume
     # still leading, and might revoke the lease it finds past expiry before a renewal
     # reaches it: a lease that did not survive, the case where the master steps down.)
+    # A node connected before the pause sends a request during it: answered once resumed,
+    # its connection kept.
+    registered, pause_seen, answered = threading.Event(), threading.Event(), []
+
+    async def during_the_pause(remote: RemoteMaster) -> None:
+        async def beat() -> None:  # as a node does: a live node (its heartbeats wait out the pause too)
+            while True:
+                await remote.call(m.Heartbeat(0, 0))
+                await trio.sleep(0.3)
+
+        async with trio.open_nursery() as beats:
+            beats.start_soon(beat)
+            registered.set()
+            await trio.to_thread.run_sync(pause_seen.wait, 30)
+            await remote.call(m.MkDir(ROOT_INO, b"during", 0o755, 0, 0))
+            answered.append(True)
+            beats.cancel_scope.cancel()
+
+    held = threading.Thread(target=trio.run, args=(Session(first, "n2", 30.0)._with, during_the_pause))
+    held.start()
+    assert registered.wait(15)
     followers = [i for i in range(3) if i != etcd_cluster.raft_leader()]
     for i in followers:
         etcd_cluster.stop(i)
@@ -283,8 +306,12 @@ def test_quorum_lost_briefly_pauses_the_leader_and_it_resumes_at_the_same_epoch(
         paused = metrics(first)
         assert paused["kvfs_master_paused"] == 1 and paused["kvfs_master_epoch"] == epoch
     finally:
+        pause_seen.set()
         for i in followers:
             etcd_cluster.cont(i)
+    held.join(40)
+    assert answered == [True]
+    assert "may no longer lead" not in first.log_text()
     # Answered once resumed (a connection made during the pause waits for its end).
     wait_until(lambda: Session(first).serves([b"kept"]), "the leader serving again", 10.0)
     log = first.log_text()
@@ -296,7 +323,7 @@ def test_quorum_lost_briefly_pauses_the_leader_and_it_resumes_at_the_same_epoch(
     assert resumed["kvfs_master_paused"] == 0 and resumed["kvfs_master_leader"] == 1
     Session(first).mkdirs([b"after"])
     assert Session(first).epoch() == epoch
-    assert {b"kept", b"after"} <= saved_names(etcd_cluster)
+    assert {b"kept", b"during", b"after"} <= saved_names(etcd_cluster)
 
 
 def test_quorum_lost_the_leader_steps_down_and_one_serves_again_when_it_returns(

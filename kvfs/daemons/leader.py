@@ -103,7 +103,8 @@ class Term:
 
     def _server(self) -> MetadataServer:
         return MetadataServer(self.handle, self.config.tls, self.service, owner_of=owner_finder(self.service),
-                              group=self.group, may_act=self.may_act, epoch=lambda: self.leadership.epoch,
+                              group=self.group, may_act=self.may_act, resumed=self.resumed,
+                              epoch=lambda: self.leadership.epoch,
                               temp_suffix=self.service.settings.temp_suffix)
 
     def may_act(self) -> bool:
@@ -260,12 +261,20 @@ class Term:
                 self.service.liveness.grace(now)
             await trio.sleep(WATCH_S)
 
+    async def resumed(self) -> bool:
+        """Waits while the leader is paused (at most the pause's limit, then the term ends):
+        True if it may act after, False if it no longer serves. Connections in the middle of
+        a request wait here too (kvfs.net.rpc), so a short pause closes none of them."""
+        # (Past its deadline a leader may not act before the watch has noted the pause: it
+        # waits then too, unless the leadership is lost.)
+        while not self.ended and not self.leadership.lost and not self.may_act():
+            await trio.sleep(WATCH_S)
+        return self.serving and self.may_act()
+
     async def serve(self, stream: trio.SocketStream) -> bool:
         """Serves a new connection until it closes or the term ends (False: not serving). One
         that comes while the leader is paused waits for the pause to end (at most its limit)."""
-        while self.paused and not self.ended:
-            await trio.sleep(WATCH_S)
-        if not self.serving or not self.may_act():
+        if not await self.resumed():
             return False
         with trio.CancelScope() as scope:
             self._connections.add(scope)

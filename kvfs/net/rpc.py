@@ -18,7 +18,7 @@ import math
 import ssl
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 import msgspec
 import trio
@@ -72,26 +72,33 @@ class MetadataServer:
     pushed name change, then waits until the changes it may show are committed, while
     the connection's next requests are handled; replies still leave in request order.
     `may_act()` is checked before a request is handled and before its reply or a push is
-    sent: once false (the leadership's lease may have run out), the connection is closed
-    instead. `epoch()` is the leadership's epoch, announced in the Welcome."""
+    sent: once false (the leadership's lease may have run out), the connection waits for
+    `resumed()` (a leader paused while etcd answers no renewal: True once it may act again)
+    and is closed if that is False. `epoch()` is the leadership's epoch, announced in the Welcome."""
 
     def __init__(self, handle: Callable[[m.Request, int], Any], tls: Tls, notifier: Notifier | None = None,
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
                  owner_of: Callable[[int], int | None] = lambda version: None,
                  group: GroupCommit | None = None, may_act: Callable[[], bool] = lambda: True,
-                 epoch: Callable[[], int] = lambda: 0, temp_suffix: bytes = b"") -> None:
+                 epoch: Callable[[], int] = lambda: 0, temp_suffix: bytes = b"",
+                 resumed: Callable[[], Awaitable[bool]] | None = None) -> None:
         self.handle = handle
         self.temp_suffix = temp_suffix  # writers' temporary names: their creates wait for no node (kvfs.net.pushes)
         self.notifier = notifier
         self.owner_of = owner_of
         self.group = group
         self.may_act = may_act
+        self._resumed = resumed
         self.gate = Gate(tls, MASTER_CLIENTS, "connection", handshake_timeout_s, epoch=epoch)
         self.denied = 0  # requests refused by the authority
         self._denied_log = LogBudget()
         self._requests = HeaderDecoder(_ANY_REQUEST)
         self._wake: dict[int, trio.Event] = {}  # node -> its pusher's wake-up
         self._watchers: dict[int, Watcher] = {}  # node -> its connection's pushes (kvfs.net.pushes)
+
+    async def _may_act_again(self) -> bool:
+        """Whether this master may act, once a pause of its leadership (if any) ended."""
+        return self.may_act() or (self._resumed is not None and await self._resumed())
 
     @property
     def refused(self) -> int:
@@ -137,7 +144,7 @@ class MetadataServer:
                     continue
                 changes, seq = self.notifier.take_notifications(node), watcher.queued
                 await self.group.wait(self.group.handled)  # a node learns of a name only once it is durable
-                if not self.may_act():
+                if not await self._may_act_again():
                     return  # the request loop closes the connection
                 async with send_lock:
                     await self._push(frames, changes, seq)
@@ -188,7 +195,7 @@ class MetadataServer:
         try:
             while True:
                 request_id, request = await frames.receive_request(self._requests)
-                if not self.may_act():
+                if not await self._may_act_again():
                     log.info("closing connection from %s at %s: this master may no longer lead", identity, peer)
                     return
                 if self.group is not None or waiting[0]:  # (replies leave in order)
@@ -324,7 +331,7 @@ class MetadataServer:
                     assert self.group is not None
                     await self.group.wait(reply.ticket)
                 frame = reply.frame
-                if not self.may_act():
+                if not await self._may_act_again():
                     log.info("closing connection from %s at %s: this master may no longer lead", identity, peer)
                     break
                 async with send_lock:
