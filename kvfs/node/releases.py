@@ -3,8 +3,9 @@
 A reader's RELEASE needs nothing back from the master that the reader waits for:
 the kernel sends it after close() has returned. So a node keeps the versions whose
 reader handles closed and hands them to its next OpenRead (`OpenRead.released`),
-which the master applies before the open; when no open comes within DELAY_S, a
-flush sends them as Releases of their own. vLLM loads files back to back, so nearly
+which the master applies before the open; a release that no open took within
+DELAY_S is flushed as a Release of its own (only those: while loads follow each
+other, the opens carry every release and no flush is sent). vLLM loads files back to back, so nearly
 every load's Release rides on the next load's open: one master round trip per
 load instead of two.
 
@@ -27,14 +28,16 @@ class PendingReleases:
 
     def __init__(self) -> None:
         self._versions: list[int] = []
+        self._added: list[float] = []  # when each was queued (the caller's clock), oldest first
         self.flushing = False  # a flush is scheduled
         self.generation = 0  # registrations seen: a release taken before one is moot after it
         self.carried = 0  # releases that rode on an OpenRead
         self.flushed = 0  # releases sent on their own
 
-    def add(self, version: int) -> bool:
+    def add(self, version: int, now: float = 0.0) -> bool:
         """Queues a reader's release; True when the caller must schedule a flush."""
         self._versions.append(version)
+        self._added.append(now)
         if self.flushing:
             return False
         self.flushing = True
@@ -43,12 +46,25 @@ class PendingReleases:
     def take(self, limit: int = CARRIED) -> list[int]:
         """The oldest releases, up to `limit`, now the caller's to send."""
         taken, self._versions = self._versions[:limit], self._versions[limit:]
+        del self._added[:limit]
         return taken
+
+    def take_due(self, before: float, limit: int = CARRIED) -> list[int]:
+        """The releases queued at or before `before` (the oldest first), up to `limit`."""
+        due = 0
+        while due < min(limit, len(self._added)) and self._added[due] <= before:
+            due += 1
+        return self.take(due)
+
+    def oldest(self) -> float | None:
+        """When the oldest release still queued was queued (None: none is)."""
+        return self._added[0] if self._added else None
 
     def forget(self) -> None:
         """A registration reported the handles still open: nothing pending is owed any more,
         nor what a flush took before it and has not sent yet (`generation`)."""
         self._versions.clear()
+        self._added.clear()
         self.generation += 1
 
     def __len__(self) -> int:

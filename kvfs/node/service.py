@@ -888,7 +888,7 @@ class Node:
                 seal.release = handle.leased  # one request: the master seals, then releases
                 await self._seal(handle, seal)
             elif handle.leased and not handle.writable and self.releases is not None:
-                if self.releases.add(handle.version):  # the next OpenRead carries it, or a flush
+                if self.releases.add(handle.version, trio.current_time()):  # the next OpenRead carries it, or a flush
                     self.store.spawn(self._flush_releases)
             elif handle.leased:
                 try:
@@ -900,8 +900,10 @@ class Node:
         """Sends the readers' releases that no OpenRead carried within RELEASE_DELAY_S."""
         assert self.releases is not None
         try:
-            await trio.sleep(RELEASE_DELAY_S)
-            while versions := self.releases.take():
+            # Only releases that waited RELEASE_DELAY_S: younger ones ride on the next open.
+            while (oldest := self.releases.oldest()) is not None:
+                await trio.sleep_until(oldest + RELEASE_DELAY_S)
+                versions = self.releases.take_due(max(oldest, trio.current_time() - RELEASE_DELAY_S))
                 generation = self.releases.generation
                 for version in versions:
                     if self.releases.generation != generation:  # registered again meanwhile: moot
