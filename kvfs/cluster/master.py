@@ -107,7 +107,10 @@ class MetadataService:
         # Files being published: created here and not yet renamed or read. The value is
         # when the file was closed (sealed), None while it is still being written.
         self._unpublished: dict[int, float | None] = {}
-        self._closed: deque[tuple[float, int]] = deque()  # (closed at, ino) of those, in time order
+        # When each of those was closed, and its inode, in time order: two deques of the objects
+        # `_unpublished` holds anyway, not a (closed, ino) tuple per file (56 B each).
+        self._closed_at: deque[float] = deque()
+        self._closed_inos: deque[int] = deque()
         self._unpublished_peak = 0
         self._caller = LOCAL_NODE  # the node whose request is being handled
         self.opens = OpenHandles()
@@ -862,7 +865,8 @@ class MetadataService:
             self.admit(inode, req.size)
             if inode.ino in self._unpublished:
                 closed = self._unpublished[inode.ino] = self.clock.monotonic()  # the grace runs from close
-                self._closed.append((closed, inode.ino))
+                self._closed_at.append(closed)
+                self._closed_inos.append(inode.ino)
                 self._forget_published(closed)
         return self.attr(inode)
 
@@ -934,8 +938,9 @@ class MetadataService:
         """Files closed longer than the grace ago are published anyway (as `_publishing` says):
         they are forgotten here, oldest first, so that the set holds only recent files."""
         grace = self.settings.publish_grace_s
-        while self._closed and now - self._closed[0][0] >= grace:
-            closed, ino = self._closed.popleft()
+        closed_at, inos = self._closed_at, self._closed_inos
+        while closed_at and now - closed_at[0] >= grace:
+            closed, ino = closed_at.popleft(), inos.popleft()
             if self._unpublished.get(ino, -1.0) == closed:
                 del self._unpublished[ino]
         if len(self._unpublished) * 4 < self._unpublished_peak:  # a dict keeps its size: rebuilt smaller
