@@ -856,8 +856,11 @@ class MetadataService:
         if inode is None:
             return m.Attr(version.ino, stat.S_IFREG, 0, 0, 0, req.size, 0, 0, 0, version.version, True)
         # ctime never goes back: a chmod or utimensat while the file was written already moved it.
-        inode.mtime_ns = req.mtime_ns
-        inode.ctime_ns = max(inode.ctime_ns, req.ctime_ns or req.mtime_ns)
+        inode.mtime_ns = mtime = req.mtime_ns
+        # A node sends ctime equal to mtime unless a utimensat came between: decoded, that is a
+        # second int object of the same value (32 B per file kept); the inode keeps mtime's.
+        ctime = req.ctime_ns or mtime
+        inode.ctime_ns = max(inode.ctime_ns, mtime if ctime == mtime else ctime)
         self.ns.dirty.add(inode.ino)
         if newly and version.current:
             self.changed(inode)
