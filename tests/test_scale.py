@@ -17,7 +17,7 @@ from kvfs.clock import ManualClock
 from kvfs.cluster.backlog import STEP_ITEMS
 from kvfs.cluster.entries import COMPACT_MIN, Entries
 from kvfs.cluster.master import MasterSettings, MetadataService
-from kvfs.cluster.namespace import ROOT_INO, Inode
+from kvfs.cluster.namespace import ROOT_INO, Directory, Inode, make_inode
 from kvfs.cluster.objects import FileVersion
 from kvfs.policy import LruPolicy
 from kvfs.wire import messages as m
@@ -225,7 +225,8 @@ def test_compact_records_read_and_take_what_they_did() -> None:
     assert inode.xattrs == {b"user.a": b"1"}
     assert inode.remove_xattr(b"user.a") == b"1" and inode._xattrs is None
     assert inode.remove_xattr(b"user.a") is None
-    directory = Inode(6, 0o040755, 0, 0, 1, 1, 1, children={})  # as a saved state builds it
+    directory = make_inode(6, 0o040755, 0, 0, 1, 1, 1, children={})  # as a saved state builds it
+    assert isinstance(directory, Directory) and not hasattr(inode, "__dict__")
     assert directory.is_dir and len(directory.children) == 0 and directory.subdirs == 0  # type: ignore[arg-type]
 
 
