@@ -55,8 +55,10 @@ def evict_group(version: FileVersion) -> tuple[int, bool]:
 
 
 def name_identity(parent: int, name: bytes) -> int:
-    """A stable hash of a file's place in the namespace (the same across re-creations)."""
-    return xxhash.xxh64_intdigest(parent.to_bytes(8, "little") + name)
+    """A stable hash of a file's place in the namespace (the same across re-creations). 60
+    bits: an int of two 30-bit digits (32 B), not three (36 B, 48 allocated), and the reuse
+    policy keeps one per file."""
+    return xxhash.xxh64_intdigest(parent.to_bytes(8, "little") + name) >> 4
 
 
 @dataclass(frozen=True)
