@@ -236,7 +236,7 @@ def test_compact_records_read_and_take_what_they_did() -> None:
 FILES = 20_000
 # What the service keeps per file (inode, version, entry, index, the policy's entries), names
 # excluded (they are the caller's), with each policy and seals as a node sends them (see
-# `store`); measured with this layout on Python 3.11: 621 B with LRU, 761 B with reuse (its
+# `store`); measured with this layout on Python 3.11: 621 B with LRU, 758 B with reuse (its
 # use counts and name identities); 673 and 813 B before the seal kept one int for mtime and
 # ctime, plain files lost their children and target slots and identities took 60 bits.
 BYTES_PER_FILE = {"lru": 630, "reuse": 770}

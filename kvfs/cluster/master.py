@@ -54,11 +54,15 @@ def evict_group(version: FileVersion) -> tuple[int, bool]:
     return version.node, version.on_disk
 
 
+_IDENTITY_MASK = (1 << 60) - 1
+
+
 def name_identity(parent: int, name: bytes) -> int:
     """A stable hash of a file's place in the namespace (the same across re-creations). 60
     bits: an int of two 30-bit digits (32 B), not three (36 B, 48 allocated), and the reuse
-    policy keeps one per file."""
-    return xxhash.xxh64_intdigest(parent.to_bytes(8, "little") + name) >> 4
+    policy keeps one per file. (A mask, not a shift: a shifted int keeps the allocation of
+    its operand's three digits.)"""
+    return xxhash.xxh64_intdigest(parent.to_bytes(8, "little") + name) & _IDENTITY_MASK
 
 
 @dataclass(frozen=True)
