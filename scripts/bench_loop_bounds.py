@@ -56,7 +56,7 @@ def measure(files: int, state_dir: str | None = None, policy: str = "reuse") -> 
 
     from kvfs.clock import ManualClock
     from kvfs.cluster.master import MasterSettings, MetadataService
-    from kvfs.cluster.namespace import ROOT_INO, Inode
+    from kvfs.cluster.namespace import ROOT_INO, make_inode
     from kvfs.cluster.objects import FileVersion
     from kvfs.policy import make_policy
     from kvfs.wire import messages as m
@@ -64,15 +64,15 @@ def measure(files: int, state_dir: str | None = None, policy: str = "reuse") -> 
     clock = ManualClock()
     service = MetadataService(clock, make_policy(policy), MasterSettings(cluster=True, forget_dead_after_s=10.0))
     now = clock.wall_ns()
-    inodes = [Inode(ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, now, now, now, children={})]
+    inodes = [make_inode(ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, now, now, now, children={})]
     versions = []
     ino = ROOT_INO + 1
     entry = 1
 
     def add(parent: int, name: bytes, directory: bool) -> int:
         nonlocal ino, entry
-        inode = Inode(ino, (stat.S_IFDIR | 0o755) if directory else (stat.S_IFREG | 0o644), 0, 0, now, now, now,
-                      parent=parent, name=name, children={} if directory else None, entry_id=entry)
+        inode = make_inode(ino, (stat.S_IFDIR | 0o755) if directory else (stat.S_IFREG | 0o644), 0, 0, now, now, now,
+                           parent=parent, name=name, children={} if directory else None, entry_id=entry)
         inodes.append(inode)
         ino, entry = ino + 1, entry + 1
         return inode.ino

@@ -54,9 +54,15 @@ def evict_group(version: FileVersion) -> tuple[int, bool]:
     return version.node, version.on_disk
 
 
+_IDENTITY_MASK = (1 << 60) - 1
+
+
 def name_identity(parent: int, name: bytes) -> int:
-    """A stable hash of a file's place in the namespace (the same across re-creations)."""
-    return xxhash.xxh64_intdigest(parent.to_bytes(8, "little") + name)
+    """A stable hash of a file's place in the namespace (the same across re-creations). 60
+    bits: an int of two 30-bit digits (32 B), not three (36 B, 48 allocated), and the reuse
+    policy keeps one per file. (A mask, not a shift: a shifted int keeps the allocation of
+    its operand's three digits.)"""
+    return xxhash.xxh64_intdigest(parent.to_bytes(8, "little") + name) & _IDENTITY_MASK
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,10 @@ class MetadataService:
         # Files being published: created here and not yet renamed or read. The value is
         # when the file was closed (sealed), None while it is still being written.
         self._unpublished: dict[int, float | None] = {}
-        self._closed: deque[tuple[float, int]] = deque()  # (closed at, ino) of those, in time order
+        # When each of those was closed, and its inode, in time order: two deques of the objects
+        # `_unpublished` holds anyway, not a (closed, ino) tuple per file (56 B each).
+        self._closed_at: deque[float] = deque()
+        self._closed_inos: deque[int] = deque()
         self._unpublished_peak = 0
         self._caller = LOCAL_NODE  # the node whose request is being handled
         self.opens = OpenHandles()
@@ -853,8 +862,11 @@ class MetadataService:
         if inode is None:
             return m.Attr(version.ino, stat.S_IFREG, 0, 0, 0, req.size, 0, 0, 0, version.version, True)
         # ctime never goes back: a chmod or utimensat while the file was written already moved it.
-        inode.mtime_ns = req.mtime_ns
-        inode.ctime_ns = max(inode.ctime_ns, req.ctime_ns or req.mtime_ns)
+        inode.mtime_ns = mtime = req.mtime_ns
+        # A node sends ctime equal to mtime unless a utimensat came between: decoded, that is a
+        # second int object of the same value (32 B per file kept); the inode keeps mtime's.
+        ctime = req.ctime_ns or mtime
+        inode.ctime_ns = max(inode.ctime_ns, mtime if ctime == mtime else ctime)
         self.ns.dirty.add(inode.ino)
         if newly and version.current:
             self.changed(inode)
@@ -862,7 +874,8 @@ class MetadataService:
             self.admit(inode, req.size)
             if inode.ino in self._unpublished:
                 closed = self._unpublished[inode.ino] = self.clock.monotonic()  # the grace runs from close
-                self._closed.append((closed, inode.ino))
+                self._closed_at.append(closed)
+                self._closed_inos.append(inode.ino)
                 self._forget_published(closed)
         return self.attr(inode)
 
@@ -934,8 +947,9 @@ class MetadataService:
         """Files closed longer than the grace ago are published anyway (as `_publishing` says):
         they are forgotten here, oldest first, so that the set holds only recent files."""
         grace = self.settings.publish_grace_s
-        while self._closed and now - self._closed[0][0] >= grace:
-            closed, ino = self._closed.popleft()
+        closed_at, inos = self._closed_at, self._closed_inos
+        while closed_at and now - closed_at[0] >= grace:
+            closed, ino = closed_at.popleft(), inos.popleft()
             if self._unpublished.get(ino, -1.0) == closed:
                 del self._unpublished[ino]
         if len(self._unpublished) * 4 < self._unpublished_peak:  # a dict keeps its size: rebuilt smaller

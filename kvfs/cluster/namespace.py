@@ -17,12 +17,16 @@ _MODES: dict[int, int] = {}  # one int object per distinct mode, not one per ino
 
 class Inode:
     """One inode. Slots only, and nothing a plain file does not need: a master holds
-    millions of them (docs/cluster.md, "Memory per file"). A directory's entries, its
-    subdirectory count and its watchers live in its `children` (kvfs.cluster.entries);
-    user attributes are None until the first is set."""
+    millions of them (docs/cluster.md, "Memory per file"). A directory (`Directory`) has its
+    entries, subdirectory count and watchers in its `children` (kvfs.cluster.entries), a
+    symbolic link (`Symlink`) its target: a plain file reads both from the class (None, b"")
+    and takes no slot for them. User attributes are None until the first is set. Build one
+    from saved fields with `make_inode`, which picks the class."""
 
-    __slots__ = ("ino", "mode", "uid", "gid", "atime_ns", "mtime_ns", "ctime_ns", "parent", "name", "children",
-                 "_xattrs", "version", "entry_id", "refs", "target")
+    __slots__ = ("ino", "mode", "uid", "gid", "atime_ns", "mtime_ns", "ctime_ns", "parent", "name",
+                 "_xattrs", "version", "entry_id", "refs")
+    children: Entries | None = None  # a directory's entries (a slot of `Directory`)
+    target: bytes = b""  # a symbolic link's target, fixed at creation (a slot of `Symlink`)
 
     def __init__(self, ino: int, mode: int, uid: int, gid: int, atime_ns: int, mtime_ns: int, ctime_ns: int,
                  parent: int = 0, name: bytes = b"", children: Entries | dict | None = None,
@@ -32,14 +36,14 @@ class Inode:
         self.atime_ns, self.mtime_ns, self.ctime_ns = atime_ns, mtime_ns, ctime_ns
         self.parent = parent  # 0 once unlinked
         self.name = name
-        # A directory's entries ({} from a saved state: its entries are linked as they load).
-        self.children: Entries | None = None if children is None else (
-            children if isinstance(children, Entries) else Entries())
+        if children is not None:  # ({} from a saved state: its entries are linked as they load)
+            self.children = children if isinstance(children, Entries) else Entries()
         self._xattrs = xattrs or None
         self.version = version  # the file's current version
         self.entry_id = entry_id  # position in its parent's listing
         self.refs = refs  # bit n set: node n's kernel holds a lookup reference
-        self.target = target  # a symbolic link's target (fixed at creation)
+        if target:
+            self.target = target
 
     @property
     def xattrs(self) -> dict[bytes, bytes]:
@@ -102,6 +106,24 @@ class Inode:
         return f"Inode({self.ino}, {self.name!r} in {self.parent}, mode {self.mode:o})"
 
 
+class Directory(Inode):
+    __slots__ = ("children",)
+
+
+class Symlink(Inode):
+    __slots__ = ("target",)
+
+
+def make_inode(ino: int, mode: int, uid: int, gid: int, atime_ns: int, mtime_ns: int, ctime_ns: int,
+               parent: int = 0, name: bytes = b"", children: Entries | dict | None = None,
+               xattrs: dict[bytes, bytes] | None = None, version: int = 0, entry_id: int = 0,
+               refs: int = 0, target: bytes = b"") -> Inode:
+    """An inode of the class its fields call for (a directory has `children`, a symlink a `target`)."""
+    kind = Directory if children is not None else Symlink if target else Inode
+    return kind(ino, mode, uid, gid, atime_ns, mtime_ns, ctime_ns, parent, name, children, xattrs, version,
+                entry_id, refs, target)
+
+
 def check_name(name: bytes) -> None:
     if len(name) > NAME_MAX:
         raise MetadataError(errno.ENAMETOOLONG, f"name of {len(name)} bytes (limit {NAME_MAX})")
@@ -123,7 +145,7 @@ class Namespace:
     """Directories and their entries; every inode knows its one parent and name."""
 
     def __init__(self, now_ns: int, root_mode: int = 0o755, root_uid: int = 0, root_gid: int = 0) -> None:
-        root = Inode(ROOT_INO, stat.S_IFDIR | root_mode, root_uid, root_gid, now_ns, now_ns, now_ns, children=Entries())
+        root = Directory(ROOT_INO, stat.S_IFDIR | root_mode, root_uid, root_gid, now_ns, now_ns, now_ns, children=Entries())
         root.refs = -1  # every node references the root, always
         self.inodes: dict[int, Inode] = {ROOT_INO: root}
         self.next_ino = ROOT_INO + 1
@@ -166,7 +188,10 @@ class Namespace:
         return inode
 
     def new_inode(self, mode: int, uid: int, gid: int, now_ns: int, directory: bool) -> Inode:
-        inode = Inode(self.next_ino, mode, uid, gid, now_ns, now_ns, now_ns, children=Entries() if directory else None)
+        if directory:
+            inode: Inode = Directory(self.next_ino, mode, uid, gid, now_ns, now_ns, now_ns, children=Entries())
+        else:
+            inode = Inode(self.next_ino, mode, uid, gid, now_ns, now_ns, now_ns)
         self.next_ino += 1
         self.inodes[inode.ino] = inode
         self.dirty.add(inode.ino)
@@ -175,7 +200,7 @@ class Namespace:
         return inode
 
     def new_symlink(self, target: bytes, uid: int, gid: int, now_ns: int) -> Inode:
-        inode = Inode(self.next_ino, stat.S_IFLNK | 0o777, uid, gid, now_ns, now_ns, now_ns, target=target)
+        inode = Symlink(self.next_ino, stat.S_IFLNK | 0o777, uid, gid, now_ns, now_ns, now_ns, target=target)
         self.next_ino += 1
         self.inodes[inode.ino] = inode
         self.dirty.add(inode.ino)

@@ -19,7 +19,7 @@ from enum import Enum
 import msgspec
 
 from kvfs.cluster.master import MetadataService
-from kvfs.cluster.namespace import Inode
+from kvfs.cluster.namespace import Inode, make_inode
 from kvfs.cluster.objects import FileVersion
 
 LAYOUT = 1
@@ -197,7 +197,7 @@ class Loaded:
 
 def decode_inode(ino: int, value: bytes) -> Inode:
     saved = _decode_inode(value)
-    return Inode(ino, saved.mode, saved.uid, saved.gid, saved.atime_ns, saved.mtime_ns, saved.ctime_ns, saved.parent,
+    return make_inode(ino, saved.mode, saved.uid, saved.gid, saved.atime_ns, saved.mtime_ns, saved.ctime_ns, saved.parent,
                  saved.name, {} if saved.is_dir else None, dict(saved.xattrs), saved.version, saved.entry_id,
                  target=saved.target)
 
