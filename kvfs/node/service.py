@@ -26,7 +26,7 @@ import trio
 from kvfs import progress
 from kvfs.clock import Clock
 from kvfs.wire import messages as m
-from kvfs.node.dircache import DirectoryCache, OwnChanges
+from kvfs.node.dircache import FIRST_COPY_NAMES, DirectoryCache, OwnChanges
 from kvfs.cluster.embedded import MasterClient
 from kvfs.node.prefetch import Prefetches
 from kvfs.node.releases import DELAY_S as RELEASE_DELAY_S, PendingReleases
@@ -201,6 +201,14 @@ class Node:
             copied = self.dircache.present(parent, name)
             if copied is not None:
                 return self._found(copied, copy.copy(copied.attr))  # (_current may change the copy it gets)
+            if self.dircache.unasked(parent) and self.membership.copies_current() and \
+                    await self.membership.copy_directory(parent, FIRST_COPY_NAMES):
+                if self.dircache.absent(parent, name):  # a small directory: copied in the lookup's round trip
+                    self.lookups_absent += 1
+                    return None
+                copied = self.dircache.present(parent, name)
+                if copied is not None:
+                    return self._found(copied, copy.copy(copied.attr))
         # A directory or a file held here resolves as last seen while the master is
         # unreachable, at once (kvfs.node.heldnames); other names wait for it.
         held = self.membership.names.answer(parent, name, self._held_attr)
