@@ -3,8 +3,9 @@
 Most lookups of a KV cache are misses, each for a new name, and the hits are for
 names that other nodes wrote. With the master in another process every lookup
 would be a round trip; instead a node that asks repeatedly about one directory
-fetches the directory's complete name set once, with the entry a lookup of each
-name answers, and subscribes to its changes: the master pushes every name added
+(or once about a small one: FIRST_COPY_NAMES) fetches the directory's complete
+name set once, with the entry a lookup of each name answers, and subscribes to
+its changes: the master pushes every name added
 or removed there and every entry that changed (a new version, a seal, new
 attributes). Misses and hits are then answered from the copy. A push arrives
 within a round trip of the change, well inside the 1 s for which kernels cache
