@@ -248,8 +248,10 @@ class KvfsOperations(pyfuse3.Operations):
         if name == ROOT_CONTROL and inode == pyfuse3.ROOT_INODE and not has_cap_sys_admin(ctx.pid):
             raise KvfsError(errno.EPERM, f"{ROOT_CONTROL.decode()}: needs CAP_SYS_ADMIN (uid {ctx.uid}, "
                                          f"pid {ctx.pid} has not)")
-        self.node.kernel_dirs.changed(inode)  # (a directory's ctime moves)
-        await self.node.xattrs.setxattr(inode, name, value)
+        try:
+            await self.node.xattrs.setxattr(inode, name, value)
+        finally:  # (a directory's ctime moved: a getattr answered meanwhile may show it or not)
+            self.node.kernel_dirs.changed(inode)
 
     @fuse_handler
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
@@ -257,8 +259,10 @@ class KvfsOperations(pyfuse3.Operations):
 
     @fuse_handler
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        self.node.kernel_dirs.changed(inode)  # (a directory's ctime moves)
-        await self.node.xattrs.removexattr(inode, name)
+        try:
+            await self.node.xattrs.removexattr(inode, name)
+        finally:
+            self.node.kernel_dirs.changed(inode)
 
     @fuse_handler
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
