@@ -9,8 +9,9 @@ Three layers, each measured with the same figures:
   callers each), over TLS on loopback: creates, lookups, a listing, the master's RSS
   growth per file, and a kill -9 and restart timed until it answers with the namespace;
 - a cluster node's FUSE mount next to a single-node `kvfs mount`, in alternating rounds:
-  vLLM's store (create a temp file exclusively, one write, close, rename) with 1 and 16
-  writers, lookups of present names once the kernel dropped its entries, a listing, and
+  the store (create a temp file exclusively, one write, close, rename) with 1 and 16
+  writers in two patterns (one flat directory, LMCache's; vLLM's hashed three-level layout
+  with its access() and parents' stat before each create), lookups of present names once the kernel dropped its entries, a listing, and
   the daemons' RSS growth per file; the node/single ratio of each. The node's requests
   to the master per create, by type, are read from its metrics.
 
@@ -24,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import os
+import random
 import re
 import signal
 import socket
@@ -53,6 +56,9 @@ BLOCK = bytes(4096)  # one small KV block per file: the metadata path dominates
 CONCURRENT = 8  # callers per RemoteMaster client
 CLIENTS = 2  # RemoteMaster connections (as two nodes)
 WRITERS = (1, 16)
+# Stores: "flat", one directory of `<key>` + `.tmp` names (LMCache's fs connector, and the first
+# pattern measured here); "hashed", vLLM's three-level layout with its access() and parents' stat.
+PATTERNS = ("flat", "hashed")
 PAGE = 256  # entries per ReadDir, as a node asks (kvfs.fuse.operations.READDIR_BATCH)
 
 
@@ -312,6 +318,64 @@ def store(root: Path, prefix: str, count: int, writers: int) -> float:
     return count / (time.perf_counter() - started)
 
 
+MODEL_DIR = "bench-model_0123456789ab_r0"  # vLLM's `<model>_<digest12>_r0`
+
+
+def hashed_path(root: Path, i: int) -> Path:
+    """vLLM's layout: `<model>_<digest12>_r0/<hhh>/<hh>_g<group>/<hash64hex>.bin`, the hash a
+    sha256 (here of the file's index), its first hex digits naming the two directory levels."""
+    digest = hashlib.sha256(i.to_bytes(8, "little")).hexdigest()
+    return root / MODEL_DIR / digest[:3] / f"{digest[3:5]}_g0" / f"{digest}.bin"
+
+
+def warm_hashed(root: Path, count: int) -> None:
+    """The state after warm-up (untimed): the parents of the files `store_hashed` will store exist,
+    as most do once a vLLM instance has stored for a while (fan-out 4,096 x 256)."""
+    for i in range(count):
+        hashed_path(root, i).parent.mkdir(parents=True, exist_ok=True)
+
+
+def store_hashed(root: Path, count: int, writers: int) -> float:
+    """vLLM's store of `count` files in its hashed layout by `writers` threads, steps 1-6 of
+    /work/shared/CONSUMERS.md: access(dest), stat (and mkdir where missing) of the parents, an
+    exclusive create of `<name>.bin_<rand63>.tmp`, one write, close, rename. Creates per second."""
+
+    def parents(path: Path) -> None:
+        try:
+            os.stat(path.parent)
+            return
+        except FileNotFoundError:
+            pass
+        for level in reversed(path.parents[:3]):
+            try:
+                os.stat(level)
+            except FileNotFoundError:
+                try:
+                    os.mkdir(level, 0o777)
+                except FileExistsError:
+                    pass
+
+    def write(indices: range) -> None:
+        for i in indices:
+            final = hashed_path(root, i)
+            if os.access(final, os.F_OK):
+                continue
+            parents(final)
+            tmp = final.with_name(f"{final.name}_{random.getrandbits(63)}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_TRUNC, 0o644)
+            os.write(fd, BLOCK)
+            os.close(fd)
+            os.rename(tmp, final)
+
+    threads = [threading.Thread(target=write, args=(range(w, count, writers),)) for w in range(writers)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return count / (time.perf_counter() - started)
+
+
 def present_lookups(root: Path, prefix: str, count: int) -> tuple[float, int]:
     """stat of every stored name once the kernel dropped its entries: (per second, names missing)."""
     drop_dentries()
@@ -334,25 +398,32 @@ def listing(root: Path) -> tuple[float, int]:
 
 
 def fuse_round(targets: dict[str, Any], count: int, round_: int, results: Results) -> None:
-    for writers in WRITERS:
-        for name, target in targets.items():  # node and single alternate within the round
-            directory = target.path / f"s{count}-{round_}-{writers}"
-            directory.mkdir()
-            before = scrape(target.metrics, "master_rpc") if target.metrics else {}
-            cpu = {process: cpu_seconds(pid) for process, pid in target.cpu_pids.items()}
-            rate = store(directory, "k", count, writers)
-            results.record(f"fuse {short(count)} {name}", f"creates_per_s x{writers}", rate)
-            for process, pid in target.cpu_pids.items():  # milliseconds of CPU per file stored
-                results.record(f"cpu x{writers}", process, (cpu_seconds(pid) - cpu[process]) * 1000 / count)
-            if target.metrics:
-                after = scrape(target.metrics, "master_rpc")
-                for request, total in after.items():
-                    per_create = (total - before.get(request, 0.0)) / count
-                    if per_create > 0:  # (GrantNumbers: one per 4,096 files)
-                        results.record(f"rpc x{writers}", request, per_create)
+    for pattern in PATTERNS:
+        for writers in WRITERS:
+            for name, target in targets.items():  # node and single alternate within the round
+                directory = target.path / f"{pattern}{count}-{round_}-{writers}"
+                directory.mkdir()
+                if pattern == "hashed":
+                    warm_hashed(directory, count)
+                before = scrape(target.metrics, "master_rpc") if target.metrics else {}
+                cpu = {process: cpu_seconds(pid) for process, pid in target.cpu_pids.items()}
+                if pattern == "flat":
+                    rate = store(directory, "k", count, writers)
+                else:
+                    rate = store_hashed(directory, count, writers)
+                results.record(f"fuse {short(count)} {name}", f"{pattern} x{writers}", rate)
+                for process, pid in target.cpu_pids.items():  # milliseconds of CPU per file stored
+                    results.record(f"cpu {pattern} x{writers}", process,
+                                   (cpu_seconds(pid) - cpu[process]) * 1000 / count)
+                if target.metrics:
+                    after = scrape(target.metrics, "master_rpc")
+                    for request, total in after.items():
+                        per_create = (total - before.get(request, 0.0)) / count
+                        if per_create > 0:  # (GrantNumbers: one per 4,096 files)
+                            results.record(f"rpc {pattern} x{writers}", request, per_create)
     for name, target in targets.items():
         layer = f"fuse {short(count)} {name}"
-        directory = target.path / f"s{count}-{round_}-1"
+        directory = target.path / f"flat{count}-{round_}-1"
         rate, missing = present_lookups(directory, "k", count)
         results.record(layer, "lookups_per_s", rate)
         if missing:
@@ -388,7 +459,7 @@ def fuse_layers(counts: list[int], rounds: int, base: Path, bundles: dict[str, P
             for round_ in range(rounds):
                 print(f"FUSE {count} files, round {round_ + 1}/{rounds}", file=sys.stderr, flush=True)
                 fuse_round({"node": node, "single": single}, count, round_, results)
-            files = count * len(WRITERS) * rounds
+            files = count * len(WRITERS) * len(PATTERNS) * rounds
             label = f"{short(count)}"
             node_growth = rss_bytes(node.process.pid) - rss["node"] + rss_bytes(master.pid) - rss["master"]
             results.record(f"fuse {label} node", "bytes_per_file", node_growth / files)
@@ -436,7 +507,8 @@ def report(results: Results, counts: list[int], fuse_counts: list[int], layers: 
             print(f"note: {note}")
         return
     print()
-    fuse_metrics = [f"creates_per_s x{w}" for w in WRITERS] + ["lookups_per_s", "listing_s", "bytes_per_file"]
+    fuse_metrics = [f"{p} x{w}" for p in PATTERNS for w in WRITERS] + ["lookups_per_s", "listing_s",
+                                                                        "bytes_per_file"]
     print(f"{'FUSE':<22}" + "".join(f"{metric:>20}" for metric in fuse_metrics))
     for count in counts:
         label = f"{short(count)}"
@@ -450,24 +522,29 @@ def report(results: Results, counts: list[int], fuse_counts: list[int], layers: 
             print(f"{label + ' ' + name:<22}" + "".join(f"{cell(v):>20}" for v in row))
         ratios = [n / s if n is not None and s else None for n, s in zip(rows["node"], rows["single"])]
         print(f"{label + ' node/single':<22}" + "".join(f"{'-' if r is None else f'{r:.2f}':>20}" for r in ratios))
-    print("(FUSE: vLLM's store (exclusive create of a temp file, one 4 KiB write, close, rename) by 1 and 16 "
-          "writers;")
+    print("(FUSE, creates per second: flat x1/x16 = the store (exclusive create of a temp file, one 4 KiB write, "
+          "close, rename)")
+    print(" in one directory by 1 and 16 writers (LMCache's pattern); hashed x1/x16 = vLLM's store in its hashed "
+          "layout,")
+    print(" access(dest) and stat of the parents first, the parents present after an untimed warm-up;")
     print(" lookups: stat of present names with the kernel's entries dropped; listing: a full scandir; "
           "bytes_per_file: RSS growth of node + master, or of the single-node daemon)")
-    for writers in WRITERS:
-        layer = f"rpc x{writers}"
-        per_create = {metric: statistics.median(v) for (l, metric), v in results.values.items() if l == layer}
-        if per_create:
-            shown = ", ".join(f"{request} {value:.2f}" if value >= 0.01 else f"{request} {value:.4f}"
-                              for request, value in sorted(per_create.items()))
-            print(f"node's requests to the master per file stored, {writers} writer(s): {shown} "
-                  f"(total {sum(per_create.values()):.2f})")
-    for writers in WRITERS:
-        layer = f"cpu x{writers}"
-        per_file = {process: statistics.median(v) for (l, process), v in results.values.items() if l == layer}
-        if per_file:
-            shown = ", ".join(f"{process} {value:.2f}" for process, value in per_file.items())
-            print(f"CPU per file stored (ms, /proc), {writers} writer(s): {shown}")
+    for pattern in PATTERNS:
+        for writers in WRITERS:
+            layer = f"rpc {pattern} x{writers}"
+            per_create = {metric: statistics.median(v) for (l, metric), v in results.values.items() if l == layer}
+            if per_create:
+                shown = ", ".join(f"{request} {value:.2f}" if value >= 0.01 else f"{request} {value:.4f}"
+                                  for request, value in sorted(per_create.items()))
+                print(f"node's requests to the master per file stored, {pattern}, {writers} writer(s): {shown} "
+                      f"(total {sum(per_create.values()):.2f})")
+    for pattern in PATTERNS:
+        for writers in WRITERS:
+            layer = f"cpu {pattern} x{writers}"
+            per_file = {process: statistics.median(v) for (l, process), v in results.values.items() if l == layer}
+            if per_file:
+                shown = ", ".join(f"{process} {value:.2f}" for process, value in per_file.items())
+                print(f"CPU per file stored (ms, /proc), {pattern}, {writers} writer(s): {shown}")
     print("target: node/single creates_per_s >= 0.80 with 1 and 16 writers")
     for note in results.notes:
         print(f"note: {note}")

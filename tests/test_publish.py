@@ -109,6 +109,41 @@ def test_a_stored_file_is_one_publish_and_reads_on_another_node_at_once(two_node
         assert os.stat(b.path / "kv" / name).st_size == len(data)
 
 
+def test_vllm_hashed_layout_asks_only_for_the_publish_and_a_small_directory_copy(two_nodes) -> None:
+    """vLLM's store in its hashed layout (CONSUMERS.md steps 1-6), each file in a directory
+    of its own that exists already: access() of the final name and the create's lookup of
+    the temp name are answered from a copy of the small directory fetched at the first
+    lookup (one WatchNames, no Lookup); the kernel's getattr of the directory between the
+    temp file's create and its rename is answered with the attributes it held (the
+    master's are unchanged by a private file), so a file costs the copy and the Publish."""
+    a, b = two_nodes
+    (a.path / "warm").mkdir()
+    store_like_vllm(a.path / "warm", "warm.bin", b"w" * 4096)  # (numbers granted)
+    leaves = [a.path / "m_0123456789ab_r0" / f"{i:03x}" / f"{i:02x}_g0" for i in range(12)]
+    for leaf in leaves:
+        leaf.mkdir(parents=True)
+    for leaf in leaves:  # the kernel holds every directory's attributes (after the mkdirs' changes)
+        os.stat(leaf)
+    before = master_requests(a)
+    blocks = {leaf: (f"{i:064x}.bin", os.urandom(4096 + i)) for i, leaf in enumerate(leaves)}
+    for leaf, (name, data) in blocks.items():
+        assert not os.access(leaf / name, os.F_OK)
+        mtime = os.stat(leaf).st_mtime_ns
+        write_temp(leaf / f"{name}_7.tmp", data)
+        assert os.stat(leaf).st_mtime_ns == mtime  # a private file leaves the directory as the master has it
+        os.rename(leaf / f"{name}_7.tmp", leaf / name)
+        assert os.access(leaf / name, os.F_OK)
+    spent = spent_since(a, before)
+    assert spent.get("Publish") == len(blocks), spent
+    assert spent.get("Lookup", 0) == 0 and spent.get("GetAttr", 0) == 0, spent
+    assert spent.get("WatchNames", 0) == len(blocks), spent
+    for leaf, (name, data) in blocks.items():  # another node finds each name (its first lookup copies too)
+        other = b.path / leaf.relative_to(a.path)
+        assert (other / name).read_bytes() == data
+        assert os.stat(other).st_mtime_ns == os.stat(leaf).st_mtime_ns
+        assert os.listdir(other) == [name]
+
+
 def test_a_temp_file_is_private_to_its_node(two_nodes) -> None:
     """Another node neither sees a temp file nor meets its name: it makes its own; on the
     writer's node stat, reads and a second exclusive create (EEXIST) work as for any file."""

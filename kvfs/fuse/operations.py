@@ -48,7 +48,9 @@ class KvfsOperations(pyfuse3.Operations):
         self._forgotten_event = trio.Event()
         self.operation_stats = OperationStats()  # kept by fuse_handler
 
-    def _entry(self, attr: m.Attr) -> pyfuse3.EntryAttributes:
+    def _entry(self, attr: m.Attr, handed: bool = True) -> pyfuse3.EntryAttributes:
+        if handed and stat.S_ISDIR(attr.mode):  # what the kernel holds, and since when (kvfs.node.kernelattrs)
+            self.node.kernel_dirs.handed(attr, self.node.clock.monotonic())
         entry = pyfuse3.EntryAttributes()
         entry.st_ino = attr.ino
         entry.generation = 0
@@ -110,6 +112,11 @@ class KvfsOperations(pyfuse3.Operations):
 
     @fuse_handler
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        kept = self.node.kernel_dirs.answer(inode, self.node.clock.monotonic(), self.entry_timeout)
+        if kept is not None:  # dropped after a private temp file's change only: valid as long as it was
+            entry = self._entry(kept[0], handed=False)
+            entry.attr_timeout = kept[1]
+            return entry
         return self._entry(await self.node.getattr(inode))
 
     @fuse_handler
@@ -241,7 +248,10 @@ class KvfsOperations(pyfuse3.Operations):
         if name == ROOT_CONTROL and inode == pyfuse3.ROOT_INODE and not has_cap_sys_admin(ctx.pid):
             raise KvfsError(errno.EPERM, f"{ROOT_CONTROL.decode()}: needs CAP_SYS_ADMIN (uid {ctx.uid}, "
                                          f"pid {ctx.pid} has not)")
-        await self.node.xattrs.setxattr(inode, name, value)
+        try:
+            await self.node.xattrs.setxattr(inode, name, value)
+        finally:  # (a directory's ctime moved: a getattr answered meanwhile may show it or not)
+            self.node.kernel_dirs.changed(inode)
 
     @fuse_handler
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
@@ -249,7 +259,10 @@ class KvfsOperations(pyfuse3.Operations):
 
     @fuse_handler
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        await self.node.xattrs.removexattr(inode, name)
+        try:
+            await self.node.xattrs.removexattr(inode, name)
+        finally:
+            self.node.kernel_dirs.changed(inode)
 
     @fuse_handler
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:

@@ -3,8 +3,9 @@
 Most lookups of a KV cache are misses, each for a new name, and the hits are for
 names that other nodes wrote. With the master in another process every lookup
 would be a round trip; instead a node that asks repeatedly about one directory
-fetches the directory's complete name set once, with the entry a lookup of each
-name answers, and subscribes to its changes: the master pushes every name added
+(or once about a small one: FIRST_COPY_NAMES) fetches the directory's complete
+name set once, with the entry a lookup of each name answers, and subscribes to
+its changes: the master pushes every name added
 or removed there and every entry that changed (a new version, a seal, new
 attributes). Misses and hits are then answered from the copy. A push arrives
 within a round trip of the change, well inside the 1 s for which kernels cache
@@ -28,6 +29,9 @@ from collections import OrderedDict
 from kvfs.wire.messages import Attr, Entry
 
 LOOKUPS_BEFORE_COPY = 2  # lookups in a directory answered by the master before its names are fetched
+# A directory of at most this many names is copied at its first lookup instead (one round trip, as the
+# lookup's own): vLLM's hashed layout spreads files over ~1M small directories, each looked up a few times.
+FIRST_COPY_NAMES = 64
 
 
 class DirectoryCache:
@@ -68,6 +72,10 @@ class DirectoryCache:
             self._asked.clear()
         return count >= LOOKUPS_BEFORE_COPY
 
+    def unasked(self, parent: int) -> bool:
+        """True for a directory not copied whose names no lookup asked about yet."""
+        return parent not in self._names and parent not in self._asked and parent not in self._uncachable
+
     def too_large(self, parent: int) -> None:
         self._uncachable.add(parent)
         self._asked.pop(parent, None)
@@ -84,7 +92,9 @@ class DirectoryCache:
         self._names[parent] = dict(zip(names, entries)) if entries else dict.fromkeys(names)
         self.total += len(names)
         dropped = []
-        while self.total > self.max_names and len(self._names) > 1:
+        # Past the bound, an eighth goes at once: one Unwatch for many small directories.
+        keep = self.max_names - self.max_names // 8 if self.total > self.max_names else self.max_names
+        while self.total > keep and len(self._names) > 1:
             victim, victim_names = self._names.popitem(last=False)
             self.total -= len(victim_names)
             dropped.append(victim)

@@ -89,22 +89,26 @@ class Membership:
 
     # Directory copies -------------------------------------------------------------------
 
-    async def copy_directory(self, ino: int) -> None:
+    async def copy_directory(self, ino: int, limit: int | None = None) -> bool:
         """Fetches a directory's names and watches it (see kvfs.node.dircache). Changes
-        pushed while the answer is on its way are applied after it."""
+        pushed while the answer is on its way are applied after it. With `limit`, only a
+        directory of at most that many names is copied (a larger one is left as it was).
+        True when the copy is kept."""
         assert self.dircache is not None
         if ino in self._fetching:
-            return
+            return False
         self._fetching[ino] = pending = []
         try:
             collected: list[bytes] = []
             entries: list[m.Entry | None] = []
             start_id = 0
             while True:
-                names = await self.master.call(m.WatchNames(ino, self.dircache.max_names, start_id), wait_s=0)
+                names = await self.master.call(m.WatchNames(ino, limit or self.dircache.max_names, start_id),
+                                               wait_s=0)
                 if not names.complete:
-                    self.dircache.too_large(ino)
-                    return
+                    if limit is None:
+                        self.dircache.too_large(ino)
+                    return False
                 collected.extend(names.names)
                 entries.extend(names.entries or [None] * len(names.names))
                 if not names.next_id:
@@ -115,8 +119,10 @@ class Membership:
                 self._apply_name_change(change)
             if unwatch:
                 await self.master.call(m.Unwatch(unwatch), wait_s=0)
+            return ino in self.dircache
         except KvfsError as error:
             log.debug("cannot copy the names of directory %d: %s", ino, error)
+            return False
         finally:
             self._fetching.pop(ino, None)  # a re-registration may have cleared it
 

@@ -26,7 +26,8 @@ import trio
 from kvfs import progress
 from kvfs.clock import Clock
 from kvfs.wire import messages as m
-from kvfs.node.dircache import DirectoryCache, OwnChanges
+from kvfs.node.dircache import FIRST_COPY_NAMES, DirectoryCache, OwnChanges
+from kvfs.node.kernelattrs import KernelDirAttrs
 from kvfs.cluster.embedded import MasterClient
 from kvfs.node.prefetch import Prefetches
 from kvfs.node.releases import DELAY_S as RELEASE_DELAY_S, PendingReleases
@@ -137,6 +138,7 @@ class Node:
         self._early_readers: dict[int, list[OpenFile]] = {}
         self._dir_attrs: dict[int, m.Attr] = {}  # last known directory attributes (for a master outage)
         self.own_changes = OwnChanges(OWN_CHANGE_ATTRS_S)  # directory attributes that came with a change
+        self.kernel_dirs = KernelDirAttrs()  # directory attributes the kernel holds (after a private change)
         self.evicted_files = 0
         self.evictions = EvictionSummary()  # logged at INFO, at most every few seconds
         self.remote_reads = 0
@@ -164,6 +166,8 @@ class Node:
         """Names removed behind the kernel's back (eviction, collection, another node): their
         directories changed, so attributes fetched with a change of this node no longer answer."""
         self.own_changes.invalidate()
+        for parent, _, _ in entries:
+            self.kernel_dirs.changed(parent)
         self._forget_entries(entries)
 
     def use_master(self, master: MasterClient) -> None:
@@ -201,6 +205,14 @@ class Node:
             copied = self.dircache.present(parent, name)
             if copied is not None:
                 return self._found(copied, copy.copy(copied.attr))  # (_current may change the copy it gets)
+            if self.dircache.unasked(parent) and self.membership.copies_current() and \
+                    await self.membership.copy_directory(parent, FIRST_COPY_NAMES):
+                if self.dircache.absent(parent, name):  # a small directory: copied in the lookup's round trip
+                    self.lookups_absent += 1
+                    return None
+                copied = self.dircache.present(parent, name)
+                if copied is not None:
+                    return self._found(copied, copy.copy(copied.attr))
         # A directory or a file held here resolves as last seen while the master is
         # unreachable, at once (kvfs.node.heldnames); other names wait for it.
         held = self.membership.names.answer(parent, name, self._held_attr)
@@ -341,6 +353,7 @@ class Node:
         private = self.private.named(parent, name) if self.temp_suffix else None
         if private is not None:
             self._unlink_private(private)
+            self.kernel_dirs.private_change(parent)
             return
         done = await self.change(m.Unlink(parent, name))
         self.drop(done.dropped)
@@ -375,6 +388,7 @@ class Node:
         them (kvfs.node.dircache.OwnChanges)."""
         token = self.own_changes.begin()
         directories: list[m.Attr] = []
+        self.kernel_dirs.changed_request(request)
         try:
             answer = await self.master.call(request)
             if isinstance(answer, m.Opened) and answer.parent is not None:
@@ -386,6 +400,7 @@ class Node:
             return answer
         finally:
             self.own_changes.end(token, directories, self.clock.monotonic())
+            self.kernel_dirs.changed_request(request)  # (a getattr answered while it was in flight)
 
     def _own_change(self, parent: int, name: bytes, present: bool, answer: Any = None) -> None:
         """This node's own change, in its directory copies before the reply (the master's
@@ -460,6 +475,7 @@ class Node:
         except BaseException:
             self.private.forget(private)
             raise
+        self.kernel_dirs.private_change(parent)
         return handle, self._current(private.attr())
 
     async def _take_numbers(self) -> tuple[int, int]:
@@ -552,6 +568,8 @@ class Node:
             if noreplace:
                 raise MetadataError(errno.EEXIST, f"{name!r} exists in directory {parent}")
             self._unlink_private(target)
+        self.kernel_dirs.private_change(private.parent)
+        self.kernel_dirs.private_change(parent)
         self.private.move(private, parent, name)
         private.ctime_ns = self.clock.wall_ns()
         private.last_used = self.clock.monotonic()
