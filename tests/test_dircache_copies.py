@@ -1,20 +1,24 @@
-"""kvfs.node.dircache.DirectoryCache (pure): which directories a first lookup may copy, and
-that past the bound an eighth of the names goes at once (one Unwatch for many directories)."""
+"""kvfs.node.dircache.DirectoryCache (pure): which lookup copies a directory, and that past
+the bound an eighth of the names goes at once (one Unwatch for many directories)."""
 
 from __future__ import annotations
 
 from kvfs.node.dircache import LOOKUPS_BEFORE_COPY, DirectoryCache
 
 
-def test_only_a_directory_never_asked_about_is_unasked() -> None:
+def test_the_lookup_that_copies_a_directory_is_the_second_one() -> None:
+    """The first lookup in a directory asks the master (a reader looking up one name in a
+    directory does not watch it); the next one is answered by copying the directory."""
     cache = DirectoryCache(max_names=100)
-    assert cache.unasked(5)
-    copy_now = cache.asked(5)  # a lookup the master answered counts
-    assert copy_now == (LOOKUPS_BEFORE_COPY == 1) and not cache.unasked(5)
-    cache.store(6, [b"a"])
-    assert not cache.unasked(6) and cache.absent(6, b"b") and not cache.absent(6, b"a")
+    assert LOOKUPS_BEFORE_COPY == 2
+    assert not cache.copy_due(5)
+    assert not cache.asked(5)  # the first lookup, answered by the master
+    assert cache.copy_due(5)
+    cache.store(5, [b"a"])
+    assert not cache.copy_due(5) and cache.absent(5, b"b") and not cache.absent(5, b"a")
+    cache.asked(7)
     cache.too_large(7)
-    assert not cache.unasked(7)
+    assert not cache.copy_due(7)
 
 
 def test_past_the_bound_an_eighth_goes_at_once() -> None:

@@ -28,10 +28,11 @@ from collections import OrderedDict
 
 from kvfs.wire.messages import Attr, Entry
 
-LOOKUPS_BEFORE_COPY = 2  # lookups in a directory answered by the master before its names are fetched
-# A directory of at most this many names is copied at its first lookup instead (one round trip, as the
-# lookup's own): vLLM's hashed layout spreads files over ~1M small directories, each looked up a few times.
-FIRST_COPY_NAMES = 64
+# The lookup in a directory that makes the node copy it: the copy answers that lookup (one round trip,
+# the lookup's own). Not the first: a node that copies a directory watches it, and every name another
+# node adds there then waits for its acknowledgement (docs/cluster.md); a reader that looks up one name
+# in each of vLLM's ~1M small directories would watch them all (measured: other nodes' stores 20-30% slower).
+LOOKUPS_BEFORE_COPY = 2
 
 
 class DirectoryCache:
@@ -72,9 +73,10 @@ class DirectoryCache:
             self._asked.clear()
         return count >= LOOKUPS_BEFORE_COPY
 
-    def unasked(self, parent: int) -> bool:
-        """True for a directory not copied whose names no lookup asked about yet."""
-        return parent not in self._names and parent not in self._asked and parent not in self._uncachable
+    def copy_due(self, parent: int) -> bool:
+        """True when this lookup in a directory not copied is the one that copies it."""
+        return parent not in self._names and parent not in self._uncachable \
+            and self._asked.get(parent, 0) + 1 >= LOOKUPS_BEFORE_COPY
 
     def too_large(self, parent: int) -> None:
         self._uncachable.add(parent)

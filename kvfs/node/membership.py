@@ -89,11 +89,9 @@ class Membership:
 
     # Directory copies -------------------------------------------------------------------
 
-    async def copy_directory(self, ino: int, limit: int | None = None) -> bool:
+    async def copy_directory(self, ino: int) -> bool:
         """Fetches a directory's names and watches it (see kvfs.node.dircache). Changes
-        pushed while the answer is on its way are applied after it. With `limit`, only a
-        directory of at most that many names is copied (a larger one is left as it was).
-        True when the copy is kept."""
+        pushed while the answer is on its way are applied after it. True when the copy is kept."""
         assert self.dircache is not None
         if ino in self._fetching:
             return False
@@ -103,11 +101,9 @@ class Membership:
             entries: list[m.Entry | None] = []
             start_id = 0
             while True:
-                names = await self.master.call(m.WatchNames(ino, limit or self.dircache.max_names, start_id),
-                                               wait_s=0)
+                names = await self.master.call(m.WatchNames(ino, self.dircache.max_names, start_id), wait_s=0)
                 if not names.complete:
-                    if limit is None:
-                        self.dircache.too_large(ino)
+                    self.dircache.too_large(ino)
                     return False
                 collected.extend(names.names)
                 entries.extend(names.entries or [None] * len(names.names))

@@ -26,7 +26,7 @@ import trio
 from kvfs import progress
 from kvfs.clock import Clock
 from kvfs.wire import messages as m
-from kvfs.node.dircache import FIRST_COPY_NAMES, DirectoryCache, OwnChanges
+from kvfs.node.dircache import DirectoryCache, OwnChanges
 from kvfs.node.kernelattrs import KernelDirAttrs
 from kvfs.cluster.embedded import MasterClient
 from kvfs.node.prefetch import Prefetches
@@ -205,9 +205,9 @@ class Node:
             copied = self.dircache.present(parent, name)
             if copied is not None:
                 return self._found(copied, copy.copy(copied.attr))  # (_current may change the copy it gets)
-            if self.dircache.unasked(parent) and self.membership.copies_current() and \
-                    await self.membership.copy_directory(parent, FIRST_COPY_NAMES):
-                if self.dircache.absent(parent, name):  # a small directory: copied in the lookup's round trip
+            if self.dircache.copy_due(parent) and self.membership.copies_current() and \
+                    await self.membership.copy_directory(parent):
+                if self.dircache.absent(parent, name):  # copied in the lookup's own round trip
                     self.lookups_absent += 1
                     return None
                 copied = self.dircache.present(parent, name)
