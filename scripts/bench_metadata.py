@@ -297,6 +297,17 @@ def remote_master(count: int, base: Path, bundles: dict[str, Path], results: Res
 # Through FUSE: a cluster node next to a single-node mount --------------------------------
 
 
+def run_writers(write: Callable[[range], None], count: int, writers: int) -> float:
+    """Files `count` files' indices out to `writers` threads running `write`: files per second."""
+    threads = [threading.Thread(target=write, args=(range(w, count, writers),)) for w in range(writers)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return count / (time.perf_counter() - started)
+
+
 def store(root: Path, prefix: str, count: int, writers: int) -> float:
     """vLLM's store of `count` files by `writers` threads: creates per second."""
 
@@ -309,13 +320,7 @@ def store(root: Path, prefix: str, count: int, writers: int) -> float:
             os.close(fd)
             os.rename(tmp, final)
 
-    threads = [threading.Thread(target=write, args=(range(w, count, writers),)) for w in range(writers)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return count / (time.perf_counter() - started)
+    return run_writers(write, count, writers)
 
 
 MODEL_DIR = "bench-model_0123456789ab_r0"  # vLLM's `<model>_<digest12>_r0`
@@ -367,13 +372,7 @@ def store_hashed(root: Path, count: int, writers: int) -> float:
             os.close(fd)
             os.rename(tmp, final)
 
-    threads = [threading.Thread(target=write, args=(range(w, count, writers),)) for w in range(writers)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return count / (time.perf_counter() - started)
+    return run_writers(write, count, writers)
 
 
 def present_lookups(root: Path, prefix: str, count: int) -> tuple[float, int]:
