@@ -8,7 +8,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
-import json
 import os
 import re
 import subprocess
@@ -19,6 +18,8 @@ from typing import Iterator
 import pytest
 from conftest import Cluster, KvfsMount, find_mount
 from conftest import wait_until as _wait_until
+from test_cluster import stats
+from test_node_semantics import reads, store_like_vllm
 
 wait_until = functools.partial(_wait_until, timeout=15.0)
 
@@ -45,28 +46,12 @@ def write_temp(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def store_like_vllm(directory: Path, name: str, data: bytes) -> None:
-    write_temp(directory / f"{name}.tmp", data)
-    os.rename(directory / f"{name}.tmp", directory / name)
-
-
 def rename_noreplace(old: Path, new: Path) -> int:
     """renameat2(RENAME_NOREPLACE): 0 or the errno."""
     libc = ctypes.CDLL(None, use_errno=True)
     at_fdcwd, rename_noreplace_flag = -100, 1
     result = libc.renameat2(at_fdcwd, os.fsencode(old), at_fdcwd, os.fsencode(new), rename_noreplace_flag)
     return 0 if result == 0 else ctypes.get_errno()
-
-
-def reads(path: Path, expected: bytes) -> bool:
-    try:
-        return path.read_bytes() == expected
-    except OSError:
-        return False
-
-
-def stats(node: KvfsMount) -> dict:
-    return json.loads(os.getxattr(node.path, "user.kvfs.stats"))
 
 
 def master_files(node: KvfsMount) -> int:
