@@ -19,7 +19,7 @@ def saved_view(service: MetadataService) -> dict[str, Any]:
     versions = {v.version: (v.ino, v.node, v.size, v.sealed, v.current, v.on_disk, list(v.checksums))
                 for v in service.objects.versions.values()}
     registry = service.registry
-    nodes = sorted((n.node_id, n.name, n.address) for n in registry.nodes.values()
+    nodes = sorted((n.node_id, n.name, n.address, tuple(n.grants)) for n in registry.nodes.values()
                    if n.node_id not in registry.permanent)
     return {"inodes": inodes, "versions": versions, "nodes": nodes, "next_ino": service.ns.next_ino,
             "next_entry_id": service.ns.next_entry_id, "next_version": service.objects.next_version}

@@ -70,7 +70,7 @@ def test_nodes_are_written_only_when_the_registry_changed() -> None:
     from kvfs.cluster.records import Kind
 
     service = MetadataService(SystemClock(), LruPolicy(), MasterSettings(cluster=True))
-    written: dict[int, tuple[str, str]] = {}
+    written: dict[int, records.NodeFields] = {}
 
     def take() -> list[tuple[Kind, int, bool]]:
         nonlocal written
@@ -91,9 +91,12 @@ def test_nodes_are_written_only_when_the_registry_changed() -> None:
     assert take() == [(Kind.NODE, other, True)]  # only the new one
     # A node the store wrote that the registry no longer has (forgotten) is deleted with
     # the registry's next change.
-    written[99] = ("gone", "10.0.0.9:1")
+    written[99] = ("gone", "10.0.0.9:1", ())
     service.handle(m.Register("c", "10.0.0.3:1"), 0)
     assert take() == [(Kind.NODE, service.registry.by_name["c"], True), (Kind.NODE, 99, False)]
+    # A block of numbers is saved with its node's record: that node's alone, once per block.
+    service.handle(m.GrantNumbers(16), other)
+    assert take() == [(Kind.NODE, other, True)]
 
 
 def node_records(directory: Path) -> dict[bytes, bytes]:

@@ -365,3 +365,83 @@ def test_a_standby_applies_publishes_and_number_grants_as_a_fresh_load_would(etc
         await client.aclose()
 
     trio.run(main)
+
+
+# The master's side: a node publishes only numbers granted to it -------------------------
+
+
+def test_a_node_cannot_publish_with_numbers_granted_to_another_and_grants_survive_a_restart(tmp_path: Path) -> None:
+    """Node x publishing with node y's numbers is refused and changes nothing; y's publish
+    of them then succeeds. The blocks are saved with their node: after a restart y still
+    publishes from a block granted before it, and x still cannot. A removed node's blocks
+    are forgotten with it."""
+    import time
+
+    from master_view import saved_view
+
+    from kvfs.clock import SystemClock
+    from kvfs.cluster.master import MasterSettings, MetadataService
+    from kvfs.cluster.namespace import ROOT_INO
+    from kvfs.cluster.persist import MasterState
+    from kvfs.errors import MetadataError
+    from kvfs.policy import LruPolicy
+    from kvfs.wire import messages as m
+
+    def new_service() -> MetadataService:
+        return MetadataService(SystemClock(), LruPolicy(), MasterSettings(cluster=True))
+
+    def join(service: MetadataService, name: str) -> int:
+        node = service.handle(m.Register(name, f"10.0.0.{len(name)}:7000"), 0).node
+        service.handle(m.Report([]), node)
+        service.handle(m.FinishRegistration(), node)
+        return node
+
+    def publish(service: MetadataService, node: int, numbers: tuple[int, int], name: bytes) -> m.Published:
+        return service.handle(m.Publish(ROOT_INO, name, node, numbers[0], numbers[1], 0o644, 0, 0, 4096, [7],
+                                        time.time_ns(), time.time_ns()), node)
+
+    def refused(service: MetadataService, node: int, numbers: tuple[int, int], name: bytes) -> None:
+        before = saved_view(service)
+        with pytest.raises(MetadataError) as raised:
+            publish(service, node, numbers, name)
+        assert raised.value.errno == errno.EINVAL
+        assert saved_view(service) == before and service.ns.lookup(ROOT_INO, name) is None
+
+    service = new_service()
+    x, y = join(service, "x"), join(service, "yy")
+    block = service.handle(m.GrantNumbers(8), y)
+    ys = [(block.first_ino + i, block.first_version + i) for i in range(block.count)]
+    own = service.handle(m.GrantNumbers(8), x)
+    refused(service, x, ys[0], b"stolen")  # y's pair, below the counters and unused: not x's
+    refused(service, y, (ys[0][0], ys[1][1]), b"mixed")  # y's numbers, but not one pair of its block
+    assert publish(service, y, ys[0], b"y0").attr.ino == ys[0][0]  # y's publish is unharmed
+    assert publish(service, x, (own.first_ino, own.first_version), b"x0").attr.version == own.first_version
+    refused(service, y, ys[0], b"again")  # used
+
+    state = MasterState(tmp_path / "state")
+    state.save(service)
+    state.close()
+    restarted, state = new_service(), MasterState(tmp_path / "state")
+    state.load(restarted)
+    assert restarted.registry.nodes[y].grants == [(block.first_ino, block.first_version, 8)]
+    assert join(restarted, "x") == x and join(restarted, "yy") == y  # registered again: the blocks stay
+    refused(restarted, x, ys[1], b"stolen")
+    assert publish(restarted, y, ys[1], b"y1").attr.ino == ys[1][0]
+
+    # y goes for good: its blocks are forgotten with it, and saved so
+    restarted.handle(m.GrantNumbers(8), y)
+    state.save(restarted)
+    state.close()
+    again, state = new_service(), MasterState(tmp_path / "state")
+    state.load(again)
+    assert len(again.registry.nodes[y].grants) == 2
+    again.handle(m.RemoveNode("yy"), 0)
+    state.save(again)
+    state.close()
+    last, state = new_service(), MasterState(tmp_path / "state")
+    state.load(last)
+    assert set(last.registry.nodes) == {x}
+    y_new = join(last, "yy")
+    assert last.registry.nodes[y_new].grants == []
+    refused(last, y_new, ys[2], b"y2")
+    state.close()

@@ -24,7 +24,7 @@ from kvfs.cluster.membership import Membership, take_ids
 from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace, check_name, check_target
 from kvfs.cluster.objects import FileVersion
 from kvfs.cluster.opens import OpenHandles
-from kvfs.cluster.registry import LOCAL_NODE, Registry
+from kvfs.cluster.registry import LOCAL_NODE, Grant, Registry
 from kvfs.cluster.tempfiles import TempFiles
 from kvfs.cluster.totals import CountedObjects
 from kvfs.cluster.usage import DirectoryUsage, DirTotals
@@ -206,9 +206,11 @@ class MetadataService:
         return self.members.take_notifications(node_id)
 
     def load(self, inodes: list[Inode], versions: list[FileVersion], next_ino: int, next_entry_id: int,
-             next_version: int, nodes: list[tuple[int, str, str]]) -> None:
+             next_version: int, nodes: list[tuple[int, str, str]],
+             grants: dict[int, list[Grant]] | None = None) -> None:
         """Saved state after a master restart (see kvfs.cluster.persist); nodes are not alive
-        until they register again, so their files stay hidden until then."""
+        until they register again, so their files stay hidden until then. `grants`: the
+        number blocks granted to each node, which it may still publish with."""
         for inode in inodes:
             if inode.ino == ROOT_INO:
                 inode.refs = -1
@@ -218,7 +220,7 @@ class MetadataService:
         self.ns.next_ino = max(self.ns.next_ino, next_ino)
         self.ns.next_entry_id = max(self.ns.next_entry_id, next_entry_id)
         self.objects.load(versions, next_version)
-        self.registry.load(nodes, self.clock.monotonic())
+        self.registry.load(nodes, self.clock.monotonic(), grants)
         now = self.clock.monotonic()
         for inode in sorted((i for i in inodes if i.is_file), key=lambda i: i.mtime_ns):
             version = self.objects.versions.get(inode.version)
@@ -231,7 +233,7 @@ class MetadataService:
 
     def apply(self, inodes: list[Inode], versions: list[FileVersion], gone_inodes: list[int],
               gone_versions: list[int], counters: tuple[int, int, int], nodes: list[tuple[int, str, str]],
-              gone_nodes: list[int]) -> None:
+              gone_nodes: list[int], grants: dict[int, list[Grant]] | None = None) -> None:
         """Records a leader committed after those `load` took (a standby following etcd,
         kvfs.net.follow), the last value of each, all of one or more complete commits:
         leaves the state as a `load` of every record would. Changes nothing saved dirty."""
@@ -280,7 +282,7 @@ class MetadataService:
             node = self.registry.nodes.pop(node_id, None)
             if node is not None:
                 self.registry.by_name.pop(node.name, None)
-        self.registry.load(nodes, now)
+        self.registry.load(nodes, now, grants)
         for ino in sorted({*given, *(version.ino for version in versions)}):  # the policy, as `load` sets it
             inode = ns.inodes.get(ino)
             if inode is None or not inode.is_file:
@@ -666,12 +668,16 @@ class MetadataService:
     def _grant_numbers(self, req: m.GrantNumbers) -> m.Numbers:
         """A block of inode and version numbers, taken from the counters: saved before the
         answer like any change (the root's record is marked to carry them), so no number
-        of it is handed out again after a restart or a failover."""
+        of it is handed out again after a restart or a failover. The block is the caller's
+        alone: recorded with its node (and saved with it), a Publish by another node of
+        one of its numbers is refused."""
         self._known_node(self._caller)
         first_ino, first_version = self.ns.next_ino, self.objects.next_version
         self.ns.next_ino += req.count
         self.objects.next_version += req.count
         self.ns.dirty.add(ROOT_INO)  # (the counters are saved with any change)
+        self.registry.nodes[self._caller].grant(first_ino, first_version, req.count)
+        self.registry.dirty = True  # (one node record rewritten per block, not per publish)
         return m.Numbers(first_ino, first_version, req.count)
 
     def _publish(self, req: m.Publish) -> m.Published:
@@ -682,10 +688,14 @@ class MetadataService:
         time_ns(req.mtime_ns, "mtime")
         time_ns(req.ctime_ns, "ctime")
         self._known_node(req.node)
-        if not (req.ino < self.ns.next_ino and req.version < self.objects.next_version) \
+        # Only a pair of numbers granted to the caller, for a file stored on it: another node's
+        # would make that node's own publish of them fail. Unused: no inode or version has them
+        # (numbers whose file has since gone are unused again to their owner alone: a node
+        # never takes a number twice, and what a faulty one would break is its own).
+        if req.node != self._caller or not self.registry.nodes[req.node].granted(req.ino, req.version) \
                 or req.ino in self.ns.inodes or req.version in self.objects.versions:
-            raise MetadataError(errno.EINVAL, f"publish of {req.name!r}: inode {req.ino} or version {req.version} "
-                                              "is not a granted, unused number")
+            raise MetadataError(errno.EINVAL, f"publish of {req.name!r}: inode {req.ino} and version {req.version} "
+                                              f"are not a pair of numbers granted to node {self._caller}, unused")
         directory = self.ns.directory(req.parent)
         if not directory.linked:
             raise MetadataError(errno.ENOENT, f"directory {req.parent} was removed")

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 COUNTERS_KEY = b"counters"  # the next inode, entry and version numbers
-NODE_PREFIX = b"node/"  # + the node id: its name and peer address
+NODE_PREFIX = b"node/"  # + the node id: its name, peer address and number blocks
 OLD_META_KEY = b"meta"  # the first layout: counters and every node in one record, rewritten by every save
 
 
@@ -99,12 +99,12 @@ class MasterState:
         self._upgrade = False
         self.commits += 1
 
-    def _stored_nodes(self, txn: lmdb.Transaction) -> dict[int, tuple[str, str]]:
+    def _stored_nodes(self, txn: lmdb.Transaction) -> dict[int, records.NodeFields]:
         loaded = records.Loaded()
         for key, value in txn.cursor(db=self._meta):
             if key.startswith(NODE_PREFIX):
                 loaded.add(Kind.NODE, int.from_bytes(key[len(NODE_PREFIX):], "big"), value)
-        return {number: (name, address) for number, name, address in loaded.nodes}
+        return loaded.written_nodes()
 
     def sync(self) -> None:
         started = time.monotonic()

@@ -8,7 +8,7 @@ once that committed, clears the dirty sets (`clear_dirty`). A load decodes the s
 records into a `Loaded` and hands it to `MetadataService.load`.
 
 Nodes are written only when the registry changed (a registration, a new address, a node
-forgotten), never on every request.
+forgotten, a block of numbers granted to it), never on every request.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import msgspec
 from kvfs.cluster.master import MetadataService
 from kvfs.cluster.namespace import Inode, make_inode
 from kvfs.cluster.objects import FileVersion
+from kvfs.cluster.registry import Grant
 
 LAYOUT = 1
 
@@ -61,6 +62,12 @@ class SavedCounters(msgspec.Struct, array_like=True):
 class SavedNode(msgspec.Struct, array_like=True):
     name: str
     address: str  # its peer address
+    # The number blocks granted to it (first inode, first version, count): a Publish of their
+    # numbers is accepted after a restart or a failover (records saved before have none).
+    grants: list[tuple[int, int, int]] = []
+
+
+NodeFields = tuple[str, str, tuple[Grant, ...]]  # a node as saved: name, peer address, grants
 
 
 class SavedMeta(msgspec.Struct):
@@ -105,17 +112,18 @@ def encode_version(version: FileVersion) -> bytes:
                                 version.on_disk, version.checksums))
 
 
-def saved_nodes(service: MetadataService) -> dict[int, tuple[str, str]]:
+def saved_nodes(service: MetadataService) -> dict[int, NodeFields]:
     """The nodes a save keeps: every registered node but the permanent (embedded) one."""
     registry = service.registry
-    return {n.node_id: (n.name, n.address) for n in registry.nodes.values() if n.node_id not in registry.permanent}
+    return {n.node_id: (n.name, n.address, tuple(n.grants)) for n in registry.nodes.values()
+            if n.node_id not in registry.permanent}
 
 
 def is_dirty(service: MetadataService) -> bool:
     return bool(service.ns.dirty or service.objects.dirty or service.registry.dirty)
 
 
-def changes(service: MetadataService, written_nodes: dict[int, tuple[str, str]]) -> list[Change]:
+def changes(service: MetadataService, written_nodes: dict[int, NodeFields]) -> list[Change]:
     """What changed since the dirty sets were last cleared. `written_nodes` are the nodes
     as the store last wrote them: nodes are compared with it only when the registry is
     dirty (the caller keeps `saved_nodes(service)` as the new written set once committed)."""
@@ -129,9 +137,10 @@ def changes(service: MetadataService, written_nodes: dict[int, tuple[str, str]])
         out.append(Change(Kind.VERSION, version_id, None if version is None else encode_version(version)))
     if service.registry.dirty:
         current = saved_nodes(service)
-        for node_id, (name, address) in sorted(current.items()):
-            if written_nodes.get(node_id) != (name, address):
-                out.append(Change(Kind.NODE, node_id, _encode(SavedNode(name, address))))
+        for node_id, fields in sorted(current.items()):
+            if written_nodes.get(node_id) != fields:
+                name, address, grants = fields
+                out.append(Change(Kind.NODE, node_id, _encode(SavedNode(name, address, list(grants)))))
         out.extend(Change(Kind.NODE, node_id, None) for node_id in sorted(written_nodes.keys() - current.keys()))
     if out:
         out.append(Change(Kind.COUNTERS, 0, _encode(SavedCounters(LAYOUT, ns.next_ino, ns.next_entry_id,
@@ -149,7 +158,7 @@ def clear_dirty(service: MetadataService) -> None:
 def encode_meta(service: MetadataService) -> bytes:
     """The lmdb store's meta record."""
     ns = service.ns
-    nodes = [(node_id, name, address) for node_id, (name, address) in saved_nodes(service).items()]
+    nodes = [(node_id, name, address) for node_id, (name, address, _) in saved_nodes(service).items()]
     return _encode(SavedMeta(LAYOUT, ns.next_ino, ns.next_entry_id, service.objects.next_version, nodes))
 
 
@@ -163,6 +172,7 @@ class Loaded:
     next_entry_id: int = 0
     next_version: int = 0
     nodes: list[tuple[int, str, str]] = field(default_factory=list)
+    grants: dict[int, list[Grant]] = field(default_factory=dict)  # by node id
     found: bool = False  # any counters record: state was saved before
 
     def add(self, kind: Kind, number: int, value: bytes) -> None:
@@ -174,6 +184,7 @@ class Loaded:
         elif kind is Kind.NODE:
             node = _decode_node(value)
             self.nodes.append((number, node.name, node.address))
+            self.grants[number] = [tuple(grant) for grant in node.grants]  # type: ignore[misc]
         else:
             counters = _decode_counters(value)
             self.next_ino, self.next_entry_id, self.next_version = (counters.next_ino, counters.next_entry_id,
@@ -191,8 +202,13 @@ class Loaded:
         """Fills a fresh service; the number of files (0 when nothing was saved)."""
         if not self.found:
             return 0
-        service.load(self.inodes, self.versions, self.next_ino, self.next_entry_id, self.next_version, self.nodes)
+        service.load(self.inodes, self.versions, self.next_ino, self.next_entry_id, self.next_version, self.nodes,
+                     self.grants)
         return service.ns.files
+
+    def written_nodes(self) -> dict[int, NodeFields]:
+        """The nodes as they are stored, as `saved_nodes` gives them (for `changes`)."""
+        return {number: (name, address, tuple(self.grants.get(number, ()))) for number, name, address in self.nodes}
 
 
 def decode_inode(ino: int, value: bytes) -> Inode:

@@ -14,6 +14,13 @@ from dataclasses import dataclass, field
 from kvfs.wire.messages import Activity, NameChange
 
 LOCAL_NODE = 1  # the only node of a single-node (embedded) mount
+# Number blocks remembered per node (kvfs.node.private): a node uses its blocks oldest first
+# and holds two or three at a time (it asks for the next when a quarter is left), so the
+# newest eight always include every block it may still publish from, even after it restarted
+# a few times and left blocks unused.
+GRANTS_KEPT = 8
+
+Grant = tuple[int, int, int]  # a GrantNumbers block: first inode, first version, count
 
 
 @dataclass(slots=True)
@@ -46,6 +53,20 @@ class NodeRecord:
     outbox_dropped: list[int] = field(default_factory=list)  # versions it must free
     outbox_forget: list[tuple[int, bytes, int]] = field(default_factory=list)  # names its kernel must forget
     outbox_names: list[NameChange] = field(default_factory=list)  # changes in watched directories
+    grants: list[Grant] = field(default_factory=list)  # its number blocks, oldest first (saved with it)
+
+    def grant(self, first_ino: int, first_version: int, count: int) -> None:
+        """A block granted to this node; the oldest beyond GRANTS_KEPT is forgotten."""
+        self.grants = [*self.grants[-(GRANTS_KEPT - 1):], (first_ino, first_version, count)]
+
+    def granted(self, ino: int, version: int) -> bool:
+        """Whether (ino, version) is a pair of one of its blocks: the node takes a block's
+        inode and version numbers together, at the same offset."""
+        for first_ino, first_version, count in self.grants:
+            offset = ino - first_ino
+            if 0 <= offset < count and version - first_version == offset:
+                return True
+        return False
 
 
 class Registry:
@@ -78,11 +99,13 @@ class Registry:
         node.outbox_dropped, node.outbox_forget, node.outbox_names = [], [], []
         return node
 
-    def load(self, records: list[tuple[int, str, str]], now: float) -> None:
+    def load(self, records: list[tuple[int, str, str]], now: float, grants: dict[int, list[Grant]] | None = None) -> None:
         """Nodes known before a restart: not alive until they register again (and heard
-        from at `now`, so that a dead node's time to be forgotten counts from this start)."""
+        from at `now`, so that a dead node's time to be forgotten counts from this start),
+        with the number blocks granted to them."""
         for node_id, name, address in records:
-            self.nodes[node_id] = NodeRecord(node_id, name, address, last_seen=now)
+            self.nodes[node_id] = NodeRecord(node_id, name, address, last_seen=now,
+                                             grants=list((grants or {}).get(node_id, ())))
             self.by_name[name] = node_id
             self.next_id = max(self.next_id, node_id + 1)
 

@@ -35,7 +35,7 @@ class Fenced(EtcdError):
 @dataclass
 class Batch:
     changes: list[Change]
-    nodes: dict[int, tuple[str, str]] | None  # the nodes as written once this commits (None: unchanged)
+    nodes: dict[int, records.NodeFields] | None  # the nodes as written once this commits (None: unchanged)
 
 
 def split(changes: list[Change], max_ops: int = MAX_TXN_OPS, max_bytes: int = TXN_BYTES) -> list[list[Change]]:
@@ -50,7 +50,7 @@ class EtcdState:
         self.cluster = cluster
         self.leader = leader_key(cluster)
         self.prefix = f"/kvfs/{cluster}/state/".encode()
-        self._written_nodes: dict[int, tuple[str, str]] = {}
+        self._written_nodes: dict[int, records.NodeFields] = {}
         self.txns = 0
         self.revision = 0  # etcd's revision after the last commit
 
@@ -93,7 +93,7 @@ class EtcdState:
                     await trio.to_thread.run_sync(self._decode, page, loaded)
         if failed:
             raise failed[0]
-        self._written_nodes = {number: (name, address) for number, name, address in loaded.nodes}
+        self._written_nodes = loaded.written_nodes()
         return await trio.to_thread.run_sync(loaded.into, service)
 
     def adopt(self, service: MetadataService) -> None:
