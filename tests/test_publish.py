@@ -378,23 +378,14 @@ def test_a_node_cannot_publish_with_numbers_granted_to_another_and_grants_surviv
     import time
 
     from master_view import saved_view
+    from test_loop_bounds import cluster as new_service
+    from test_loop_bounds import join
 
-    from kvfs.clock import SystemClock
-    from kvfs.cluster.master import MasterSettings, MetadataService
+    from kvfs.cluster.master import MetadataService
     from kvfs.cluster.namespace import ROOT_INO
     from kvfs.cluster.persist import MasterState
     from kvfs.errors import MetadataError
-    from kvfs.policy import LruPolicy
     from kvfs.wire import messages as m
-
-    def new_service() -> MetadataService:
-        return MetadataService(SystemClock(), LruPolicy(), MasterSettings(cluster=True))
-
-    def join(service: MetadataService, name: str) -> int:
-        node = service.handle(m.Register(name, f"10.0.0.{len(name)}:7000"), 0).node
-        service.handle(m.Report([]), node)
-        service.handle(m.FinishRegistration(), node)
-        return node
 
     def publish(service: MetadataService, node: int, numbers: tuple[int, int], name: bytes) -> m.Published:
         return service.handle(m.Publish(ROOT_INO, name, node, numbers[0], numbers[1], 0o644, 0, 0, 4096, [7],
