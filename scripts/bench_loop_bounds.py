@@ -43,15 +43,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE = 2000  # versions per Report, as nodes send them
+PASS_REQUESTS = 5000  # requests between two expiry passes in --growth (the daemon's come every 0.25 s)
 
 
-def measure(files: int, state_dir: str | None = None, policy: str = "reuse") -> dict[str, float]:
-    """Runs in a child process whose kvfs is the tree under test. With `state_dir`, the
-    state is written to lmdb there first, and each slice of removal is the daemon's (its
-    budget's steps, then the save of what they changed, kvfs.daemons.master)."""
+def loaded_service(files: int, policy: str) -> tuple[Any, Any, int, float]:
+    """The pure service of the tree under test loaded with N files, as after a restart (node
+    "b" holds one in 1,000, "d" a fifth, "a" the rest): (service, its manual clock, the
+    files, the load's CPU ms)."""
     import stat
 
     from kvfs.clock import ManualClock
@@ -59,7 +61,6 @@ def measure(files: int, state_dir: str | None = None, policy: str = "reuse") -> 
     from kvfs.cluster.namespace import ROOT_INO, make_inode
     from kvfs.cluster.objects import FileVersion
     from kvfs.policy import make_policy
-    from kvfs.wire import messages as m
 
     clock = ManualClock()
     service = MetadataService(clock, make_policy(policy), MasterSettings(cluster=True, forget_dead_after_s=10.0))
@@ -96,7 +97,17 @@ def measure(files: int, state_dir: str | None = None, policy: str = "reuse") -> 
     started = time.thread_time()
     service.load(inodes, versions, ino, entry, made + 1, [(1, "a", "a:1"), (2, "b", "b:1"), (3, "d", "d:1")])
     loaded_ms = (time.thread_time() - started) * 1000  # (a restart's, before the master serves)
-    del inodes
+    return service, clock, made, loaded_ms
+
+
+def measure(files: int, state_dir: str | None = None, policy: str = "reuse") -> dict[str, float]:
+    """Runs in a child process whose kvfs is the tree under test. With `state_dir`, the
+    state is written to lmdb there first, and each slice of removal is the daemon's (its
+    budget's steps, then the save of what they changed, kvfs.daemons.master)."""
+    from kvfs.cluster.namespace import ROOT_INO
+    from kvfs.wire import messages as m
+
+    service, clock, made, loaded_ms = loaded_service(files, policy)
     gc.freeze()  # as the master daemon does (kvfs.daemons.master): no full collection walks the namespace
 
     out: dict[str, float] = {"files": made, "load_ms": loaded_ms}
@@ -228,13 +239,93 @@ def measure(files: int, state_dir: str | None = None, policy: str = "reuse") -> 
     return out
 
 
-def child(tree: Path, files: int, save: bool, policy: str) -> dict[str, float]:
+def measure_growth(files: int, policy: str = "reuse") -> dict[str, float]:
+    """The cyclic collector's passes while the namespace grows and churns (`--growth`), in a
+    child process whose kvfs is the tree under test. Loaded with N files and frozen as the
+    daemon does at its first expiry pass, node a registers holding them all, then writes
+    N*3/10 new files (growth), then N*3/10 more while it reclaims as many (churn: the same
+    count of files, every new one made since the load). An expiry pass, where the daemon
+    decides whether to freeze the heap (`keep_heap_out_of_full_collections`), comes every
+    PASS_REQUESTS requests. Figures: the longest pass of each generation and their number,
+    the longest request with the passes in it (CPU ms), the freezes, and the objects of
+    reference cycles that died frozen (a leak: found by a collection after `gc.unfreeze()`,
+    once a collection of what was not frozen took the rest)."""
+    from kvfs.cluster.namespace import ROOT_INO
+    from kvfs.daemons.master import keep_heap_out_of_full_collections
+    from kvfs.wire import messages as m
+
+    service, clock, made, loaded_ms = loaded_service(files, policy)
+    frozen = keep_heap_out_of_full_collections(service, -1)  # (the collector's state as the load left it)
+    out: dict[str, float] = {"files": made, "load_ms": loaded_ms, "freezes": 0}
+    passes: dict[int, list[float]] = {0: [], 1: [], 2: []}
+    started_pass = [0.0]
+
+    def on_collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            started_pass[0] = time.thread_time()
+        else:
+            passes[info["generation"]].append((time.thread_time() - started_pass[0]) * 1000)
+
+    requests = 0
+
+    def call(request: Any, node: int) -> Any:
+        nonlocal requests, frozen
+        started = time.thread_time()
+        result = service.handle(request, node)
+        out["request_with_gc_ms"] = max(out.get("request_with_gc_ms", 0.0), (time.thread_time() - started) * 1000)
+        requests += 1
+        if requests % PASS_REQUESTS == 0:
+            before = frozen
+            started = time.thread_time()
+            frozen = keep_heap_out_of_full_collections(service, frozen)
+            out["expiry_pass_ms"] = max(out.get("expiry_pass_ms", 0.0), (time.thread_time() - started) * 1000)
+            out["freezes"] += frozen != before
+        return result
+
+    node = service.handle(m.Register("a", "a:1"), 0).node
+    held = [v.version for v in service.objects.of_node(1)]
+    versions = service.objects.versions
+    for start in range(0, len(held), PAGE):
+        page = [m.Held(v.version, v.size, True, v.on_disk, 0, v.checksums)
+                for v in map(versions.__getitem__, held[start:start + PAGE])]
+        service.handle(m.Report(page), node)
+    service.handle(m.FinishRegistration(), node)
+    while service.pending_work(0.0):
+        pass
+    del held
+    gc.callbacks.append(on_collection)
+    count = files * 3 // 10
+    directory = 0
+    for i in range(2 * count):
+        if i % 1000 == 0:
+            directory = call(m.MkDir(ROOT_INO, b"new-%04d" % (i // 1000), 0o755, 0, 0), node).ino
+        opened = call(m.Create(directory, b"block-%06d.bin" % (i % 1000), 0o644, 0, 0, node, True), node)
+        call(m.Seal(opened.version, 4096, clock.wall_ns(), [i], release=True), node)
+        if i >= count and i % 16 == 15:  # churn: as many files evicted as written
+            call(m.Reclaim(node, 16 * 4096, "dram"), node)
+        if i == count - 1:
+            out["files_grown"] = service.ns.files
+    gc.callbacks.remove(on_collection)
+    out["files_left"] = service.ns.files
+    for generation, times in passes.items():
+        out[f"gc_gen{generation}_passes"] = len(times)
+        out[f"gc_gen{generation}_ms"] = max(times, default=0.0)
+    gc.collect()
+    out["frozen_objects"] = gc.get_freeze_count()
+    gc.unfreeze()
+    out["leaked_cycle_objects"] = gc.collect()
+    return out
+
+
+def child(tree: Path, files: int, save: bool, policy: str, growth: bool = False) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(tree))
     with tempfile.TemporaryDirectory(prefix="bench-loop-bounds-") as scratch:
         state = repr(scratch) if save else "None"
         code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); "
                 f"sys.path.insert(1, {str(REPO / 'scripts')!r}); "
-                f"import bench_loop_bounds as b; print(json.dumps(b.measure({files}, {state}, {policy!r})))")
+                f"import bench_loop_bounds as b; print(json.dumps("
+                + (f"b.measure_growth({files}, {policy!r})" if growth else f"b.measure({files}, {state}, {policy!r})")
+                + "))")
         done = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(tree), check=True, capture_output=True,
                               text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -253,6 +344,8 @@ def main() -> None:
     parser.add_argument("--base", type=Path, help="an older tree to compare with, in alternating rounds")
     parser.add_argument("--no-save", action="store_true", help="no lmdb state: steps only, no daemon slices")
     parser.add_argument("--policy", default="reuse", help="the master's eviction policy (its default: reuse)")
+    parser.add_argument("--growth", action="store_true", help="the collector's passes as the namespace grows and "
+                        "churns (measure_growth), instead of the loop's longest calls")
     args = parser.parse_args()
     files = parse_count(args.files)
     trees = {"this": REPO} if args.base is None else {"base": args.base.resolve(), "this": REPO}
@@ -260,9 +353,9 @@ def main() -> None:
     for round_ in range(args.rounds):
         order = list(trees.items()) if round_ % 2 == 0 else list(reversed(trees.items()))
         for name, tree in order:
-            results[name].append(child(tree, files, not args.no_save, args.policy))
+            results[name].append(child(tree, files, not args.no_save, args.policy, args.growth))
             print(f"round {round_ + 1}: {name} done", file=sys.stderr)
-    keys = list(dict.fromkeys(key for r in results["this"] for key in r if key.endswith("_ms")))
+    keys = list(dict.fromkeys(key for r in results["this"] for key in r if key.endswith("_ms") or args.growth))
     print(f"files: {int(results['this'][0]['files'])}; longest single call (CPU ms), median of {args.rounds} rounds")
     for key in keys:
         this = statistics.median(r.get(key, 0.0) for r in results["this"])
