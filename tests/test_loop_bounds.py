@@ -473,3 +473,45 @@ def test_a_mass_removal_reaches_the_other_nodes_over_heartbeats_that_each_fit_a_
         forgotten += [name for _, name, _ in beat.forget]
         beats += 1
     assert forgotten == names[1:] and beats >= 2
+
+
+def test_the_heap_is_frozen_every_freeze_every_numbers_even_at_a_steady_count_of_files() -> None:
+    """The daemon's expiry pass freezes the heap (so that the cyclic collector's full passes
+    walk only what was made since) once FREEZE_EVERY inode and version numbers were handed
+    out: files written and evicted at a steady count freeze it as often as growth does. The
+    young generations are collected first: a cycle that died in flight is freed, not frozen."""
+    import gc
+    import weakref
+
+    from kvfs.daemons.master import FREEZE_EVERY, keep_heap_out_of_full_collections
+
+    class Cycle:
+        pass
+
+    service = cluster()
+    node = join(service, "a")
+    directory = service.handle(m.MkDir(ROOT_INO, b"d", 0o755, 0, 0), node).ino
+    try:
+        dead = Cycle()
+        dead.itself = dead  # type: ignore[attr-defined]
+        died = weakref.ref(dead)
+        del dead
+        frozen_at = keep_heap_out_of_full_collections(service, -1)
+        assert died() is None
+        made = lambda: service.ns.next_ino + service.objects.next_version  # noqa: E731
+        assert frozen_at == made()
+        freezes = 0
+        for written in range(1, FREEZE_EVERY + 1):  # (a file takes an inode number and a version number)
+            version = store(service, directory, b"f", node)
+            service.handle(m.Unlink(directory, b"f"), node)
+            assert version not in service.objects.versions and service.ns.files == 0  # (a steady count: none)
+            before = frozen_at
+            frozen_at = keep_heap_out_of_full_collections(service, frozen_at)
+            if frozen_at != before:
+                assert frozen_at == made() and frozen_at - before >= FREEZE_EVERY
+                freezes += 1
+            else:
+                assert made() - frozen_at < FREEZE_EVERY
+        assert freezes == 2
+    finally:
+        gc.unfreeze()

@@ -83,16 +83,28 @@ def owner_finder(service: MetadataService) -> Callable[[int], int | None]:
     return owner_of
 
 
-def keep_heap_out_of_full_collections(service: MetadataService, frozen_files: int) -> int:
+# Inode and version numbers handed out (creates, rewrites, publishes, granted blocks) between two
+# freezes of the heap: what a full pass of the cyclic collector walks is what was made since the
+# last freeze, about 1 µs of CPU per file's objects, so a few ms at most (measured at 1M files:
+# docs/cluster.md, "What this scale still costs").
+FREEZE_EVERY = 10_000
+
+
+def keep_heap_out_of_full_collections(service: MetadataService, frozen_at: int) -> int:
     """Moves the objects alive now (the namespace's inodes, versions, names) out of the garbage
-    collector's reach once the files grew by a quarter since the last time: a full collection
-    walks every tracked object, 0.9 s at 1M files, on the request loop. Freezing costs O(1);
-    the namespace's objects hold no reference cycles, so none leak. Returns the files now."""
-    files = service.ns.files
-    if files > frozen_files + frozen_files // 4 + 1000:
+    collector's reach once FREEZE_EVERY numbers were handed out since the last time (-1: now):
+    a full collection walks every tracked object, 0.9 s at 1M files, on the request loop.
+    Counted in numbers made, not files: churn at a steady count (as many evicted as written)
+    replaces the frozen objects with new ones all the same. The young generations are
+    collected first (their size: a few ms at most), so that the cycles of requests in flight
+    are not frozen with the rest; the namespace's objects hold no reference cycles, so none
+    leak. Returns the numbers handed out now (the next call's `frozen_at`)."""
+    made = service.ns.next_ino + service.objects.next_version
+    if frozen_at < 0 or made - frozen_at >= FREEZE_EVERY:
+        gc.collect(1)
         gc.freeze()
-        return files
-    return frozen_files
+        return made
+    return frozen_at
 
 
 async def until_stopped(started: Callable[[], None], status: str) -> None:
@@ -109,10 +121,10 @@ async def until_stopped(started: Callable[[], None], status: str) -> None:
 async def expire_forever(service: MetadataService, server: MetadataServer, config: MasterConfig,
                          changed: Callable[[str], Any]) -> None:
     """Declares silent nodes dead and forgets long-dead ones; `changed(cause)` saves."""
-    frozen_files = -1
+    frozen_at = -1
     while True:
         await trio.sleep(service.settings.expire_interval_s)
-        frozen_files = keep_heap_out_of_full_collections(service, frozen_files)
+        frozen_at = keep_heap_out_of_full_collections(service, frozen_at)
         try:
             stalls = service.liveness.stalls
             known = dict(service.registry.by_name)
