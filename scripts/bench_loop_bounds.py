@@ -47,7 +47,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE = 2000  # versions per Report, as nodes send them
-PASS_REQUESTS = 5000  # requests between two expiry passes in --growth (the daemon's come every 0.25 s)
+PASS_CPU_S = 0.25  # between two expiry passes in --growth (the daemon's come every 0.25 s)
 
 
 def loaded_service(files: int, policy: str) -> tuple[Any, Any, int, float]:
@@ -242,14 +242,15 @@ def measure(files: int, state_dir: str | None = None, policy: str = "reuse") -> 
 def measure_growth(files: int, policy: str = "reuse") -> dict[str, float]:
     """The cyclic collector's passes while the namespace grows and churns (`--growth`), in a
     child process whose kvfs is the tree under test. Loaded with N files and frozen as the
-    daemon does at its first expiry pass, node a registers holding them all, then writes
-    N*3/10 new files (growth), then N*3/10 more while it reclaims as many (churn: the same
-    count of files, every new one made since the load). An expiry pass, where the daemon
-    decides whether to freeze the heap (`keep_heap_out_of_full_collections`), comes every
-    PASS_REQUESTS requests. Figures: the longest pass of each generation and their number,
-    the longest request with the passes in it (CPU ms), the freezes, and the objects of
-    reference cycles that died frozen (a leak: found by a collection after `gc.unfreeze()`,
-    once a collection of what was not frozen took the rest)."""
+    daemon does at its first expiry pass, node a registers holding them all (`register`),
+    then writes N*3/10 new files (`grow`), then N*3/10 more while it reclaims as many
+    (`churn`: the same count of files, every new one made since the load). An expiry pass,
+    where the daemon decides whether to freeze the heap (`keep_heap_out_of_full_collections`),
+    comes after each 0.25 s of CPU. Figures: each phase's longest full pass and their
+    number, the longest young pass, the longest request with the passes in it (CPU ms), the
+    longest expiry pass, the freezes, and the objects of reference cycles that died frozen
+    (a leak: found by a collection after `gc.unfreeze()`, once a collection of what was not
+    frozen took the rest)."""
     from kvfs.cluster.namespace import ROOT_INO
     from kvfs.daemons.master import keep_heap_out_of_full_collections
     from kvfs.wire import messages as m
@@ -257,59 +258,60 @@ def measure_growth(files: int, policy: str = "reuse") -> dict[str, float]:
     service, clock, made, loaded_ms = loaded_service(files, policy)
     frozen = keep_heap_out_of_full_collections(service, -1)  # (the collector's state as the load left it)
     out: dict[str, float] = {"files": made, "load_ms": loaded_ms, "freezes": 0}
-    passes: dict[int, list[float]] = {0: [], 1: [], 2: []}
+    phase = "register"
+    passes: list[tuple[str, int, float]] = []
     started_pass = [0.0]
 
-    def on_collection(phase: str, info: dict) -> None:
-        if phase == "start":
+    def on_collection(stage: str, info: dict) -> None:
+        if stage == "start":
             started_pass[0] = time.thread_time()
         else:
-            passes[info["generation"]].append((time.thread_time() - started_pass[0]) * 1000)
+            passes.append((phase, info["generation"], (time.thread_time() - started_pass[0]) * 1000))
 
-    requests = 0
+    last_pass = time.thread_time()
 
     def call(request: Any, node: int) -> Any:
-        nonlocal requests, frozen
+        nonlocal frozen, last_pass
         started = time.thread_time()
         result = service.handle(request, node)
         out["request_with_gc_ms"] = max(out.get("request_with_gc_ms", 0.0), (time.thread_time() - started) * 1000)
-        requests += 1
-        if requests % PASS_REQUESTS == 0:
+        if time.thread_time() - last_pass >= PASS_CPU_S:
             before = frozen
-            started = time.thread_time()
+            last_pass = time.thread_time()
             frozen = keep_heap_out_of_full_collections(service, frozen)
-            out["expiry_pass_ms"] = max(out.get("expiry_pass_ms", 0.0), (time.thread_time() - started) * 1000)
+            out["expiry_pass_ms"] = max(out.get("expiry_pass_ms", 0.0), (time.thread_time() - last_pass) * 1000)
             out["freezes"] += frozen != before
         return result
 
-    node = service.handle(m.Register("a", "a:1"), 0).node
+    gc.callbacks.append(on_collection)
+    node = call(m.Register("a", "a:1"), 0).node
     held = [v.version for v in service.objects.of_node(1)]
     versions = service.objects.versions
     for start in range(0, len(held), PAGE):
         page = [m.Held(v.version, v.size, True, v.on_disk, 0, v.checksums)
                 for v in map(versions.__getitem__, held[start:start + PAGE])]
-        service.handle(m.Report(page), node)
-    service.handle(m.FinishRegistration(), node)
+        call(m.Report(page), node)
+    del held, page
+    call(m.FinishRegistration(), node)
     while service.pending_work(0.0):
         pass
-    del held
-    gc.callbacks.append(on_collection)
     count = files * 3 // 10
     directory = 0
     for i in range(2 * count):
+        phase = "grow" if i < count else "churn"
         if i % 1000 == 0:
             directory = call(m.MkDir(ROOT_INO, b"new-%04d" % (i // 1000), 0o755, 0, 0), node).ino
         opened = call(m.Create(directory, b"block-%06d.bin" % (i % 1000), 0o644, 0, 0, node, True), node)
         call(m.Seal(opened.version, 4096, clock.wall_ns(), [i], release=True), node)
         if i >= count and i % 16 == 15:  # churn: as many files evicted as written
             call(m.Reclaim(node, 16 * 4096, "dram"), node)
-        if i == count - 1:
-            out["files_grown"] = service.ns.files
     gc.callbacks.remove(on_collection)
     out["files_left"] = service.ns.files
-    for generation, times in passes.items():
-        out[f"gc_gen{generation}_passes"] = len(times)
-        out[f"gc_gen{generation}_ms"] = max(times, default=0.0)
+    for name in ("register", "grow", "churn"):
+        full = [ms for where, generation, ms in passes if where == name and generation == 2]
+        out[f"{name}_gc_full_passes"] = len(full)
+        out[f"{name}_gc_full_ms"] = max(full, default=0.0)
+    out["gc_young_ms"] = max((ms for _, generation, ms in passes if generation < 2), default=0.0)
     gc.collect()
     out["frozen_objects"] = gc.get_freeze_count()
     gc.unfreeze()

@@ -34,8 +34,8 @@ import trio
 from kvfs import systemd
 from kvfs.cluster.election import Leadership, renew_interval
 from kvfs.config import split_address
-from kvfs.daemons.master import (MasterConfig, expire_forever, keep_heap_out_of_full_collections, new_service,
-                                 owner_finder, until_stopped)
+from kvfs.daemons.heap import keep_heap_out_of_full_collections
+from kvfs.daemons.master import MasterConfig, expire_forever, new_service, owner_finder, until_stopped
 from kvfs.histogram import OperationStats
 from kvfs.metrics.exporter import serve_metrics
 from kvfs.metrics.families import Families

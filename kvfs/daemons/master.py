@@ -11,7 +11,6 @@ With --etcd, masters elect a leader and keep the state in etcd instead
 
 from __future__ import annotations
 
-import gc
 import logging
 import signal
 import time
@@ -26,6 +25,7 @@ from kvfs.clock import SystemClock
 from kvfs.wire import messages as m
 from kvfs.cluster.master import MasterSettings, MetadataService
 from kvfs.cluster.persist import MasterState
+from kvfs.daemons.heap import keep_heap_out_of_full_collections
 from kvfs.net.rpc import MetadataServer
 from kvfs.config import split_address
 from kvfs.config import DEFAULT_MASTER_METRICS
@@ -81,30 +81,6 @@ def owner_finder(service: MetadataService) -> Callable[[int], int | None]:
         version = service.objects.versions.get(version_id)
         return None if version is None else version.node
     return owner_of
-
-
-# Inode and version numbers handed out (creates, rewrites, publishes, granted blocks) between two
-# freezes of the heap: what a full pass of the cyclic collector walks is what was made since the
-# last freeze, about 1 µs of CPU per file's objects, so a few ms at most (measured at 1M files:
-# docs/cluster.md, "What this scale still costs").
-FREEZE_EVERY = 10_000
-
-
-def keep_heap_out_of_full_collections(service: MetadataService, frozen_at: int) -> int:
-    """Moves the objects alive now (the namespace's inodes, versions, names) out of the garbage
-    collector's reach once FREEZE_EVERY numbers were handed out since the last time (-1: now):
-    a full collection walks every tracked object, 0.9 s at 1M files, on the request loop.
-    Counted in numbers made, not files: churn at a steady count (as many evicted as written)
-    replaces the frozen objects with new ones all the same. The young generations are
-    collected first (their size: a few ms at most), so that the cycles of requests in flight
-    are not frozen with the rest; the namespace's objects hold no reference cycles, so none
-    leak. Returns the numbers handed out now (the next call's `frozen_at`)."""
-    made = service.ns.next_ino + service.objects.next_version
-    if frozen_at < 0 or made - frozen_at >= FREEZE_EVERY:
-        gc.collect(1)
-        gc.freeze()
-        return made
-    return frozen_at
 
 
 async def until_stopped(started: Callable[[], None], status: str) -> None:
