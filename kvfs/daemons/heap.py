@@ -33,12 +33,10 @@ SLOW_FULL_PASS_S = 0.005  # a full pass this long: the next expiry pass freezes
 
 class FullPasses:
     """Times the collector's full passes (a `gc.callbacks` entry): whether one was slow
-    since the last freeze, and the longest so far (for the metrics and the log)."""
+    since the last freeze."""
 
     def __init__(self) -> None:
         self.slow = False
-        self.longest_s = 0.0
-        self.count = 0
         self._started = 0.0
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
@@ -47,10 +45,7 @@ class FullPasses:
         if phase == "start":
             self._started = time.thread_time()  # (CPU: a busy machine's waits are not the pass)
             return
-        spent = time.thread_time() - self._started
-        self.count += 1
-        self.longest_s = max(self.longest_s, spent)
-        self.slow = self.slow or spent >= SLOW_FULL_PASS_S
+        self.slow = self.slow or time.thread_time() - self._started >= SLOW_FULL_PASS_S
 
 
 _passes: FullPasses | None = None
