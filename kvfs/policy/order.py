@@ -21,15 +21,16 @@ class StampOrder:
     """Keys by (stamp, then arrival): O(1) for a key stamped with the newest stamp (the
     usual case), O(log n) search and a C memmove for one that arrives with an older one."""
 
-    __slots__ = ("main", "late", "late_stamps", "group", "cls")
+    __slots__ = ("main", "late", "late_stamps", "group", "cls", "number")
 
-    def __init__(self, group: Hashable = None, cls: int = 0) -> None:
+    def __init__(self, group: Hashable = None, cls: int = 0, number: int = 0) -> None:
         # Appended with stamps that never go down: a plain dict keeps that order (and takes
         # about 60 B less per key than an OrderedDict: a master ranks millions).
         self.main: dict[int, float] = {}
         self.late: list[tuple[float, int]] = []  # (stamp, key), sorted: keys that came with an older stamp
         self.late_stamps: dict[int, float] = {}
         self.group, self.cls = group, cls  # (what the owning policy files it under)
+        self.number = number  # (how the owning policy's records name it)
 
     def add(self, key: int, stamp: float) -> None:
         """`key` must not be in the list."""
