@@ -29,8 +29,10 @@ class NumberTable(MutableMapping[int, T], Generic[T]):
     __slots__ = ("_pages", "_live", "_len")
 
     def __init__(self, items: Iterable[tuple[int, T]] = ()) -> None:
-        self._pages: list[list[T | None] | None] = []  # page n holds numbers n * PAGE_SLOTS ...
-        self._live: list[int] = []  # objects per page
+        # Page n holds numbers n * PAGE_SLOTS ... (n + 1) * PAGE_SLOTS - 1; one dict entry per
+        # page in use (a page is 32 KiB of slots: the entry is noise).
+        self._pages: dict[int, list[T | None]] = {}
+        self._live: dict[int, int] = {}  # objects per page
         self._len = 0
         for key, value in items:
             self[key] = value
@@ -38,52 +40,35 @@ class NumberTable(MutableMapping[int, T], Generic[T]):
     # The hot paths (every request looks up inodes and versions) are written out, not
     # built on each other: a Python call costs as much as the lookup itself.
     def get(self, key: int, default: T | None = None) -> T | None:  # type: ignore[override]
-        if key < 0:
-            return default
-        try:
-            page = self._pages[key >> PAGE_BITS]
-        except IndexError:
-            return default
+        page = self._pages.get(key >> PAGE_BITS)  # (a negative number's page is never there)
         if page is None:
             return default
         value = page[key & _MASK]
         return default if value is None else value
 
     def __getitem__(self, key: int) -> T:
-        if key >= 0:
-            try:
-                page = self._pages[key >> PAGE_BITS]
-            except IndexError:
-                page = None
-            if page is not None:
-                value = page[key & _MASK]
-                if value is not None:
-                    return value
+        page = self._pages.get(key >> PAGE_BITS)
+        if page is not None:
+            value = page[key & _MASK]
+            if value is not None:
+                return value
         raise KeyError(key)
 
     def __contains__(self, key: object) -> bool:
-        if not isinstance(key, int) or key < 0:
+        if not isinstance(key, int):
             return False
-        try:
-            page = self._pages[key >> PAGE_BITS]
-        except IndexError:
-            return False
+        page = self._pages.get(key >> PAGE_BITS)
         return page is not None and page[key & _MASK] is not None
 
     def __setitem__(self, key: int, value: T) -> None:
         if key < 0 or value is None:
             raise ValueError(f"number {key} -> {value!r}: numbers are >= 0 and None marks an empty slot")
         number = key >> PAGE_BITS
-        pages = self._pages
-        if number >= len(pages):
-            grow = number + 1 - len(pages)
-            pages.extend([None] * grow)
-            self._live.extend([0] * grow)
-        page = pages[number]
+        page = self._pages.get(number)
         if page is None:
-            page = pages[number] = [None] * PAGE_SLOTS
+            page = self._pages[number] = [None] * PAGE_SLOTS
         if page[key & _MASK] is None:
-            self._live[number] += 1
+            self._live[number] = self._live.get(number, 0) + 1
             self._len += 1
         page[key & _MASK] = value
 
@@ -91,11 +76,11 @@ class NumberTable(MutableMapping[int, T], Generic[T]):
         if key not in self:
             raise KeyError(key)
         number = key >> PAGE_BITS
-        self._pages[number][key & _MASK] = None  # type: ignore[index]
+        self._pages[number][key & _MASK] = None
         self._len -= 1
         self._live[number] -= 1
         if not self._live[number]:  # the page's last object went: its slots go too
-            self._pages[number] = None
+            del self._pages[number], self._live[number]
 
     def pop(self, key: int, *default: T | None) -> T | None:  # type: ignore[override]
         value = self.get(key)
@@ -110,21 +95,19 @@ class NumberTable(MutableMapping[int, T], Generic[T]):
         return self._len
 
     def __iter__(self) -> Iterator[int]:
-        for number, page in enumerate(self._pages):
-            if page is not None:
-                base = number << PAGE_BITS
-                for offset, value in enumerate(page):
-                    if value is not None:
-                        yield base + offset
+        for number in sorted(self._pages):
+            base = number << PAGE_BITS
+            for offset, value in enumerate(self._pages[number]):
+                if value is not None:
+                    yield base + offset
 
     def values(self) -> Iterator[T]:  # type: ignore[override]
         """The objects in number order (no copy: the caller must not add or remove meanwhile)."""
-        for page in self._pages:
-            if page is not None:
-                yield from filter(partial(is_not, None), page)  # type: ignore[misc]
+        for number in sorted(self._pages):
+            yield from filter(partial(is_not, None), self._pages[number])  # type: ignore[misc]
 
     def clear(self) -> None:
-        self._pages, self._live, self._len = [], [], 0
+        self._pages, self._live, self._len = {}, {}, 0
 
     def __repr__(self) -> str:
-        return f"NumberTable({self._len} objects in {sum(p is not None for p in self._pages)} pages)"
+        return f"NumberTable({self._len} objects in {len(self._pages)} pages)"
