@@ -175,13 +175,16 @@ class Namespace:
         return inode
 
     def lookup(self, parent: int, name: bytes) -> Inode | None:
-        directory = self.directory(parent)
+        inodes = self.inodes
+        directory = inodes.get(parent)
+        if directory is None or directory.children is None:  # (the hot path calls no helper)
+            directory = self.directory(parent)  # raises
         if name == b".":
             return directory
         if name == b"..":
-            return self.inodes[directory.parent or ROOT_INO]
+            return inodes[directory.parent or ROOT_INO]
         ino = directory.children.get(name)  # type: ignore[union-attr]
-        return None if ino is None else self.inodes[ino]
+        return None if ino is None else inodes[ino]
 
     def existing(self, parent: int, name: bytes) -> Inode:
         inode = self.lookup(parent, name)
