@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import stat
 from kvfs.cluster.entries import Entries
+from kvfs.cluster.table import NumberTable
 from kvfs.errors import MetadataError
 
 ROOT_INO = 1
@@ -147,7 +148,8 @@ class Namespace:
     def __init__(self, now_ns: int, root_mode: int = 0o755, root_uid: int = 0, root_gid: int = 0) -> None:
         root = Directory(ROOT_INO, stat.S_IFDIR | root_mode, root_uid, root_gid, now_ns, now_ns, now_ns, children=Entries())
         root.refs = -1  # every node references the root, always
-        self.inodes: dict[int, Inode] = {ROOT_INO: root}
+        # ino -> inode: numbers only grow, so slots in pages, not a dict (kvfs.cluster.table)
+        self.inodes: NumberTable[Inode] = NumberTable(((ROOT_INO, root),))
         self.next_ino = ROOT_INO + 1
         self.next_entry_id = 1
         self.files = 0
@@ -173,13 +175,16 @@ class Namespace:
         return inode
 
     def lookup(self, parent: int, name: bytes) -> Inode | None:
-        directory = self.directory(parent)
+        inodes = self.inodes
+        directory = inodes.get(parent)
+        if directory is None or directory.children is None:  # (the hot path calls no helper)
+            directory = self.directory(parent)  # raises
         if name == b".":
             return directory
         if name == b"..":
-            return self.inodes[directory.parent or ROOT_INO]
+            return inodes[directory.parent or ROOT_INO]
         ino = directory.children.get(name)  # type: ignore[union-attr]
-        return None if ino is None else self.inodes[ino]
+        return None if ino is None else inodes[ino]
 
     def existing(self, parent: int, name: bytes) -> Inode:
         inode = self.lookup(parent, name)

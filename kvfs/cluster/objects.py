@@ -12,6 +12,7 @@ from array import array
 from itertools import compress
 from typing import Callable, Iterator, Sequence
 
+from kvfs.cluster.table import NumberTable
 from kvfs.errors import MetadataError
 
 
@@ -129,7 +130,7 @@ class NodeIds:
 
 class ObjectDirectory:
     def __init__(self) -> None:
-        self.versions: dict[int, FileVersion] = {}
+        self.versions: NumberTable[FileVersion] = NumberTable()  # ids only grow (kvfs.cluster.table)
         self.next_version = 1
         self.sealed_bytes = 0
         self.dirty: set[int] = set()  # versions changed since the owner last saved them

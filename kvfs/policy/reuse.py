@@ -46,82 +46,152 @@ CLASS_WEIGHTS = (0.0, 1.0, 1.3, 2.0)  # first use, 2nd, 3rd, later
 HISTORY = 1 << 20  # use counts remembered, including for evicted blocks
 
 
+# A key's record, one int: its identity (when it was given one), its last use (the policy's
+# clock then), its uses while resident (up to the last class: more rank no differently), the
+# number of the list it is filed in (0: not resident) and a flag:
+# `identity << 83 | stamp << 33 | uses << 30 | number << 1 | named`. The same int object is
+# the key's value in the policy's map and in its list (`StampOrder.stamp_of` reads the stamp
+# from it): one int per key (5 digits, 44 B, with a 60-bit identity) instead of a float
+# stamp, an entry in a key -> list map, one in a key -> identity map with its int, and one
+# in the history (an OrderedDict entry, ~105 B). The history keeps the uses of keys that
+# left, bounded with the resident ones (docs/cluster.md, "Memory per file"). 50 bits of
+# stamp are 350 years of 100,000 uses a second (the clock starts at 0 with each master).
+_NUMBER_BITS = 29
+_NUMBER_MASK = (1 << _NUMBER_BITS) - 1
+_USES_SHIFT = _NUMBER_BITS + 1
+_STAMP_SHIFT = _USES_SHIFT + 3
+_STAMP_BITS = 50
+_STAMP_MASK = (1 << _STAMP_BITS) - 1
+_IDENTITY_SHIFT = _STAMP_SHIFT + _STAMP_BITS
+_MAX_USES = len(CLASS_WEIGHTS)
+
+
+def _record(identity: int | None, stamp: int, uses: int, number: int) -> int:
+    low = stamp << _STAMP_SHIFT | uses << _USES_SHIFT | number << 1
+    return low if identity is None else identity << _IDENTITY_SHIFT | low | 1
+
+
+def _stamp(record: int) -> int:
+    return record >> _STAMP_SHIFT & _STAMP_MASK
+
+
+def _history_key(key: int, record: int | None) -> int:
+    """What the key's uses are remembered under once it leaves: its identity, or itself."""
+    return record >> _IDENTITY_SHIFT if record is not None and record & 1 else key
+
+
 class ReusePolicy:
     name = "reuse"
 
     def __init__(self, bonus: float | None = None, history: int = HISTORY) -> None:
         self.fixed_bonus = bonus  # None: BONUS_SCALE / resident blocks
-        self.history = history
+        self.history = history  # use counts remembered, of resident keys and of keys that left
         # Per group (see `EvictionPolicy`), one LRU list per class; within a class, priority
         # grows with the last-use time.
         self._groups: dict[Hashable, list[StampOrder]] = {}
-        self._where: dict[int, StampOrder] = {}  # resident key -> its list (its group and class)
-        self._uses: OrderedDict[int, int] = OrderedDict()  # identity (or key) -> uses so far (bounded)
-        self._identity: dict[int, int] = {}  # key -> identity, for keys given one
-        self._clock = 0.0  # accesses so far: the policy's notion of time (a float: 8 B less than an int)
+        self._orders: list[StampOrder | None] = [None]  # list number -> list (0: none)
+        self._keys: dict[int, int] = {}  # key -> its record (above), for resident or named keys
+        self._resident = 0
+        # Identity (or key) of a key that left -> its uses, oldest departure first; with the
+        # resident keys, at most `history` (the oldest go first).
+        self._left: OrderedDict[int, int] = OrderedDict()
+        self._clock = 0  # accesses so far: the policy's notion of time
 
     def _lists(self, group: Hashable) -> list[StampOrder]:
         lists = self._groups.get(group)
         if lists is None:
-            lists = self._groups[group] = [StampOrder(group, cls) for cls in range(len(CLASS_WEIGHTS))]
+            first = len(self._orders)
+            if first + _MAX_USES > _NUMBER_MASK:
+                raise OverflowError(f"more than {_NUMBER_MASK} eviction lists")
+            lists = self._groups[group] = [StampOrder(group, cls, first + cls, _stamp) for cls in range(_MAX_USES)]
+            self._orders += lists
         return lists
 
-    def _count_use(self, key: int) -> int:
-        history = self._identity.get(key, key)
-        uses = self._uses.pop(history, 0) + 1
-        self._uses[history] = uses
-        if len(self._uses) > self.history:
-            self._uses.popitem(last=False)
-        return uses
+    def _order(self, record: int | None) -> StampOrder | None:
+        """The list a key with this record is filed in (None: not resident)."""
+        return None if record is None else self._orders[record >> 1 & _NUMBER_MASK]
+
+    def _trim(self) -> None:
+        left = self._left
+        while left and len(left) + self._resident > self.history:
+            left.popitem(last=False)
 
     def _place(self, key: int, uses: int, group: Hashable, renamed: bool = False) -> None:
-        """Files the key under its class, as used now (or, `renamed`, as recent as it was:
-        every key's last-use time is its own, so the order never depends on how keys are grouped)."""
-        old = self._where.get(key)
+        """Files the key under the class of `uses`, as used now (or, `renamed`, as recent as
+        it was: every key's last-use time is its own, so the order never depends on how keys
+        are grouped)."""
+        record = self._keys.get(key)
+        old = self._order(record)
         stamp = self._clock
         if old is not None:
             last_use = old.discard(key)
             if renamed:
-                stamp = last_use
-        order = self._where[key] = self._lists(group)[min(uses, len(CLASS_WEIGHTS)) - 1]
-        order.add(key, stamp)
+                stamp = int(last_use)
+        else:
+            self._resident += 1
+            self._trim()
+        uses = min(uses, _MAX_USES)
+        order = self._lists(group)[uses - 1]
+        named = record is not None and record & 1
+        record = self._keys[key] = _record(record >> _IDENTITY_SHIFT if named else None,  # type: ignore[operator]
+                                           stamp, uses, order.number)
+        order.add(key, stamp, record)
+
+    def _uses(self, key: int, record: int | None) -> int:
+        """Uses so far: a resident key's own, or those remembered under its identity."""
+        if record is not None and record >> 1 & _NUMBER_MASK:
+            return record >> _USES_SHIFT & 7
+        return self._left.pop(_history_key(key, record), 0)
 
     def insert(self, key: int, size: int, now: float, group: Hashable = None) -> None:
-        self._clock += 1.0
-        self._place(key, self._count_use(key), group)
+        self._clock += 1
+        self._place(key, self._uses(key, self._keys.get(key)) + 1, group)
 
     def touch(self, key: int, now: float) -> None:
-        self._clock += 1.0
-        order = self._where.get(key)
+        self._clock += 1
+        record = self._keys.get(key)
+        order = self._order(record)
         if order is not None:
-            self._place(key, self._count_use(key), order.group)
+            self._place(key, self._uses(key, record) + 1, order.group)
 
     def remove(self, key: int) -> None:
-        self._identity.pop(key, None)
-        order = self._where.pop(key, None)
+        record = self._keys.pop(key, None)
+        order = self._order(record)
         if order is not None:
             order.discard(key)
+            self._resident -= 1
+            history = _history_key(key, record)
+            self._left.pop(history, None)
+            self._left[history] = record >> _USES_SHIFT & 7  # type: ignore[operator]
+            self._trim()
 
     def regroup(self, key: int, group: Hashable) -> None:
-        order = self._where.get(key)
+        record = self._keys.get(key)
+        order = self._order(record)
         if order is not None and order.group != group:
             stamp = order.discard(key)
-            order = self._where[key] = self._lists(group)[order.cls]
-            order.add(key, stamp)
+            order = self._lists(group)[order.cls]
+            record = self._keys[key] = record & ~(_NUMBER_MASK << 1) | order.number << 1  # type: ignore[operator]
+            order.add(key, stamp, record)
 
     def identify(self, key: int, identity: int) -> None:
         """Uses counted under the key so far join the identity's history (a block stored
         again under a name it had before is known as reused), and its class follows."""
-        previous = self._identity.get(key, key)
+        record = self._keys.get(key)
+        previous = _history_key(key, record)
         if previous == identity:
             return
-        self._identity[key] = identity
-        uses = self._uses.pop(previous, 0) + self._uses.pop(identity, 0)
-        if not uses:
+        order = self._order(record)
+        if order is None:  # not resident: what it is remembered under changes
+            self._keys[key] = _record(identity, 0, 0, 0)
+            uses = self._left.pop(previous, 0) + self._left.pop(identity, 0)
+            if uses:
+                self._left[identity] = min(uses, _MAX_USES)
             return
-        self._uses[identity] = uses
-        order = self._where.get(key)
-        if order is not None and uses > 1:  # named right after it was stored: as recent as it was
+        uses = (record >> _USES_SHIFT & 7) + self._left.pop(identity, 0)  # type: ignore[operator]
+        record = self._keys[key] = _record(identity, _stamp(record), min(uses, _MAX_USES), order.number)  # type: ignore[arg-type]
+        order.update(key, record)
+        if uses > 1:  # named right after it was stored: as recent as it was
             self._place(key, uses, order.group, renamed=True)
 
     def candidates(self, group: Hashable = ALL) -> Iterator[int]:
@@ -139,7 +209,7 @@ class ReusePolicy:
     def bonus(self) -> float:
         if self.fixed_bonus is not None:
             return self.fixed_bonus
-        return BONUS_SCALE / max(1, len(self._where))
+        return BONUS_SCALE / max(1, self._resident)
 
     def __len__(self) -> int:
-        return len(self._where)
+        return self._resident
