@@ -1111,6 +1111,8 @@ class Node:
         if self.prefetches is not None:
             stats.update(prefetches_started=self.prefetches.started, prefetches_claimed=self.prefetches.claimed,
                          prefetches_wasted=self.prefetches.wasted, prefetch_pauses=self.prefetches.gate.pauses)
+        if self.batcher is not None:
+            stats.update(prefetch_batches=self.batcher.batches, prefetch_batched_runs=self.batcher.batched_runs)
         if self.releases is not None:
             stats.update(releases_carried=self.releases.carried, releases_flushed=self.releases.flushed)
         if self.dircache is not None:
