@@ -224,3 +224,26 @@ def test_prefetches_waiting_for_a_turn_go_in_one_batch_and_bad_files_fail_only_t
         await transport.aclose()
 
     serve(owner_store(files), test)
+
+
+def test_a_run_cancelled_while_it_waits_for_a_turn_leaves_the_queue_and_is_not_fetched() -> None:
+    files = {7: os.urandom(CHUNK), 8: os.urandom(CHUNK)}
+
+    async def test(address: str) -> None:
+        transport = TcpTransport(READER)
+        turns = trio.Semaphore(1)
+        batcher = FetchBatcher(transport, turns)
+        kept, dropped = Received(7, files[7]), Received(8, files[8])
+        async with trio.open_nursery() as nursery:
+            async with turns:
+                nursery.start_soon(batcher.fetch, address, kept.run)
+                await trio.testing.wait_all_tasks_blocked()
+                with trio.CancelScope() as scope:
+                    scope.cancel()  # the reader gave up before a turn came
+                    await batcher.fetch(address, dropped.run)
+                assert [waiting.run for waiting in batcher._queues[address]] == [kept.run]
+        assert kept.bytes() == files[7] and dropped.events == []
+        assert transport.fetches.counts == {("fetch", "ok"): 1} and batcher.batches == 0 and not batcher._queues
+        await transport.aclose()
+
+    serve(owner_store(files), test)

@@ -80,10 +80,12 @@ class FetchBatcher:
                 queue.remove(waiting)
             if not queue and self._queues.get(address) is queue:
                 del self._queues[address]
-        # Shielded: the batch writes into this run's buffers until it ends, which its
-        # transport bounds (PEER_SILENCE_S per wait), so the run must not end before it.
-        with trio.CancelScope(shield=True):
-            await waiting.done.wait()
+            if waiting.taken:
+                # Shielded, cancelled or not: a batch writes into this run's buffers until it
+                # ends, which its transport bounds (PEER_SILENCE_S per wait), so the run (and
+                # its buffers) must not end before it.
+                with trio.CancelScope(shield=True):
+                    await waiting.done.wait()
         if waiting.error is not None:
             raise waiting.error
 
