@@ -123,4 +123,9 @@ class NodeMetrics:
             out.counters("prefetches", "remote files fetched at lookup, by outcome", ("outcome",),
                          {("started",): prefetches.started, ("claimed",): prefetches.claimed,
                           ("wasted",): prefetches.wasted})
+        if node.batcher is not None:
+            out.counter("prefetch_batches", "requests that carried several prefetches to their owner at once",
+                        node.batcher.batches)
+            out.counter("prefetch_batched_runs", "prefetch chunk runs those requests carried",
+                        node.batcher.batched_runs)
         out.counter("degraded_reads", "opens served while the master was unreachable", node.degraded_reads)

@@ -8,6 +8,11 @@ Python on either side. A connection carries one fetch at a time; a node keeps
 a few connections per peer, so that a file's chunk runs and different files are
 fetched in parallel.
 
+Several files' runs bound for the same owner may go in one request (`FetchBatch`): the
+owner answers the runs in order, each with its chunk frames or one error frame that ends
+that run only, and the reader receives them all in one worker-thread call, each chunk
+verified on its own, so that a bad or missing file fails itself and not its neighbours.
+
 Where the owner keeps the writer's piece checksums of a chunk (`kvfs.checksum.PIECE_SIZE`
 pieces, computed at seal), the chunk's frame header carries them, and the reader verifies
 and hands on each piece as it arrives: the kernel's first READs of a chunk are served
@@ -32,7 +37,8 @@ import errno
 import logging
 import select
 import socket
-from typing import Any, Awaitable, Callable, Protocol, Union
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Protocol, TypeVar, Union
 
 import msgspec
 import trio
@@ -51,6 +57,7 @@ from kvfs.errors import KvfsError, StorageError
 from kvfs.histogram import OperationStats
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SOCKET_BUFFER = 4 << 20
 # The reader's budget against one peer (docs/cluster.md, "Bounds on a peer"): connecting and
@@ -67,12 +74,32 @@ STREAMS_PER_PEER = 8
 # while the socket takes data: a reader that stops reading holds a task, never a thread.
 FETCHES_PER_PEER = STREAMS_PER_PEER
 SEND_THREADS = 8
+# A batch's bounds (the owner refuses a larger one as a protocol error): runs, and chunks in all.
+MAX_BATCH_RUNS = 16
+MAX_BATCH_CHUNKS = 32
 
 
 class FetchChunks(msgspec.Struct, tag=True):
     version: int
     first: int  # chunk index
     count: int
+
+
+class FetchBatch(msgspec.Struct, tag=True):
+    """Runs of several versions in one request, answered in order: each run's chunk frames, or
+    one error frame that ends that run alone."""
+
+    runs: list[FetchChunks]
+
+
+def check_batch(batch: FetchBatch) -> None:
+    """Refuses a batch beyond the bounds, or with an empty run (a reader never sends one)."""
+    if not 0 < len(batch.runs) <= MAX_BATCH_RUNS:
+        raise ProtocolError(f"a batch of {len(batch.runs)} runs (1 to {MAX_BATCH_RUNS})")
+    if any(run.count < 1 for run in batch.runs):
+        raise ProtocolError("a batch with an empty run")
+    if sum(run.count for run in batch.runs) > MAX_BATCH_CHUNKS:
+        raise ProtocolError(f"a batch of over {MAX_BATCH_CHUNKS} chunks")
 
 
 class ChunkData(msgspec.Struct, tag=True):
@@ -100,6 +127,21 @@ class ChunkSource(Protocol):
 
 def _no_pieces(index: int, verified: int) -> None:
     pass
+
+
+@dataclass(slots=True)
+class FetchRun:
+    """One run of a batch, as `Transport.fetch` takes it: chunks first, first+1, ... of
+    `version` into `targets`, with the same callbacks (called in the event loop)."""
+
+    version: int
+    first: int
+    targets: list[memoryview]
+    lengths: list[int]
+    checksums: list[int]
+    on_chunk: Callable[[int], None]
+    on_answer: Callable[[], None] = lambda: None
+    on_piece: Callable[[int, int], None] = _no_pieces
 
 
 class Transport(Protocol):
@@ -152,7 +194,7 @@ class PeerServer:
         # off here, and at the client too) for plain frames.
         self.gate = Gate(tls, PEER_CLIENTS, "peer connection", handshake_timeout_s, plaintext=plaintext,
                          sealed=True)
-        self._requests = HeaderDecoder(Union[(FetchChunks, *RDMA_REQUESTS)])  # type: ignore[misc]
+        self._requests = HeaderDecoder(Union[(FetchChunks, FetchBatch, *RDMA_REQUESTS)])  # type: ignore[misc]
         self.served_bytes = 0
         self.send_stall_s = send_stall_s
         self.fetches_per_peer = fetches_per_peer
@@ -195,7 +237,11 @@ class PeerServer:
                     request_id, request = await frames.receive_request(self._requests)
                     if isinstance(request, FetchChunks):
                         async with fetches:  # a peer's fetches beyond its share wait here, holding nothing
-                            await self._fetch(frames, request_id, request)
+                            await self._fetch(frames, request_id, [request])
+                    elif isinstance(request, FetchBatch):
+                        check_batch(request)
+                        async with fetches:  # (a batch is one fetch of the peer's share)
+                            await self._fetch(frames, request_id, request.runs)
                     elif frames.plaintext:  # memory keys are not for a connection without TLS
                         raise ProtocolError(f"an RDMA request ({type(request).__name__}) on a plaintext connection")
                     else:
@@ -240,20 +286,26 @@ class PeerServer:
             await reply(FrameKind.ERROR, ErrorReply(errno.ENOTSUP, "this node has no RDMA transport"))
         return None
 
-    async def _fetch(self, frames: FrameStream, request_id: int, request: FetchChunks) -> None:
+    async def _fetch(self, frames: FrameStream, request_id: int, runs: list[FetchChunks]) -> None:
+        """Answers the runs of one request in order; a run that fails ends with an error frame
+        and the next one follows (a single `FetchChunks` is a batch of one)."""
         if self._send_threads is None:
             self._send_threads = trio.CapacityLimiter(SEND_THREADS)
         answer = _Answer(frames, request_id, self._count_served, self._send_threads, self.send_stall_s)
         pieces = getattr(self.store, "piece_checksums", None)
 
-        async def send(index: int, data: memoryview | bytes) -> None:
-            await answer.chunk(index, data, pieces(request.version, index) if pieces is not None else None)
+        def sender(version: int) -> Callable[[int, memoryview | bytes], Awaitable[None]]:
+            async def send(index: int, data: memoryview | bytes) -> None:
+                await answer.chunk(index, data, pieces(version, index) if pieces is not None else None)
+            return send
 
         async def serve() -> None:
-            try:  # the store checks the chunk range, for this path and the RDMA one
-                await self.store.serve_chunks(request.version, request.first, request.count, send)
-            except KvfsError as error:
-                await answer.error(error)
+            try:
+                for run in runs:
+                    try:  # the store checks the chunk range, for this path and the RDMA one
+                        await self.store.serve_chunks(run.version, run.first, run.count, sender(run.version))
+                    except KvfsError as error:
+                        await answer.error(error)
             finally:
                 answer.finish()
 
@@ -414,26 +466,6 @@ class TcpTransport(MeasuredTransport):
     async def _fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
                      checksums: list[int], on_chunk: Callable[[int], None], on_answer: Callable[[], None],
                      on_piece: Callable[[int, int], None] = _no_pieces) -> None:
-        try:
-            await self._fetch_once(address, version, first, targets, lengths, checksums, on_chunk, on_answer,
-                                   on_piece)
-        except _Unanswered:  # a pooled connection the peer had dropped (a restart): once more on a new one
-            log.debug("version %d: the pooled connection to %s was stale; reconnecting", version, address)
-            await self._fetch_once(address, version, first, targets, lengths, checksums, on_chunk, on_answer,
-                                   on_piece, pooled=False)
-
-    async def _fetch_once(self, address: str, version: int, first: int, targets: list[memoryview],
-                          lengths: list[int], checksums: list[int], on_chunk: Callable[[int], None],
-                          on_answer: Callable[[], None], on_piece: Callable[[int, int], None],
-                          pooled: bool = True) -> None:
-        try:
-            connection, reused = await self._connect(address, pooled)
-        except TimeoutError as error:  # slow is not absent: the peer may be alive and loaded
-            raise StorageError(errno.EIO, f"version {version}: peer {address} did not answer ({error})") from None
-        except (OSError, ValueError, *REFUSALS) as error:
-            raise StorageError(errno.ENOENT, f"version {version}: peer {address} is unreachable ({error})") from None
-        request_id = self._next_id
-        self._next_id += 1
         token = trio.lowlevel.current_trio_token()
 
         def arrived(index: int) -> None:  # runs in the event loop; the worker thread goes on
@@ -445,25 +477,62 @@ class TcpTransport(MeasuredTransport):
         def piece(index: int, verified: int) -> None:
             token.run_sync_soon(on_piece, index, verified)
 
+        def exchange(connection: BlockingFrames, request_id: int) -> None:
+            self._exchange(connection, request_id, address, version, first, targets, lengths, checksums, arrived,
+                           answered, piece)
+
+        await self._request(address, f"version {version}", exchange)
+
+    async def fetch_batch(self, address: str, runs: list[FetchRun]) -> list[StorageError | None]:
+        """Fetches runs of several versions stored at `address` in one request and one worker-
+        thread call, each as `fetch` would; returns each run's failure (None: every chunk in and
+        verified), so that one bad or missing file fails alone. Raises StorageError as `fetch`
+        does when the connection fails (for every run: chunks already in stay good)."""
+        token = trio.lowlevel.current_trio_token()
+        what = "versions " + ", ".join(str(run.version) for run in runs)
+
+        def exchange(connection: BlockingFrames, request_id: int) -> list[StorageError | None]:
+            return self._exchange_batch(connection, request_id, address, runs, token)
+
+        return await self.fetches.measure("batch", self._request(address, what, exchange))
+
+    async def _request(self, address: str, what: str, exchange: Callable[[BlockingFrames, int], T]) -> T:
+        """`exchange(connection, request_id)` in a worker thread on a pooled connection (once
+        more on a new one if the pooled one turns out stale)."""
+        try:
+            return await self._request_once(address, what, exchange)
+        except _Unanswered:  # a pooled connection the peer had dropped (a restart): once more on a new one
+            log.debug("%s: the pooled connection to %s was stale; reconnecting", what, address)
+            return await self._request_once(address, what, exchange, pooled=False)
+
+    async def _request_once(self, address: str, what: str, exchange: Callable[[BlockingFrames, int], T],
+                            pooled: bool = True) -> T:
+        try:
+            connection, reused = await self._connect(address, pooled)
+        except TimeoutError as error:  # slow is not absent: the peer may be alive and loaded
+            raise StorageError(errno.EIO, f"{what}: peer {address} did not answer ({error})") from None
+        except (OSError, ValueError, *REFUSALS) as error:
+            raise StorageError(errno.ENOENT, f"{what}: peer {address} is unreachable ({error})") from None
+        request_id = self._next_id
+        self._next_id += 1
         reusable = False
         try:
-            await trio.to_thread.run_sync(self._exchange, connection, request_id, address, version, first, targets,
-                                          lengths, checksums, arrived, answered, piece)
+            result = await trio.to_thread.run_sync(exchange, connection, request_id)
             reusable = True
+            return result
         except _RemoteError:
             reusable = True  # the peer answered; the connection is in step
             raise
         except _Unanswered as error:
             if reused:
                 raise
-            raise StorageError(errno.ENOENT, f"version {version}: lost peer {address} ({error.__cause__})") from None
+            raise StorageError(errno.ENOENT, f"{what}: lost peer {address} ({error.__cause__})") from None
         except TimeoutError:
-            raise StorageError(errno.EIO, f"version {version}: peer {address} was silent for "
-                                          f"{PEER_SILENCE_S:g} s") from None
+            raise StorageError(errno.EIO, f"{what}: peer {address} was silent for {PEER_SILENCE_S:g} s") from None
         except (OSError, EOFError) as error:
-            raise StorageError(errno.ENOENT, f"version {version}: lost peer {address} ({error})") from None
+            raise StorageError(errno.ENOENT, f"{what}: lost peer {address} ({error})") from None
         except ProtocolError as error:
-            raise StorageError(errno.EIO, f"version {version}: peer {address} sent a bad frame ({error})") from None
+            raise StorageError(errno.EIO, f"{what}: peer {address} sent a bad frame ({error})") from None
         finally:
             if reusable:
                 self._give_back(address, connection)
@@ -495,48 +564,103 @@ class TcpTransport(MeasuredTransport):
             index = first + offset
             if offset:
                 head = self._answer(connection, request_id)
-            prefix, header = head.prefix, head.header
-            if prefix.kind == FrameKind.ERROR:
-                error = self._errors.decode(header)
-                raise _RemoteError(error.errno, f"peer {address}: {error.message}")
-            if prefix.kind != FrameKind.RESPONSE:
-                raise ProtocolError(f"unexpected {prefix.kind.name} frame")
-            reply = self._chunks.decode(header)
-            if reply.index != index or reply.length != length or prefix.payload_length != length:
-                raise ProtocolError(f"chunk {reply.index} of {reply.length} bytes, expected chunk {index} of {length}")
-            if reply.pieces and len(reply.pieces) != -(-length // PIECE_SIZE):
-                raise ProtocolError(f"chunk {index} of {length} bytes with {len(reply.pieces)} piece checksums")
+            reply = self._chunk_reply(head, index, length, address)
             if not offset:
                 answered()
-            if reply.pieces:
-                whole = self._receive_pieces(connection, target[:length], reply.pieces, index, version, address,
-                                             piece)
-            else:
-                connection.receive_payload(target[:length])
-                whole = chunk_checksum(target[:length])
-            if index < len(checksums) and whole != checksums[index]:
-                self.checksum_failures += 1
-                raise StorageError(errno.EIO, f"version {version} chunk {index} from {address} fails its checksum")
-            self.fetched_bytes += length
+            self._receive_chunk(connection, reply, target[:length], checksums, index, version, address, piece)
             arrived(index)
+
+    def _exchange_batch(self, connection: BlockingFrames, request_id: int, address: str, runs: list[FetchRun],
+                        token: trio.lowlevel.TrioToken) -> list[StorageError | None]:
+        """One batch, in a worker thread: the request, then each run's frames in order. A run
+        the owner ends with an error frame, or a chunk that fails its checksum (received whole,
+        so the next frame is in step), fails that run alone."""
+        request = FetchBatch([FetchChunks(run.version, run.first, len(run.targets)) for run in runs])
+        try:
+            connection.send(FrameKind.REQUEST, request_id, request)
+            head: Head | None = self._answer(connection, request_id)
+        except (EOFError, ConnectionResetError, BrokenPipeError) as error:  # closed before a word of answer
+            raise _Unanswered() from error
+        outcomes: list[StorageError | None] = []
+        for run in runs:
+            outcome: StorageError | None = None
+            for offset, (target, length) in enumerate(zip(run.targets, run.lengths)):
+                index = run.first + offset
+                head = head or self._answer(connection, request_id)
+                try:
+                    reply = self._chunk_reply(head, index, length, address)
+                except _RemoteError as error:  # the owner ended this run: the next frame is the next run's
+                    outcome = error
+                    break
+                finally:
+                    head = None
+                if not offset:
+                    token.run_sync_soon(run.on_answer)
+                try:
+                    self._receive_chunk(connection, reply, target[:length], run.checksums, index, run.version,
+                                        address, lambda i, verified, run=run: token.run_sync_soon(run.on_piece, i,
+                                                                                                  verified))
+                except StorageError as error:
+                    outcome = outcome or error
+                    continue
+                token.run_sync_soon(run.on_chunk, index)
+            outcomes.append(outcome)
+        return outcomes
+
+    def _chunk_reply(self, head: Head, index: int, length: int, address: str) -> ChunkData:
+        """The header of chunk `index` (`length` bytes), checked; an error frame raises _RemoteError."""
+        prefix, header = head.prefix, head.header
+        if prefix.kind == FrameKind.ERROR:
+            error = self._errors.decode(header)
+            raise _RemoteError(error.errno, f"peer {address}: {error.message}")
+        if prefix.kind != FrameKind.RESPONSE:
+            raise ProtocolError(f"unexpected {prefix.kind.name} frame")
+        reply = self._chunks.decode(header)
+        if reply.index != index or reply.length != length or prefix.payload_length != length:
+            raise ProtocolError(f"chunk {reply.index} of {reply.length} bytes, expected chunk {index} of {length}")
+        if reply.pieces and len(reply.pieces) != -(-length // PIECE_SIZE):
+            raise ProtocolError(f"chunk {index} of {length} bytes with {len(reply.pieces)} piece checksums")
+        return reply
+
+    def _receive_chunk(self, connection: BlockingFrames, reply: ChunkData, target: memoryview,
+                       checksums: list[int], index: int, version: int, address: str,
+                       piece: Callable[[int, int], None]) -> None:
+        """A chunk's payload into `target`, verified (piece by piece where the owner sent the
+        pieces' checksums); raises StorageError (EIO) once all of it is in if it is bad."""
+        if reply.pieces:
+            whole = self._receive_pieces(connection, target, reply.pieces, index, version, address, piece)
+        else:
+            connection.receive_payload(target)
+            whole = chunk_checksum(target)
+        if index < len(checksums) and whole != checksums[index]:
+            self.checksum_failures += 1
+            raise StorageError(errno.EIO, f"version {version} chunk {index} from {address} fails its checksum")
+        self.fetched_bytes += len(target)
 
     def _receive_pieces(self, connection: BlockingFrames, target: memoryview, pieces: list[int], index: int,
                         version: int, address: str, piece: Callable[[int, int], None]) -> int:
         """A chunk's payload piece by piece, each verified against the writer's piece checksum
         and handed on (`piece`) before the next is received (the last one goes with the whole
-        chunk); returns the whole chunk's checksum, computed on the way."""
+        chunk); returns the whole chunk's checksum, computed on the way. After a bad piece the
+        rest is received, not handed on, and then the chunk fails."""
         whole = chunk_hasher()
+        bad = None
         for number, checksum in enumerate(pieces):
             start = number * PIECE_SIZE
             received = target[start : start + PIECE_SIZE]
             connection.receive_payload(received)
+            if bad is not None:
+                continue
             if chunk_checksum(received) != checksum:
-                self.checksum_failures += 1
-                raise StorageError(errno.EIO, f"version {version} chunk {index} piece {number} from {address} "
-                                              f"fails its checksum")
+                bad = number
+                continue
             whole.update(received)
             if number < len(pieces) - 1:
                 piece(index, start + len(received))
+        if bad is not None:
+            self.checksum_failures += 1
+            raise StorageError(errno.EIO, f"version {version} chunk {index} piece {bad} from {address} "
+                                          f"fails its checksum")
         return whole.intdigest()
 
     async def aclose(self) -> None:

@@ -29,12 +29,13 @@ from kvfs.wire import messages as m
 from kvfs.node.dircache import DirectoryCache, OwnChanges
 from kvfs.node.kernelattrs import KernelDirAttrs
 from kvfs.cluster.embedded import MasterClient
+from kvfs.node.batching import FetchBatcher
 from kvfs.node.prefetch import Prefetches
 from kvfs.node.releases import DELAY_S as RELEASE_DELAY_S, PendingReleases
 from kvfs.node.quota import UnsealedBytes
 from kvfs.cluster.namespace import check_name
 from kvfs.net.rpc import MasterUnavailable
-from kvfs.net.transport import Transport
+from kvfs.net.transport import FetchRun, Transport
 from kvfs.config import format_size
 from kvfs.disk.records import DiskRecord
 from kvfs.errors import KvfsError, MetadataError, StorageError
@@ -125,6 +126,9 @@ class Node:
         # Copies of directories' names, for misses without the master (cluster mode).
         self.dircache = DirectoryCache(DIRECTORY_CACHE_NAMES) if transport is not None else None
         self.prefetches = Prefetches(store, clock.monotonic) if transport is not None else None
+        # Prefetches waiting for a turn go to their owner together (a transport that batches).
+        self.batcher = FetchBatcher(transport, self.prefetches.turns) \
+            if self.prefetches is not None and hasattr(transport, "fetch_batch") else None
         # Cluster mode: readers' releases ride on the next OpenRead (kvfs.node.releases).
         self.releases = PendingReleases() if transport is not None else None
         self._writing: dict[int, WriteState] = {}
@@ -239,7 +243,7 @@ class Node:
         """A name that exists: a sealed file on another node starts coming here (prefetch)."""
         if entry.node and self.prefetches is not None and self.prefetches.wanted(attr.version, attr.size):
             self.prefetches.add(self._start_remote(attr.version, attr.size, entry.address, entry.checksums,
-                                                   self.prefetches.turns))
+                                                   prefetch=True))
         self._remember_dir(attr)
         self.lookups_found += 1
         return self._current(attr)
@@ -739,23 +743,33 @@ class Node:
         raise StorageError(errno.EIO, f"version {source.version}: its node did not answer in time")
 
     def _start_remote(self, version: int, size: int, address: str, checksums: list[int],
-                      turns: trio.Semaphore | None = None) -> ReadSource:
-        """Starts streaming a version from the node at `address` into read buffers (each
-        run after taking one of `turns`, if given)."""
+                      prefetch: bool = False) -> ReadSource:
+        """Starts streaming a version from the node at `address` into read buffers (a
+        prefetch's runs take turns, and those waiting for one go out together)."""
         transport = self.transport
         assert transport is not None
 
         # A transport that verifies pieces hands each on as it arrives: the kernel's READs of
         # a chunk's first pieces are answered while its last ones are still on their way.
         by_piece = getattr(transport, "reports_pieces", False)
+        batcher = self.batcher if prefetch else None
+        turns = self.prefetches.turns if prefetch and self.prefetches is not None else None
 
         async def fetch(source: ReadSource, start: int, stop: int) -> None:
+            lengths = [min(self.chunk_size, size - i * self.chunk_size) for i in range(start, stop)]
+
+            def arrived(index: int) -> None:
+                source.ready[index].set()
+
+            answered = source.answered.set if start == 0 else lambda: None
+            if batcher is not None:
+                await batcher.fetch(address, FetchRun(version, start, source.chunks[start:stop], lengths, checksums,
+                                                      arrived, answered, source.piece_arrived))
+                return
             pieces = {"on_piece": source.piece_arrived} if by_piece else {}
             async with turns or contextlib.nullcontext():
-                await transport.fetch(address, version, start, source.chunks[start:stop],
-                                      [min(self.chunk_size, size - i * self.chunk_size) for i in range(start, stop)],
-                                      checksums, lambda index: source.ready[index].set(),
-                                      source.answered.set if start == 0 else lambda: None, **pieces)
+                await transport.fetch(address, version, start, source.chunks[start:stop], lengths, checksums,
+                                      arrived, answered, **pieces)
 
         return self.store.start_remote(version, size, fetch, REMOTE_STREAMS)
 
@@ -1097,6 +1111,8 @@ class Node:
         if self.prefetches is not None:
             stats.update(prefetches_started=self.prefetches.started, prefetches_claimed=self.prefetches.claimed,
                          prefetches_wasted=self.prefetches.wasted, prefetch_pauses=self.prefetches.gate.pauses)
+        if self.batcher is not None:
+            stats.update(prefetch_batches=self.batcher.batches, prefetch_batched_runs=self.batcher.batched_runs)
         if self.releases is not None:
             stats.update(releases_carried=self.releases.carried, releases_flushed=self.releases.flushed)
         if self.dircache is not None:
