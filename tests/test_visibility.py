@@ -76,3 +76,23 @@ def test_only_replies_that_add_a_name_others_look_up_wait_for_their_pushes() -> 
     assert not reply_waits(m.Create(1, b"key.bin_7.tmp", 0o644, 0, 0, 1, True), b".tmp")  # a writer's own
     assert reply_waits(m.Create(1, b"key.bin_7.tmp", 0o644, 0, 0, 1, True), b"")  # no temp names configured
     assert not reply_waits(m.Unlink(1, b"key.bin"), b".tmp")  # a removal never makes a copy answer "absent"
+
+
+def test_a_name_refused_as_existing_is_found_by_the_next_path_walk(cluster: Cluster) -> None:
+    """vLLM's store makes the parents where `stat` finds nothing and ignores EEXIST: when
+    another node made the directory between this node's miss and its mkdir, the kernel
+    still holds the miss (a negative entry) and the node's copy may not have the other
+    node's change yet. The next path walk through the name must find the directory, not
+    fail with ENOENT (the eviction test's writers stopped so)."""
+    a, b = cluster.add_node("256M", name="a"), cluster.add_node("256M", name="b")
+    for round in range(20):
+        on_b = b.path / f"model_{round}_r0"
+        assert not os.path.exists(on_b)  # b's kernel caches the miss; the master answers it
+        (a.path / f"model_{round}_r0").mkdir()
+        try:
+            os.mkdir(on_b)
+            raise AssertionError(f"mkdir of {on_b} succeeded: a made it first")
+        except FileExistsError:
+            pass
+        os.mkdir(on_b / "abc")  # the walk through the name the mkdir was refused for
+        assert os.path.isdir(a.path / f"model_{round}_r0" / "abc")

@@ -394,7 +394,12 @@ class Node:
         directories: list[m.Attr] = []
         self.kernel_dirs.changed_request(request)
         try:
-            answer = await self.master.call(request)
+            try:
+                answer = await self.master.call(request)
+            except MetadataError as error:
+                if error.errno == errno.EEXIST:
+                    self._found_existing(request)
+                raise
             if isinstance(answer, m.Opened) and answer.parent is not None:
                 directories = [answer.parent]
             elif isinstance(answer, (m.Done, m.Published)):
@@ -405,6 +410,19 @@ class Node:
         finally:
             self.own_changes.end(token, directories, self.clock.monotonic())
             self.kernel_dirs.changed_request(request)  # (a getattr answered while it was in flight)
+
+    def _found_existing(self, request: m.Request) -> None:
+        """The master refused to make a name because it exists: another node made it since
+        this node last looked (vLLM's store ignores that EEXIST and walks on through the
+        name). The node's copy may not hold that node's change yet; from now its lookups of
+        the name ask the master, so the walk finds it instead of ENOENT."""
+        if isinstance(request, m.Rename):
+            parent, name = request.parent_new, request.name_new
+        elif isinstance(request, (m.MkDir, m.Symlink, m.Create, m.Publish)):
+            parent, name = request.parent, request.name
+        else:
+            return
+        self._own_change(parent, name, present=True)
 
     def _own_change(self, parent: int, name: bytes, present: bool, answer: Any = None) -> None:
         """This node's own change, in its directory copies before the reply (the master's
