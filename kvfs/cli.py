@@ -201,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     master.add_argument("--forget-dead-after", type=float, default=7 * 86400.0,
                         help="seconds a node may stay dead before it is forgotten as by remove-node, its files "
                              "leaving the namespace (default 7 days; 0: never)")
+    master.add_argument("--relocate-slice", type=int, default=1024,
+                        help="entries a directory rename's walk looks at per step, between requests (the files "
+                             "whose SSD records move; default 1024)")
     master.add_argument("--etcd", default=None,
                         help="etcd endpoints http://HOST:PORT[,HOST:PORT...]: masters elect a leader there and keep "
                              "the state there (--data is not used); the others stand by")
@@ -405,6 +408,7 @@ def run_master(args: argparse.Namespace) -> int:
     config = MasterConfig(args.listen, os.path.abspath(args.data), _tls(args, "master"), args.eviction_policy,
                           temp_grace_s=args.temp_grace, publish_grace_s=args.publish_grace,
                           dead_after_s=args.dead_after, forget_dead_after_s=args.forget_dead_after,
+                          relocate_slice=max(1, args.relocate_slice),
                           metrics_listen=args.metrics_listen if args.metrics else None, etcd=etcd,
                           cluster=args.cluster, lease_ttl_s=args.lease_ttl, advertise=args.advertise)
     if etcd is not None:

@@ -18,6 +18,10 @@ layers and blocks), then:
   forgets it, and the longest slice after it;
 - `collect_orphans`: files/10 temp files being written (none an orphan), and CollectOrphans.
 
+With --rename instead (`measure_rename`): a directory of N files on one node's SSD renamed,
+the request's CPU ms and answer bytes, then the walk's steps and the heartbeats that hand
+the versions to their node, and a registration's report of 2,000 stale records.
+
 Slices of removal: `_slice_ms` is one step of the backlog; `_slice_save_ms` what the
 daemon does between two turns for requests, the steps of its budget (kvfs.daemons.master's
 SLICE_BUDGET_S) and the save of what they changed to lmdb, the state having been written
@@ -28,7 +32,7 @@ machine's scheduler adds its waits to wall time). With --base DIR (a checkout of
 commit, e.g. `git archive 0190e44 | tar -x -C DIR`), the same measurements run on that
 tree too, rounds alternating between the two, and each line prints the ratio base/this.
 
-Usage: python scripts/bench_loop_bounds.py [--files 1M] [--rounds 2] [--base DIR]
+Usage: python scripts/bench_loop_bounds.py [--files 1M] [--rounds 2] [--base DIR] [--rename | --growth]
 """
 
 from __future__ import annotations
@@ -239,6 +243,91 @@ def measure(files: int, state_dir: str | None = None, policy: str = "reuse") -> 
     return out
 
 
+def measure_rename(files: int, policy: str = "reuse") -> dict[str, float]:
+    """A directory holding N files, sealed and on node a's SSD, renamed (`--rename`): the
+    Rename's CPU ms and its answer's bytes (the old answer listed every version); then what
+    follows it in a tree that walks the subtree in the backlog (kvfs.cluster.relocations):
+    the longest step and all steps, and the heartbeats that hand the versions to the node
+    (the longest, its answer's bytes, how many); and a registration's Report page of 2,000
+    files whose records name the old path (the check that finds them stale)."""
+    import stat
+
+    import msgspec
+
+    from kvfs.clock import ManualClock
+    from kvfs.cluster.master import MasterSettings, MetadataService
+    from kvfs.cluster.namespace import ROOT_INO, make_inode
+    from kvfs.cluster.objects import FileVersion
+    from kvfs.policy import make_policy
+    from kvfs.wire import messages as m
+
+    clock = ManualClock()
+    service = MetadataService(clock, make_policy(policy), MasterSettings(cluster=True))
+    now = clock.wall_ns()
+    top = ROOT_INO + 1
+    inodes = [make_inode(ROOT_INO, stat.S_IFDIR | 0o755, 0, 0, now, now, now, children={}),
+              make_inode(top, stat.S_IFDIR | 0o755, 0, 0, now, now, now, parent=ROOT_INO, name=b"model",
+                         children={}, entry_id=1)]
+    versions = []
+    for i in range(files):
+        inode = make_inode(top + 1 + i, stat.S_IFREG | 0o644, 0, 0, now, now, now, parent=top,
+                           name=b"block-%07d.bin" % i, children=None, entry_id=2 + i)
+        inode.version = i + 1
+        inodes.append(inode)
+        versions.append(FileVersion(i + 1, inode.ino, 1, 4096, sealed=True, checksums=[i], on_disk=True))
+    service.load(inodes, versions, top + 1 + files, 2 + files, files + 1, [(1, "a", "a:1")])
+    del inodes, versions
+    node = service.handle(m.Register("a", "a:1"), 0).node
+    for start in range(0, files, PAGE):
+        service.handle(m.Report([m.Held(v, 4096, True, True, 0, [v - 1]) for v in range(start + 1,
+                                                                                       min(files, start + PAGE) + 1)]),
+                       node)
+    service.handle(m.FinishRegistration(), node)
+    service.pending_work(60.0)
+    gc.freeze()
+    out: dict[str, float] = {"files": files}
+    steps = service.backlog.steps
+    started = time.thread_time()
+    done = service.handle(m.Rename(ROOT_INO, b"model", ROOT_INO, b"moved", False), node)
+    out["rename_ms"] = (time.thread_time() - started) * 1000
+    out["rename_answer_bytes"] = len(msgspec.msgpack.encode(done))
+    out["rename_relocated_in_answer"] = len(done.relocated)
+    longest = total = 0.0
+    while True:
+        started = time.thread_time()
+        left = service.pending_work(0.0)
+        spent = time.thread_time() - started
+        longest, total = max(longest, spent), total + spent
+        if not left:
+            break
+    out["walk_steps"] = service.backlog.steps - steps
+    out["walk_longest_step_ms"] = longest * 1000
+    out["walk_total_ms"] = total * 1000
+    beats = 0
+    longest = 0.0
+    largest = 0
+    while True:
+        started = time.thread_time()
+        beat = service.handle(m.Heartbeat(1 << 30, 0), node)
+        longest = max(longest, time.thread_time() - started)
+        largest = max(largest, len(msgspec.msgpack.encode(beat)))
+        if not getattr(beat, "relocated", None):
+            break
+        beats += 1
+    out["beats_carrying"] = beats
+    out["beat_longest_ms"] = longest * 1000
+    out["beat_largest_bytes"] = largest
+    # A registration reporting records under the old path (as after a restart before the rewrite).
+    service.handle(m.Register("a", "a:1"), 0)
+    report = m.Report([m.Held(v, 4096, True, True, 0, [v - 1],
+                              m.FileRecord([b"model", b"block-%07d.bin" % (v - 1)], 4096, 0o100644, 0, 0, now, {}))
+                       for v in range(1, min(files, PAGE) + 1)])
+    started = time.thread_time()
+    service.handle(report, node)
+    out["report_stale_page_ms"] = (time.thread_time() - started) * 1000
+    return out
+
+
 def measure_growth(files: int, policy: str = "reuse") -> dict[str, float]:
     """The cyclic collector's passes while the namespace grows and churns (`--growth`), in a
     child process whose kvfs is the tree under test. Loaded with N files and frozen as the
@@ -319,14 +408,16 @@ def measure_growth(files: int, policy: str = "reuse") -> dict[str, float]:
     return out
 
 
-def child(tree: Path, files: int, save: bool, policy: str, growth: bool = False) -> dict[str, float]:
+def child(tree: Path, files: int, save: bool, policy: str, growth: bool = False, rename: bool = False
+          ) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(tree))
     with tempfile.TemporaryDirectory(prefix="bench-loop-bounds-") as scratch:
         state = repr(scratch) if save else "None"
         code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); "
                 f"sys.path.insert(1, {str(REPO / 'scripts')!r}); "
                 f"import bench_loop_bounds as b; print(json.dumps("
-                + (f"b.measure_growth({files}, {policy!r})" if growth else f"b.measure({files}, {state}, {policy!r})")
+                + (f"b.measure_growth({files}, {policy!r})" if growth else
+                   f"b.measure_rename({files}, {policy!r})" if rename else f"b.measure({files}, {state}, {policy!r})")
                 + "))")
         done = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(tree), check=True, capture_output=True,
                               text=True)
@@ -348,6 +439,8 @@ def main() -> None:
     parser.add_argument("--policy", default="reuse", help="the master's eviction policy (its default: reuse)")
     parser.add_argument("--growth", action="store_true", help="the collector's passes as the namespace grows and "
                         "churns (measure_growth), instead of the loop's longest calls")
+    parser.add_argument("--rename", action="store_true", help="a directory of N files on SSD renamed: the request, "
+                        "its answer, and the walk and heartbeats after it (measure_rename)")
     args = parser.parse_args()
     files = parse_count(args.files)
     trees = {"this": REPO} if args.base is None else {"base": args.base.resolve(), "this": REPO}
@@ -355,9 +448,10 @@ def main() -> None:
     for round_ in range(args.rounds):
         order = list(trees.items()) if round_ % 2 == 0 else list(reversed(trees.items()))
         for name, tree in order:
-            results[name].append(child(tree, files, not args.no_save, args.policy, args.growth))
+            results[name].append(child(tree, files, not args.no_save, args.policy, args.growth, args.rename))
             print(f"round {round_ + 1}: {name} done", file=sys.stderr)
-    keys = list(dict.fromkeys(key for r in results["this"] for key in r if key.endswith("_ms") or args.growth))
+    keys = list(dict.fromkeys(key for r in results["this"] for key in r
+                              if key.endswith("_ms") or args.growth or args.rename))
     print(f"files: {int(results['this'][0]['files'])}; longest single call (CPU ms), median of {args.rounds} rounds")
     for key in keys:
         this = statistics.median(r.get(key, 0.0) for r in results["this"])
@@ -365,6 +459,10 @@ def main() -> None:
         if "base" in results:
             base = statistics.median(r.get(key, 0.0) for r in results["base"])
             line += f"   base {base:10.2f}   base/this {base / this if this else float('inf'):8.1f}"
+        if args.rename:  # (every round's range: a shared machine's figures vary)
+            line += "   range " + "  ".join(f"{name} {min(r.get(key, 0.0) for r in rounds):.2f}-"
+                                            f"{max(r.get(key, 0.0) for r in rounds):.2f}"
+                                            for name, rounds in results.items())
         print(line)
 
 

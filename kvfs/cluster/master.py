@@ -18,13 +18,14 @@ import xxhash
 
 from kvfs.clock import Clock
 from kvfs.wire import messages as m
-from kvfs.cluster.backlog import Backlog
+from kvfs.cluster.backlog import STEP_ITEMS, Backlog
 from kvfs.cluster.liveness import Liveness
 from kvfs.cluster.membership import Membership, take_ids
 from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace, check_name, check_target
 from kvfs.cluster.objects import FileVersion
 from kvfs.cluster.opens import OpenHandles
 from kvfs.cluster.registry import LOCAL_NODE, Grant, Registry
+from kvfs.cluster.relocations import Relocations
 from kvfs.cluster.tempfiles import TempFiles
 from kvfs.cluster.totals import CountedObjects
 from kvfs.cluster.usage import DirectoryUsage, DirTotals
@@ -84,6 +85,8 @@ class MasterSettings:
     # namespace, its name is free): a machine retired without that command does not hold
     # names and status rows for ever. 0: never. Counted in the master's running time.
     forget_dead_after_s: float = 7 * 86400.0
+    # Entries a rename's walk looks at per step (kvfs.cluster.relocations).
+    relocate_slice: int = STEP_ITEMS
 
 
 def stall_gap(settings: MasterSettings) -> float:
@@ -125,6 +128,9 @@ class MetadataService:
         self.members = Membership(clock, self.ns, self.objects, self.registry, self.opens, self.liveness, self,
                                   self.backlog, self.dir_totals,
                                   settings.forget_dead_after_s if settings.cluster else 0.0)
+        # Index records to rewrite after renames, for each file's own node (kvfs.cluster.relocations).
+        self.relocations = Relocations(self.ns, self.objects.versions, self.registry, self.backlog,
+                                       settings.relocate_slice)
         self._removed_names: list[tuple[int, bytes, int]] = []  # for the other nodes' kernels to forget
         # Unlinked inode -> (its version, still readable; the node whose kernel holds it).
         self._lingering: dict[int, tuple[int, int]] = {}
@@ -157,10 +163,10 @@ class MetadataService:
             m.Restore: self.restore,
             m.CollectOrphans: self._collect_orphans,
             m.Stats: self._stats,
-            m.Register: self.members.register,
-            m.Report: lambda req: self.members.report(req, self._caller),
+            m.Register: self._register,
+            m.Report: self._report,
             m.FinishRegistration: lambda req: self.members.finish_registration(req, self._caller),
-            m.Heartbeat: lambda req: self.members.heartbeat(req, self._caller),
+            m.Heartbeat: self._heartbeat,
             m.ClusterStatus: self.members.cluster_status,
             m.WatchNames: lambda req: self.members.watch_names(req, self._caller),
             m.Unwatch: lambda req: self.members.unwatch(req, self._caller),
@@ -195,6 +201,7 @@ class MetadataService:
     def pending_work(self, budget_s: float) -> bool:
         """Runs slices of long work (a dead node's files, a forgotten node's names) for about
         `budget_s`; the daemon calls it between requests while it returns True (work left)."""
+        self.relocations.forget(self.registry.nodes)
         return self.backlog.run(budget_s)
 
     def expire_nodes(self) -> list[int]:
@@ -661,7 +668,7 @@ class MetadataService:
         self.ns.detach(source, now)
         self._link(new_parent, req.name_new, source, now, counted=moved)
         directories = [self.attr(self.ns.inodes[ino]) for ino in dict.fromkeys((req.parent_old, req.parent_new))]
-        return m.Done(dropped, self._files_on_disk(source), directories)
+        return m.Done(dropped, self._relocate(source), directories)
 
     # Node-private temp files (kvfs.node.private) ------------------------------------
 
@@ -731,6 +738,37 @@ class MetadataService:
             self._unpublished[inode.ino] = None
             self._unpublished_peak = max(self._unpublished_peak, len(self._unpublished))
         return m.Published(self.attr(inode), dropped, directories=[self.attr(directory)])
+
+    def _relocate(self, inode: Inode) -> list[int]:
+        """A renamed inode's files on SSD, whose recorded paths change with it: the caller's
+        own file is rewritten before the reply (the answer lists it); a directory's files,
+        and another node's file, by their nodes in the background (kvfs.cluster.relocations).
+        The embedded node (no heartbeats, no frames) still gets the whole list."""
+        if not self.settings.cluster:
+            return self._files_on_disk(inode)
+        if inode.children is None:
+            version = self.objects.versions.get(inode.version)
+            if version is None or not version.on_disk:
+                return []
+            if version.node == self._caller:
+                return [version.version]
+        self.relocations.start(inode.ino)
+        return []
+
+    def _register(self, req: m.Register) -> m.Registered:
+        registered = self.members.register(req)
+        self.relocations.registered(registered.node)  # (its report tells again what is stale)
+        return registered
+
+    def _report(self, req: m.Report) -> m.Reported:
+        reported = self.members.report(req, self._caller)
+        self.relocations.check(self._caller, req.held)
+        return reported
+
+    def _heartbeat(self, req: m.Heartbeat) -> m.Beat:
+        beat = self.members.heartbeat(req, self._caller)
+        beat.relocated = self.relocations.beat(self._caller)
+        return beat
 
     def _files_on_disk(self, inode: Inode) -> list[int]:
         """Current versions on SSD at or below an inode (their recorded paths change with it)."""

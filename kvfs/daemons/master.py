@@ -57,6 +57,7 @@ class MasterConfig:
     publish_grace_s: float = 30.0
     dead_after_s: float = 2.5
     forget_dead_after_s: float = 7 * 86400.0  # 0: never
+    relocate_slice: int = 1024  # entries a rename's walk looks at per step (kvfs.cluster.relocations)
     metrics_listen: str | None = DEFAULT_MASTER_METRICS  # the Prometheus endpoint; None: off
     etcd: list[str] | None = None  # etcd endpoints: elected, state in etcd (data_dir unused)
     cluster: str = "default"  # the name under /kvfs/ in etcd
@@ -71,7 +72,7 @@ def format_duration(seconds: float) -> str:
 def new_service(config: MasterConfig) -> MetadataService:
     settings = MasterSettings(temp_suffix=config.temp_suffix.encode(), temp_grace_s=config.temp_grace_s,
                               publish_grace_s=config.publish_grace_s, cluster=True, dead_after_s=config.dead_after_s,
-                              forget_dead_after_s=config.forget_dead_after_s)
+                              forget_dead_after_s=config.forget_dead_after_s, relocate_slice=config.relocate_slice)
     return MetadataService(SystemClock(), make_policy(config.eviction_policy), settings)
 
 

@@ -220,6 +220,7 @@ class Daemon:
         await nursery.start(self.link.run)
         nursery.start_soon(self._heartbeats)
         nursery.start_soon(self.node.membership.acknowledge_forever)
+        nursery.start_soon(self.node.membership.record_moves.run, self.store.refresh_records)
 
     async def _heartbeats(self) -> None:
         assert self.link is not None

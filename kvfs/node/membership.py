@@ -25,6 +25,7 @@ from kvfs.disk.records import DiskFile
 from kvfs.errors import KvfsError
 from kvfs.node.dircache import DirectoryCache
 from kvfs.node.heldnames import HeldNames
+from kvfs.node.relocations import RecordMoves
 from kvfs.store.tiered import TieredStore
 
 log = logging.getLogger("kvfs.node")
@@ -86,6 +87,7 @@ class Membership:
         self._copies_until = -math.inf
         self._beat_now = trio.Event()  # a push to acknowledge: the next heartbeat goes now
         self.acknowledged = 0  # heartbeats sent early to acknowledge pushes
+        self.record_moves = RecordMoves()  # index records to rewrite after renames (the master's heartbeats)
 
     # Directory copies -------------------------------------------------------------------
 
@@ -266,3 +268,5 @@ class Membership:
         self.files.drop(beat.dropped)
         if beat.forget:
             self.files.forget_entries(beat.forget)
+        if beat.relocated:
+            self.record_moves.add(beat.relocated)

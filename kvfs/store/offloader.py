@@ -350,21 +350,43 @@ class Offloader:
     async def refresh_record(self, version: int) -> None:
         """Rewrites a version's index record after its path or attributes changed; if the
         index fails, the version counts as not on SSD until the offloader rewrites it."""
-        entry = self.residency.entry(version)
-        if self.ssd is None or version not in self.ssd or (entry is not None and entry.resettle is not None):
+        await self.refresh_records([version])
+
+    async def refresh_records(self, versions: list[int]) -> None:
+        """`refresh_record` of several versions (a directory's files after its rename): the
+        owner asked for each at once, their headers and records written and synced together."""
+        ssd = self.ssd
+        if ssd is None:
             return
-        record = await self._owner().describe(version)
-        if record is None:
+        wanted = [version for version in versions if version in ssd and self._settled(version)]
+        described: list[DiskRecord] = []
+
+        async def describe(version: int) -> None:
+            record = await self._owner().describe(version)
+            if record is not None:
+                described.append(record)
+
+        await run_all(functools.partial(describe, version) for version in wanted)
+        records = [record for record in described if record.version in ssd and self._settled(record.version)]
+        for record in records:  # (the extents as they are now: the descriptions took a while)
+            record.chunks = [(e.offset, e.length, e.checksum) for e in ssd.extents[record.version]]
+        if not records:
             return
-        record.chunks = [(e.offset, e.length, e.checksum) for e in self.ssd.extents[version]]
         try:
-            await self.ssd.update([record])
+            await ssd.update(records)
         except STORAGE_ERRORS as error:
-            self.faults.failed("index", error, f"version {version}")
+            self.faults.failed("index", error, f"version {records[0].version}" if len(records) == 1
+                               else f"rewriting {len(records)} records")
             self.residency.failed()
-            if version in self.residency:
-                self.residency.needs_resettle(version, False)
+            for record in records:
+                if record.version in self.residency:
+                    self.residency.needs_resettle(record.version, False)
             self._wanted.set()
+
+    def _settled(self, version: int) -> bool:
+        """Not waiting for the offloader to write its record anew (which gives the new path)."""
+        entry = self.residency.entry(version)
+        return entry is None or entry.resettle is None
 
     # Removals ----------------------------------------------------------------------------
 

@@ -309,6 +309,10 @@ class TieredStore:
         """Rewrites a version's index record after its path or attributes changed."""
         await self.offloader.refresh_record(version)
 
+    async def refresh_records(self, versions: list[int]) -> None:
+        """Rewrites several versions' index records together (kvfs.node.relocations)."""
+        await self.offloader.refresh_records(versions)
+
     # Recovery ---------------------------------------------------------------------------
 
     def adopt_recovered(self, version: int, size: int, checksums: list[int]) -> None:

@@ -30,6 +30,7 @@ MAX_PATH_DEPTH = 2048  # elements of a restored path (PATH_MAX / 2)
 MAX_XATTRS = 1 << 14  # attributes of one restored file
 MAX_HELD = 1 << 17  # versions in one registration report (nodes send 2,000)
 READDIR_MAX = 1 << 16  # entries listed for one ReadDir at most (nodes ask for 256)
+RELOCATED_MAX = 1 << 15  # versions in one heartbeat answer whose records move (the master sends 14,563)
 
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack itself carries nothing above 2^64 - 1
 U32 = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
@@ -540,6 +541,8 @@ class Beat(msgspec.Struct):
     dropped: list[int]  # versions it stores whose files are gone
     forget: list[tuple[int, bytes, int]]  # (directory, name, inode) its kernel may still cache
     pushed: U64 = 0  # the pushes numbered so far on this connection: the node's copies are current once applied
+    # Versions on its SSD whose index records it must rewrite (a rename moved their path).
+    relocated: Annotated[list[VersionId], msgspec.Meta(max_length=RELOCATED_MAX)] = []
 
 
 class Names(msgspec.Struct):
