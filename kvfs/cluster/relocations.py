@@ -23,7 +23,7 @@ the next registration; with no restart, the walk and the heartbeats deliver ever
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 from kvfs.cluster.backlog import STEP_ITEMS, Backlog
 from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace
@@ -38,7 +38,7 @@ BEAT_IDS = (128 << 10) // ID_BYTES
 
 
 class Relocations:
-    def __init__(self, ns: Namespace, versions: dict[int, FileVersion], registry: Registry, backlog: Backlog,
+    def __init__(self, ns: Namespace, versions: Mapping[int, FileVersion], registry: Registry, backlog: Backlog,
                  slice_items: int = STEP_ITEMS) -> None:
         self.ns, self.versions, self.registry, self.backlog = ns, versions, registry, backlog
         self.slice_items = slice_items  # entries a walk looks at per step
@@ -122,17 +122,22 @@ class Relocations:
         """A registering node's report: each file on its SSD whose record names another path
         than the namespace does (a rename whose rewrite it never got) goes in its outbox.
         O(reported) with the paths of their directories computed once per report."""
-        ns, paths = self.ns, {ROOT_INO: []}
+        inodes, versions, paths = self.ns.inodes, self.versions, {ROOT_INO: []}
         for item in held:
             record = item.record
-            version = self.versions.get(item.version)
-            if record is None or version is None or version.node != node or not version.current:
+            if record is None:
                 continue
-            inode = ns.inodes.get(version.ino)
+            version = versions.get(item.version)
+            if version is None or version.node != node or not version.current:
+                continue
+            inode = inodes.get(version.ino)
             if inode is None or not inode.linked or inode.version != version.version:
                 continue
-            if not record.path or record.path[-1] != inode.name \
-                    or record.path[:-1] != self._directory_path(inode.parent, paths):
+            path = record.path
+            directory = paths.get(inode.parent)
+            if directory is None:
+                directory = self._directory_path(inode.parent, paths)
+            if len(path) != len(directory) + 1 or path[-1] != inode.name or path[:-1] != directory:
                 self.found_stale += 1
                 self.add(node, version.version)
 
