@@ -20,32 +20,41 @@ from test_batching import CHUNK, READER, owner_store, serve
 MiB = 1 << 20
 
 
-def test_reports_wait_until_wanted_then_each_one_wakes_the_loop_while_the_thread_runs() -> None:
+def test_reports_wait_until_a_reader_waits_and_wake_the_loop_only_while_it_waits() -> None:
     async def main() -> None:
         notices = Notices()
         seen: list[int] = []
         first_two_posted = threading.Event()
+        waiting = threading.Event()  # the loop's reader waits from now on
         third_seen = threading.Event()  # set by the loop: the thread waits for it
+
+        def third(n: int) -> None:  # in the loop: the waiting reader wakes with it
+            seen.append(n)
+            notices.unwant()
+            third_seen.set()
 
         def worker() -> None:
             notices.post(seen.append, 1)
             notices.post(seen.append, 2)
             first_two_posted.set()
-            notices.post(lambda n: (seen.append(n), third_seen.set()), 3)
-            # Wanted by now: the loop must deliver report 3 while this thread still runs.
-            assert third_seen.wait(10), "a wanted report did not reach the loop while the thread ran"
-            notices.post(seen.append, 4)
+            assert waiting.wait(10)
+            notices.post(third, 3)
+            # A reader waits by now: the loop must get report 3 while this thread still runs.
+            assert third_seen.wait(10), "a report did not reach the waiting loop while the thread ran"
+            notices.post(seen.append, 4)  # nobody waits any more: it waits too
 
         with trio.fail_after(20):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(trio.to_thread.run_sync, worker)
                 await trio.to_thread.run_sync(first_two_posted.wait)
-                assert seen == []  # posted, not wanted: nothing woke the loop for them
+                assert seen == []  # posted, nobody waiting: nothing woke the loop for them
                 notices.want()
-                assert seen[:2] == [1, 2]  # taken at once, in order
-        notices.deliver()  # (the fetch's task does this when the thread's call ended)
+                assert seen == [1, 2]  # taken at once, in order
+                waiting.set()
+        assert seen == [1, 2, 3]  # the thread has ended; report 4 waits for the fetch's end
+        notices.deliver()  # (the fetch's task does this once the thread's call has ended)
         assert seen == [1, 2, 3, 4]
-        assert notices.posted == 4 and notices.wakeups <= 2
+        assert notices.posted == 4 and notices.wakeups == 1
 
     trio.run(main)
 

@@ -115,8 +115,7 @@ class PeerChunks:
         READ is on its way while chunk 0 is still arriving. An owner that no longer has the
         version (or cannot be reached) fails the open itself, and the source is closed."""
         if not source.answered.is_set():
-            source.want()
-        await source.answered.wait()
+            await source.wait_for(source.answered)
         if 0 in source.failures:
             self.reads.close_read(source)
             raise source.failures[0]

@@ -40,7 +40,7 @@ class ReadSource:
     verified: list[int] = field(default_factory=list)
     # The reports of fetches still filling it, which wait until wanted (kvfs.notices).
     notices: list[Notices] = field(default_factory=list)
-    wanted: bool = False  # a reader waited: reports reach the loop as they come
+    waiters: int = 0  # readers waiting now: reports reach the loop as they come
 
     def __post_init__(self) -> None:
         if len(self.verified) != len(self.chunks):
@@ -56,18 +56,24 @@ class ReadSource:
         """A source with one read buffer (and one ready event) per chunk."""
         return cls(version, False, [buffers.take() for _ in lengths], [trio.Event() for _ in lengths], remote=remote)
 
-    def want(self) -> None:
-        """Before waiting for a chunk or the owner's answer: what the fetches have reported
-        is taken now, and every later report wakes the waiter as it comes (of fetches that
-        start later too)."""
-        self.wanted = True
-        for notices in self.notices:
-            notices.want()
+    async def wait_for(self, event: trio.Event) -> None:
+        """Waits for `event` (a chunk, a piece, the owner's answer): what the fetches have
+        reported is taken first, and while this waits each report wakes the loop as it
+        comes (of fetches that start meanwhile too)."""
+        self.waiters += 1
+        try:
+            for notices in self.notices:
+                notices.want()
+            await event.wait()
+        finally:
+            self.waiters -= 1
+            for notices in self.notices:
+                notices.unwant()
 
     def add_notices(self, notices: Notices) -> None:
-        """A fetch into this source starts: its reports wait until wanted."""
+        """A fetch into this source starts: its reports wait until a reader waits."""
         self.notices.append(notices)
-        if self.wanted:
+        for _ in range(self.waiters):
             notices.want()
 
     def end_notices(self, notices: Notices) -> None:
@@ -88,10 +94,9 @@ class ReadSource:
         end = offset + length
         for index in range(first, last + 1):
             needed = min(end - index * chunk_size, chunk_size)
-            if not self.ready[index].is_set() and self.verified[index] < needed:
-                self.want()
             while not self.ready[index].is_set() and self.verified[index] < needed:
-                await self.ready[index].wait()  # (a piece wakes it too: see `verified`)
+                # (a piece wakes it too: see `verified`; what was reported may already hold it)
+                await self.wait_for(self.ready[index])
             if index in self.failures:  # good chunks are still served; this one never
                 raise self.failures[index]
         within = offset - first * chunk_size
