@@ -55,6 +55,7 @@ from kvfs.concurrency import run_all
 from kvfs.config import split_address
 from kvfs.errors import KvfsError, StorageError
 from kvfs.histogram import OperationStats
+from kvfs.notices import Notices
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -142,6 +143,8 @@ class FetchRun:
     on_chunk: Callable[[int], None]
     on_answer: Callable[[], None] = lambda: None
     on_piece: Callable[[int, int], None] = _no_pieces
+    # Where the worker thread leaves the callbacks for the event loop (None: each one wakes it).
+    notices: Notices | None = None
 
 
 class Transport(Protocol):
@@ -395,6 +398,7 @@ class MeasuredTransport:
     implement `_fetch`."""
 
     reports_pieces = True  # its fetches take `on_piece`
+    takes_notices = False  # its fetches take `notices` (kvfs.notices)
 
     def __init__(self) -> None:
         self.fetches = OperationStats()  # one "fetch" per chunk run, by outcome
@@ -402,9 +406,10 @@ class MeasuredTransport:
     async def fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
                     checksums: list[int], on_chunk: Callable[[int], None],
                     on_answer: Callable[[], None] = lambda: None,
-                    on_piece: Callable[[int, int], None] = _no_pieces) -> None:
+                    on_piece: Callable[[int, int], None] = _no_pieces, notices: Notices | None = None) -> None:
+        deferred = {"notices": notices} if notices is not None else {}
         await self.fetches.measure("fetch", self._fetch(address, version, first, targets, lengths, checksums,
-                                                        on_chunk, on_answer, on_piece))
+                                                        on_chunk, on_answer, on_piece, **deferred))
 
     async def _fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
                      checksums: list[int], on_chunk: Callable[[int], None], on_answer: Callable[[], None],
@@ -417,6 +422,7 @@ class TcpTransport(MeasuredTransport):
     setup (plain instead, with peers that also run with peer encryption off, when `plaintext`)."""
 
     kind = "tcp"
+    takes_notices = True
 
     def __init__(self, tls: Tls, streams_per_peer: int = STREAMS_PER_PEER, plaintext: bool = False) -> None:
         super().__init__()
@@ -465,17 +471,18 @@ class TcpTransport(MeasuredTransport):
 
     async def _fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
                      checksums: list[int], on_chunk: Callable[[int], None], on_answer: Callable[[], None],
-                     on_piece: Callable[[int, int], None] = _no_pieces) -> None:
-        token = trio.lowlevel.current_trio_token()
+                     on_piece: Callable[[int, int], None] = _no_pieces, notices: Notices | None = None) -> None:
+        # The callbacks run in the event loop; the worker thread goes on.
+        post = notices.post if notices is not None else trio.lowlevel.current_trio_token().run_sync_soon
 
-        def arrived(index: int) -> None:  # runs in the event loop; the worker thread goes on
-            token.run_sync_soon(on_chunk, index)
+        def arrived(index: int) -> None:
+            post(on_chunk, index)
 
         def answered() -> None:
-            token.run_sync_soon(on_answer)
+            post(on_answer)
 
         def piece(index: int, verified: int) -> None:
-            token.run_sync_soon(on_piece, index, verified)
+            post(on_piece, index, verified)
 
         def exchange(connection: BlockingFrames, request_id: int) -> None:
             self._exchange(connection, request_id, address, version, first, targets, lengths, checksums, arrived,
@@ -583,6 +590,7 @@ class TcpTransport(MeasuredTransport):
             raise _Unanswered() from error
         outcomes: list[StorageError | None] = []
         for run in runs:
+            post = run.notices.post if run.notices is not None else token.run_sync_soon
             outcome: StorageError | None = None
             for offset, (target, length) in enumerate(zip(run.targets, run.lengths)):
                 index = run.first + offset
@@ -595,15 +603,15 @@ class TcpTransport(MeasuredTransport):
                 finally:
                     head = None
                 if not offset:
-                    token.run_sync_soon(run.on_answer)
+                    post(run.on_answer)
                 try:
                     self._receive_chunk(connection, reply, target[:length], run.checksums, index, run.version,
-                                        address, lambda i, verified, run=run: token.run_sync_soon(run.on_piece, i,
-                                                                                                  verified))
+                                        address, lambda i, verified, run=run, post=post: post(run.on_piece, i,
+                                                                                              verified))
                 except StorageError as error:
                     outcome = outcome or error
                     continue
-                token.run_sync_soon(run.on_chunk, index)
+                post(run.on_chunk, index)
             outcomes.append(outcome)
         return outcomes
 

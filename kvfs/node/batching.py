@@ -20,6 +20,7 @@ from typing import Awaitable, Callable, Protocol
 import trio
 
 from kvfs.errors import StorageError
+from kvfs.notices import Notices
 from kvfs.net.transport import FetchRun
 
 BATCH_CHUNKS = 4  # chunks per batch: a few files each, so that batches still go out side by side
@@ -28,7 +29,7 @@ BATCH_CHUNKS = 4  # chunks per batch: a few files each, so that batches still go
 class BatchTransport(Protocol):
     async def fetch(self, address: str, version: int, first: int, targets: list[memoryview], lengths: list[int],
                     checksums: list[int], on_chunk: Callable[[int], None], on_answer: Callable[[], None] = ...,
-                    on_piece: Callable[[int, int], None] = ...) -> None: ...
+                    on_piece: Callable[[int, int], None] = ..., notices: Notices | None = ...) -> None: ...
 
     def fetch_batch(self, address: str, runs: list[FetchRun]) -> Awaitable[list[StorageError | None]]: ...
 
@@ -94,8 +95,9 @@ class FetchBatcher:
         try:
             if len(batch) == 1:
                 run = batch[0].run
+                deferred = {"notices": run.notices} if run.notices is not None else {}
                 await self.transport.fetch(address, run.version, run.first, run.targets, run.lengths, run.checksums,
-                                           run.on_chunk, run.on_answer, run.on_piece)
+                                           run.on_chunk, run.on_answer, run.on_piece, **deferred)
                 outcomes = [None]
             else:
                 self.batches += 1

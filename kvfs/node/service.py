@@ -34,6 +34,7 @@ from kvfs.node.prefetch import Prefetches
 from kvfs.node.releases import DELAY_S as RELEASE_DELAY_S, PendingReleases
 from kvfs.node.quota import UnsealedBytes
 from kvfs.cluster.namespace import check_name
+from kvfs.notices import Notices
 from kvfs.net.rpc import MasterUnavailable
 from kvfs.net.transport import FetchRun, Transport
 from kvfs.config import format_size
@@ -146,6 +147,7 @@ class Node:
         self.evicted_files = 0
         self.evictions = EvictionSummary()  # logged at INFO, at most every few seconds
         self.remote_reads = 0
+        self.fetch_reports = [0, 0]  # a fetch's reports to the event loop, and those that woke it
         self.degraded_reads = 0
         # Activity, for metrics and `kvfs status`: names found or absent, and by which
         # tier reader opens and the bytes read through the daemon were served.
@@ -770,6 +772,7 @@ class Node:
         # A transport that verifies pieces hands each on as it arrives: the kernel's READs of
         # a chunk's first pieces are answered while its last ones are still on their way.
         by_piece = getattr(transport, "reports_pieces", False)
+        deferred = getattr(transport, "takes_notices", False)
         batcher = self.batcher if prefetch else None
         turns = self.prefetches.turns if prefetch and self.prefetches is not None else None
 
@@ -780,14 +783,27 @@ class Node:
                 source.ready[index].set()
 
             answered = source.answered.set if start == 0 else lambda: None
-            if batcher is not None:
-                await batcher.fetch(address, FetchRun(version, start, source.chunks[start:stop], lengths, checksums,
-                                                      arrived, answered, source.piece_arrived))
-                return
-            pieces = {"on_piece": source.piece_arrived} if by_piece else {}
-            async with turns or contextlib.nullcontext():
-                await transport.fetch(address, version, start, source.chunks[start:stop], lengths, checksums,
-                                      arrived, answered, **pieces)
+            # The thread's reports reach the loop when a reader waits for them, or at the end.
+            notices = Notices() if deferred else None
+            if notices is not None:
+                source.add_notices(notices)
+            try:
+                if batcher is not None:
+                    await batcher.fetch(address, FetchRun(version, start, source.chunks[start:stop], lengths,
+                                                          checksums, arrived, answered, source.piece_arrived,
+                                                          notices))
+                    return
+                pieces: dict[str, Any] = {"on_piece": source.piece_arrived} if by_piece else {}
+                if notices is not None:
+                    pieces["notices"] = notices
+                async with turns or contextlib.nullcontext():
+                    await transport.fetch(address, version, start, source.chunks[start:stop], lengths, checksums,
+                                          arrived, answered, **pieces)
+            finally:
+                if notices is not None:
+                    source.end_notices(notices)
+                    self.fetch_reports[0] += notices.posted
+                    self.fetch_reports[1] += notices.wakeups
 
         return self.store.start_remote(version, size, fetch, REMOTE_STREAMS)
 
@@ -1138,7 +1154,8 @@ class Node:
                          misses_answered_locally=self.dircache.answered,
                          hits_answered_locally=self.dircache.found)
         if self.transport is not None:
-            stats.update(fetched_bytes=self.transport.fetched_bytes)
+            stats.update(fetched_bytes=self.transport.fetched_bytes, fetch_reports=self.fetch_reports[0],
+                         fetch_report_wakeups=self.fetch_reports[1])
         if self.store.ssd is not None:
             stats.update(ssd_capacity=self.store.ssd.capacity, ssd_used=self.store.ssd.used)
         return stats

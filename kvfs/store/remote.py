@@ -114,7 +114,8 @@ class PeerChunks:
         """Waits until the owner answered: an open returns then, so that the kernel's first
         READ is on its way while chunk 0 is still arriving. An owner that no longer has the
         version (or cannot be reached) fails the open itself, and the source is closed."""
-        await source.answered.wait()
+        if not source.answered.is_set():
+            await source.wait_for(source.answered)
         if 0 in source.failures:
             self.reads.close_read(source)
             raise source.failures[0]

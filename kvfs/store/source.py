@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import trio
 
 from kvfs.errors import StorageError
+from kvfs.notices import Notices
 from kvfs.store.buffers import ReadBufferPool
 
 
@@ -37,6 +38,9 @@ class ReadSource:
     # that its readers wake and serve what they can; `ready[index]` set means the chunk is
     # whole (or failed).
     verified: list[int] = field(default_factory=list)
+    # The reports of fetches still filling it, which wait until wanted (kvfs.notices).
+    notices: list[Notices] = field(default_factory=list)
+    waiters: int = 0  # readers waiting now: reports reach the loop as they come
 
     def __post_init__(self) -> None:
         if len(self.verified) != len(self.chunks):
@@ -52,6 +56,31 @@ class ReadSource:
         """A source with one read buffer (and one ready event) per chunk."""
         return cls(version, False, [buffers.take() for _ in lengths], [trio.Event() for _ in lengths], remote=remote)
 
+    async def wait_for(self, event: trio.Event) -> None:
+        """Waits for `event` (a chunk, a piece, the owner's answer): what the fetches have
+        reported is taken first, and while this waits each report wakes the loop as it
+        comes (of fetches that start meanwhile too)."""
+        self.waiters += 1
+        try:
+            for notices in self.notices:
+                notices.want()
+            await event.wait()
+        finally:
+            self.waiters -= 1
+            for notices in self.notices:
+                notices.unwant()
+
+    def add_notices(self, notices: Notices) -> None:
+        """A fetch into this source starts: its reports wait until a reader waits."""
+        self.notices.append(notices)
+        for _ in range(self.waiters):
+            notices.want()
+
+    def end_notices(self, notices: Notices) -> None:
+        """That fetch ended: what it reported and nobody wanted yet is delivered now."""
+        self.notices.remove(notices)
+        notices.deliver()
+
     def piece_arrived(self, index: int, verified: int) -> None:
         """The first `verified` bytes of chunk `index` are in and verified."""
         self.verified[index] = max(self.verified[index], verified)
@@ -66,7 +95,8 @@ class ReadSource:
         for index in range(first, last + 1):
             needed = min(end - index * chunk_size, chunk_size)
             while not self.ready[index].is_set() and self.verified[index] < needed:
-                await self.ready[index].wait()  # (a piece wakes it too: see `verified`)
+                # (a piece wakes it too: see `verified`; what was reported may already hold it)
+                await self.wait_for(self.ready[index])
             if index in self.failures:  # good chunks are still served; this one never
                 raise self.failures[index]
         within = offset - first * chunk_size
