@@ -124,6 +124,9 @@ class Request(msgspec.Struct, tag=True):
 class Lookup(Request):
     parent: U64
     name: Name
+    # A node's temp suffix: a miss then also says whether the directory, if small, holds a
+    # name ending in it (`Entry.no_temps`), for the writer's temp-name lookup that follows.
+    temp_suffix: Name = b""
 
 
 class GetAttr(Request):
@@ -424,6 +427,8 @@ class Publish(Request):
 
 # Responses --------------------------------------------------------------------------
 
+TEMP_SCAN_NAMES = 64  # the largest directory whose names a Lookup miss checks for a temp suffix
+
 
 class Done(msgspec.Struct):
     """A mutation's result: versions whose data the owning node must now free, and
@@ -444,6 +449,9 @@ class Entry(msgspec.Struct):
     node: int = 0
     address: str = ""
     checksums: list[int] = []
+    # A miss asked with a temp suffix: True when the directory (of at most TEMP_SCAN_NAMES
+    # names) holds no name ending in it. False: it may (or the master did not look).
+    no_temps: bool = False
 
 
 class Opened(msgspec.Struct):
