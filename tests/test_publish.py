@@ -131,6 +131,40 @@ def test_vllm_hashed_layout_asks_only_for_a_lookup_and_the_publish(two_nodes) ->
         assert os.listdir(other) == [name]
 
 
+def test_vllm_store_into_directories_it_makes(two_nodes) -> None:
+    """vLLM's store where the parents are missing (CONSUMERS.md steps 1-6: access(), stat of
+    the parents, mkdir of the missing ones, the store): each mkdir's answer carries its
+    parent's attributes, which answer the kernel's getattr of the parent on the next walk,
+    and the temp name's lookup in the leaf the node just made is answered without the master
+    (a new directory holds no temp name): the leaf is not copied. Per file: two misses, two
+    mkdirs and the Publish (before: also two GetAttrs and two WatchNames)."""
+    a, b = two_nodes
+    (a.path / "warm").mkdir()
+    store_like_vllm(a.path / "warm", "warm.bin", b"w" * 4096)  # (numbers granted)
+    model = a.path / "m_0123456789ab_r0"
+    model.mkdir()
+    os.stat(model)
+    before = master_requests(a)
+    blocks = {}
+    for i in range(12):
+        leaf = model / f"{i:03x}" / f"{i:02x}_g0"
+        name, data = f"{i:064x}.bin", os.urandom(4096 + i)
+        assert not os.access(leaf / name, os.F_OK)
+        for level in (leaf.parent, leaf):
+            if not os.path.exists(level):
+                os.mkdir(level)
+        write_temp(leaf / f"{name}_7.tmp", data)
+        os.rename(leaf / f"{name}_7.tmp", leaf / name)
+        blocks[leaf / name] = data
+    spent = spent_since(a, before)
+    assert spent.get("Publish") == len(blocks) and spent.get("MkDir") == 2 * len(blocks), spent
+    assert spent.get("GetAttr", 0) == 0, spent  # the parents' attributes came with each mkdir
+    assert spent.get("Lookup", 0) <= 2 * len(blocks) + 1, spent  # the misses of <hhh> and of the leaf
+    assert spent.get("WatchNames", 0) <= 1, spent  # (the model directory: looked up in twice)
+    for path, data in blocks.items():
+        assert (b.path / path.relative_to(a.path)).read_bytes() == data
+
+
 def test_after_a_miss_the_master_still_decides_what_exists(two_nodes) -> None:
     """The names a miss answers without asking (kvfs.node.misses) are only for what follows
     the store's access(): a temp name the master knows is found as before, and an exclusive

@@ -7,12 +7,15 @@ before the exclusive create and the final name again before the rename (it never
 a negative entry for those), and each lookup asked the master (the second copied the
 directory): three round trips for one miss. Now the master's answer to the first miss
 also says whether the directory, if small, holds any name ending in the temp suffix
-(`Entry.no_temps`); for `WINDOW_S` after it was asked, the node answers without asking:
+(`Entry.no_temps`, false too for a file hidden while its node is down); where it holds
+none, for `WINDOW_S` after the miss was asked, the node answers without asking:
 
 - the same name again: absent (what the kernel's own negative entry would answer for a
   second; the create or rename that follows goes to the master, which decides);
-- a temp name, when the directory held none: absent. The temp file itself is this node's
-  own (kvfs.node.private) and never meets another node's of the same name.
+- any temp name: absent. The temp file itself is this node's own (kvfs.node.private)
+  and never meets another node's of the same name.
+
+A directory this node just made is marked the same way (it holds nothing yet).
 
 The window is the staleness of a kernel's negative entry (1 s, `--negative-timeout`):
 a name made on another node within that second is missed here as it is by a kernel that
@@ -38,8 +41,8 @@ class RecentMisses:
     def __init__(self, temp_suffix: bytes, window_s: float = WINDOW_S) -> None:
         self.temp_suffix = temp_suffix
         self.window_s = window_s
-        # directory ino -> (when the miss was asked, the name missed, no temp name there)
-        self._marks: dict[int, tuple[float, bytes, bool]] = {}
+        # directory ino -> (when the miss was asked, the name missed), for one without temp names
+        self._marks: dict[int, tuple[float, bytes]] = {}
         self.seq = 0  # changes of this node begun or answered so far
         self._changed_at: dict[int, int] = {}  # directory ino -> `seq` of its last change
         self._floor = 0  # tokens older than this are refused (_changed_at was cleared)
@@ -51,13 +54,14 @@ class RecentMisses:
         named the directory since (the master may have answered before that change)."""
         return self.seq
 
-    def missed(self, parent: int, name: bytes, no_temps: bool, asked: float, token: int) -> None:
-        """The master answered a Lookup of `name` sent at `asked`: absent."""
+    def missed(self, parent: int, name: bytes, asked: float, token: int) -> None:
+        """The master answered a Lookup of `name` sent at `asked`: absent, and no temp name
+        in the directory."""
         if token < self._floor or self._changed_at.get(parent, 0) > token:
             return
         marks = self._marks
         marks.pop(parent, None)  # (re-inserted last: the dict stays in time order)
-        marks[parent] = (asked, name, no_temps)
+        marks[parent] = (asked, name)
         if len(marks) > KEPT:
             for ino in list(marks)[:len(marks) - KEPT // 2]:  # the oldest half goes
                 del marks[ino]
@@ -67,11 +71,11 @@ class RecentMisses:
         mark = self._marks.get(parent)
         if mark is None:
             return False
-        asked, missed, no_temps = mark
+        asked, missed = mark
         if now - asked >= self.window_s:
             del self._marks[parent]
             return False
-        if name == missed or (no_temps and self.temp_suffix and name.endswith(self.temp_suffix)):
+        if name == missed or (self.temp_suffix and name.endswith(self.temp_suffix)):
             self.answered += 1
             self._uncached = (parent, name)
             return True

@@ -237,8 +237,8 @@ class Node:
             await self.membership.copy_directory(parent)
         attr = entry.attr
         if attr is None:
-            if self.dircache is not None:
-                self.misses.missed(parent, name, entry.no_temps, asked, token)
+            if entry.no_temps:  # (kvfs.node.misses)
+                self.misses.missed(parent, name, asked, token)
             self.lookups_absent += 1
             return None
         self.membership.names.seen(parent, name, attr)
@@ -348,10 +348,14 @@ class Node:
     # Namespace -----------------------------------------------------------------------------
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> m.Attr:
-        attr = await self.change(m.MkDir(parent, name, mode, uid, gid))
+        asked, token = self.clock.monotonic(), self.misses.token()
+        made = await self.change(m.MkDir(parent, name, mode, uid, gid))
+        attr = m.Attr(**{field: getattr(made, field) for field in m.Attr.__struct_fields__})  # (not the parent's)
         self._remember_dir(attr)
         self.membership.names.seen(parent, name, attr)
         self._own_change(parent, name, present=True)
+        if self.dircache is not None:  # a new directory holds no temp name (kvfs.node.misses)
+            self.misses.missed(attr.ino, b"", asked, token)
         return attr
 
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> m.Attr:
@@ -411,22 +415,22 @@ class Node:
                 if error.errno == errno.EEXIST:
                     self._found_existing(request)
                 raise
-            if isinstance(answer, m.Opened) and answer.parent is not None:
+            if isinstance(answer, (m.Opened, m.Made)) and answer.parent is not None:
                 directories = [answer.parent]
             elif isinstance(answer, (m.Done, m.Published)):
                 directories = answer.directories
             for attr in directories:
                 self._remember_dir(attr)
-            if self.dircache is not None and adds_temp_name(request, self.temp_suffix):
-                # Other nodes may answer temp names there absent for a second after a miss
-                # the master answered before this change (kvfs.node.misses): wait that out.
-                await trio.sleep(self.misses.window_s)
-            return answer
         finally:
             self.own_changes.end(token, directories, self.clock.monotonic())
             self.kernel_dirs.changed_request(request)  # (a getattr answered while it was in flight)
             if self.dircache is not None:
                 self.misses.changed_request(request)
+        if self.dircache is not None and adds_temp_name(request, self.temp_suffix):
+            # Other nodes may answer temp names there absent for a second after a miss the
+            # master answered before this change (kvfs.node.misses): that second passes first.
+            await trio.sleep(self.misses.window_s)
+        return answer
 
     def _found_existing(self, request: m.Request) -> None:
         """The master refused to make a name because it exists: another node made it since
