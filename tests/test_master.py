@@ -367,3 +367,22 @@ def test_a_tier_of_fresh_files_is_not_scanned_past_a_bound(master: MetadataServi
     assert [name for _, name, _ in master.handle(m.Reclaim(NODE, 1)).entries] == [b"fresh1"]
     assert [name for _, name, _ in master.handle(m.Reclaim(NODE, 1)).entries] == [b"published.data"]
 
+
+
+def test_a_miss_asked_with_a_temp_suffix_says_whether_a_small_directory_holds_a_temp_name(
+        master: MetadataService) -> None:
+    """What a node's store needs to answer the temp name's lookup that follows (kvfs.node.misses)."""
+    leaf = master.handle(m.MkDir(ROOT_INO, b"leaf", 0o755, 0, 0)).ino
+    assert master.handle(m.Lookup(leaf, b"a.bin", b".tmp")).no_temps  # empty
+    assert not master.handle(m.Lookup(leaf, b"a.bin")).no_temps  # not asked
+    store(master, leaf, b"b.bin")
+    assert master.handle(m.Lookup(leaf, b"a.bin", b".tmp")).no_temps
+    entry = master.handle(m.Lookup(leaf, b"b.bin", b".tmp"))  # a hit says nothing of it
+    assert entry.attr is not None and not entry.no_temps
+    store(master, leaf, b"c.bin.tmp")  # a temp file the master knows (handed over, say)
+    assert not master.handle(m.Lookup(leaf, b"a.bin", b".tmp")).no_temps
+    big = master.handle(m.MkDir(ROOT_INO, b"big", 0o755, 0, 0)).ino
+    for i in range(m.TEMP_SCAN_NAMES + 1):
+        store(master, big, b"%d.bin" % i)
+    assert not master.handle(m.Lookup(big, b"a.bin", b".tmp")).no_temps  # too large to look through
+    fails(master, m.Lookup(leaf, b"a.bin", b"/x"), errno.EINVAL)

@@ -94,13 +94,15 @@ def test_a_stored_file_is_one_publish_and_reads_on_another_node_at_once(two_node
         assert os.stat(b.path / "kv" / name).st_size == len(data)
 
 
-def test_vllm_hashed_layout_asks_only_for_a_lookup_a_directory_copy_and_the_publish(two_nodes) -> None:
+def test_vllm_hashed_layout_asks_only_for_a_lookup_and_the_publish(two_nodes) -> None:
     """vLLM's store in its hashed layout (CONSUMERS.md steps 1-6), each file in a directory
     of its own that exists already: access() of the final name asks the master (one
-    Lookup), the create's lookup of the temp name, the directory's second, is answered by
-    copying it (one WatchNames); the kernel's getattr of the directory between the temp
-    file's create and its rename is answered with the attributes it held (the master's
-    are unchanged by a private file), so a file costs a lookup, the copy and the Publish."""
+    Lookup), whose miss also says the directory holds no temp name; the create's lookup of
+    the temp name and the rename's of the final name (the kernel trusts no negative entry
+    for those) are answered from that miss (kvfs.node.misses), and the directory is not
+    copied. The kernel's getattr of the directory between the temp file's create and its
+    rename is answered with the attributes it held (the master's are unchanged by a private
+    file), so a file costs a lookup and the Publish."""
     a, b = two_nodes
     (a.path / "warm").mkdir()
     store_like_vllm(a.path / "warm", "warm.bin", b"w" * 4096)  # (numbers granted)
@@ -121,12 +123,71 @@ def test_vllm_hashed_layout_asks_only_for_a_lookup_a_directory_copy_and_the_publ
     spent = spent_since(a, before)
     assert spent.get("Publish") == len(blocks), spent
     assert spent.get("Lookup", 0) == len(blocks) and spent.get("GetAttr", 0) == 0, spent
-    assert spent.get("WatchNames", 0) == len(blocks), spent
+    assert spent.get("WatchNames", 0) == 0, spent
     for leaf, (name, data) in blocks.items():  # another node finds each name
         other = b.path / leaf.relative_to(a.path)
         assert (other / name).read_bytes() == data
         assert os.stat(other).st_mtime_ns == os.stat(leaf).st_mtime_ns
         assert os.listdir(other) == [name]
+
+
+def test_vllm_store_into_directories_it_makes(two_nodes) -> None:
+    """vLLM's store where the parents are missing (CONSUMERS.md steps 1-6: access(), stat of
+    the parents, mkdir of the missing ones, the store): each mkdir's answer carries its
+    parent's attributes, which answer the kernel's getattr of the parent on the next walk,
+    and the temp name's lookup in the leaf the node just made is answered without the master
+    (a new directory holds no temp name): the leaf is not copied. Per file: two misses, two
+    mkdirs and the Publish (before: also two GetAttrs and two WatchNames)."""
+    a, b = two_nodes
+    (a.path / "warm").mkdir()
+    store_like_vllm(a.path / "warm", "warm.bin", b"w" * 4096)  # (numbers granted)
+    model = a.path / "m_0123456789ab_r0"
+    model.mkdir()
+    os.stat(model)
+    before = master_requests(a)
+    blocks = {}
+    for i in range(12):
+        leaf = model / f"{i:03x}" / f"{i:02x}_g0"
+        name, data = f"{i:064x}.bin", os.urandom(4096 + i)
+        assert not os.access(leaf / name, os.F_OK)
+        for level in (leaf.parent, leaf):
+            if not os.path.exists(level):
+                os.mkdir(level)
+        write_temp(leaf / f"{name}_7.tmp", data)
+        os.rename(leaf / f"{name}_7.tmp", leaf / name)
+        blocks[leaf / name] = data
+    spent = spent_since(a, before)
+    assert spent.get("Publish") == len(blocks) and spent.get("MkDir") == 2 * len(blocks), spent
+    assert spent.get("GetAttr", 0) == 0, spent  # the parents' attributes came with each mkdir
+    assert spent.get("Lookup", 0) <= 2 * len(blocks) + 1, spent  # the misses of <hhh> and of the leaf
+    assert spent.get("WatchNames", 0) <= 1, spent  # (the model directory: looked up in twice)
+    for path, data in blocks.items():
+        assert (b.path / path.relative_to(a.path)).read_bytes() == data
+
+
+def test_after_a_miss_the_master_still_decides_what_exists(two_nodes) -> None:
+    """The names a miss answers without asking (kvfs.node.misses) are only for what follows
+    the store's access(): a temp name the master knows is found as before, and an exclusive
+    create or a no-replace rename of a name another node made since gets EEXIST from the
+    master, whether the node's lookup answered from the miss or asked."""
+    a, b = two_nodes
+    (a.path / "m").mkdir()
+    write_temp(b.path / "m" / "h.tmp", b"handed")
+    os.chmod(b.path / "m" / "h.tmp", 0o600)  # b hands its temp file to the master
+    assert not os.access(a.path / "m" / "final.bin", os.F_OK)  # a's miss: the directory holds a temp name
+    with pytest.raises(FileExistsError):
+        write_temp(a.path / "m" / "h.tmp", b"shadow")
+    assert (a.path / "m" / "h.tmp").read_bytes() == b"handed"
+    (a.path / "n").mkdir()
+    assert not os.access(a.path / "n" / "x.bin", os.F_OK)  # a's miss of x.bin
+    assert not os.access(a.path / "n" / "y.bin", os.F_OK)
+    store_like_vllm(b.path / "n", "x.bin", b"from b")
+    store_like_vllm(b.path / "n", "y.bin", b"from b")
+    with pytest.raises(FileExistsError):
+        os.close(os.open(a.path / "n" / "x.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    write_temp(a.path / "n" / "y.bin_1.tmp", b"from a")
+    assert rename_noreplace(a.path / "n" / "y.bin_1.tmp", a.path / "n" / "y.bin") == errno.EEXIST
+    assert (a.path / "n" / "y.bin").read_bytes() == b"from b" == (b.path / "n" / "x.bin").read_bytes()
 
 
 def test_a_temp_file_is_private_to_its_node(two_nodes) -> None:

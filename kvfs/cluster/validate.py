@@ -143,6 +143,8 @@ def printable(text: str, field: str, empty: bool = False) -> None:
 
 def _lookup(req: m.Lookup | m.Unlink | m.RmDir) -> None:
     check_name(req.name)  # '.' and '..' resolve as on any file system
+    if isinstance(req, m.Lookup) and (b"/" in req.temp_suffix or b"\0" in req.temp_suffix):
+        raise MetadataError(errno.EINVAL, f"temp suffix {req.temp_suffix[:64]!r} holds '/' or NUL")
 
 
 def _created(req: m.MkDir | m.Create) -> None:

@@ -82,7 +82,8 @@ class KvfsOperations(pyfuse3.Operations):
         if attr is None:  # a negative entry the kernel caches for negative_timeout
             entry = pyfuse3.EntryAttributes()
             entry.st_ino = 0
-            entry.entry_timeout = self.negative_timeout
+            # (not one answered from a miss of the last second: kvfs.node.misses)
+            entry.entry_timeout = 0 if self.node.misses.uncached(parent_inode, name) else self.negative_timeout
             return entry
         return self._referenced(attr)
 

@@ -28,6 +28,7 @@ from kvfs.clock import Clock
 from kvfs.wire import messages as m
 from kvfs.node.dircache import DirectoryCache, OwnChanges
 from kvfs.node.kernelattrs import KernelDirAttrs
+from kvfs.node.misses import RecentMisses, adds_temp_name
 from kvfs.cluster.embedded import MasterClient
 from kvfs.node.batching import FetchBatcher
 from kvfs.node.prefetch import Prefetches
@@ -161,6 +162,7 @@ class Node:
         self.xattrs = NodeXattrs(master, store, self)  # user.* and the virtual user.kvfs.* attributes
         # Cluster mode: temp files stay on this node until renamed (kvfs.node.private).
         self.temp_suffix = temp_suffix if transport is not None else b""
+        self.misses = RecentMisses(self.temp_suffix)  # the master's misses of the last second (cluster mode)
         self.temp_grace_s = temp_grace_s
         self.private = PrivateFiles()
         self.numbers = NumberBlocks()
@@ -211,6 +213,9 @@ class Node:
             copied = self.dircache.present(parent, name)
             if copied is not None:
                 return self._found(copied, copy.copy(copied.attr))  # (_current may change the copy it gets)
+            if self.misses.absent(parent, name, self.clock.monotonic()):  # (kvfs.node.misses)
+                self.lookups_absent += 1
+                return None
             if self.dircache.copy_due(parent) and self.membership.copies_current() and \
                     await self.membership.copy_directory(parent):
                 if self.dircache.absent(parent, name):  # copied in the lookup's own round trip
@@ -222,8 +227,10 @@ class Node:
         # A directory or a file held here resolves as last seen while the master is
         # unreachable, at once (kvfs.node.heldnames); other names wait for it.
         held = self.membership.names.answer(parent, name, self._held_attr)
+        asked, token = self.clock.monotonic(), self.misses.token()
         try:
-            entry = await self.master.call(m.Lookup(parent, name), wait_s=0 if held is not None else None)
+            entry = await self.master.call(m.Lookup(parent, name, self.temp_suffix),
+                                           wait_s=0 if held is not None else None)
         except MasterUnavailable:
             if held is None:
                 raise
@@ -232,6 +239,8 @@ class Node:
             await self.membership.copy_directory(parent)
         attr = entry.attr
         if attr is None:
+            if entry.no_temps:  # (kvfs.node.misses)
+                self.misses.missed(parent, name, asked, token)
             self.lookups_absent += 1
             return None
         self.membership.names.seen(parent, name, attr)
@@ -341,10 +350,14 @@ class Node:
     # Namespace -----------------------------------------------------------------------------
 
     async def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> m.Attr:
-        attr = await self.change(m.MkDir(parent, name, mode, uid, gid))
+        asked, token = self.clock.monotonic(), self.misses.token()
+        made = await self.change(m.MkDir(parent, name, mode, uid, gid))
+        attr = m.Attr(**{field: getattr(made, field) for field in m.Attr.__struct_fields__})  # (not the parent's)
         self._remember_dir(attr)
         self.membership.names.seen(parent, name, attr)
         self._own_change(parent, name, present=True)
+        if self.dircache is not None:  # a new directory holds no temp name (kvfs.node.misses)
+            self.misses.missed(attr.ino, b"", asked, token)
         return attr
 
     async def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> m.Attr:
@@ -395,6 +408,8 @@ class Node:
         token = self.own_changes.begin()
         directories: list[m.Attr] = []
         self.kernel_dirs.changed_request(request)
+        if self.dircache is not None:
+            self.misses.changed_request(request)
         try:
             try:
                 answer = await self.master.call(request)
@@ -402,16 +417,22 @@ class Node:
                 if error.errno == errno.EEXIST:
                     self._found_existing(request)
                 raise
-            if isinstance(answer, m.Opened) and answer.parent is not None:
+            if isinstance(answer, (m.Opened, m.Made)) and answer.parent is not None:
                 directories = [answer.parent]
             elif isinstance(answer, (m.Done, m.Published)):
                 directories = answer.directories
             for attr in directories:
                 self._remember_dir(attr)
-            return answer
         finally:
             self.own_changes.end(token, directories, self.clock.monotonic())
             self.kernel_dirs.changed_request(request)  # (a getattr answered while it was in flight)
+            if self.dircache is not None:
+                self.misses.changed_request(request)
+        if self.dircache is not None and adds_temp_name(request, self.temp_suffix):
+            # Other nodes may answer temp names there absent for a second after a miss the
+            # master answered before this change (kvfs.node.misses): that second passes first.
+            await trio.sleep(self.misses.window_s)
+        return answer
 
     def _found_existing(self, request: m.Request) -> None:
         """The master refused to make a name because it exists: another node made it since
@@ -440,6 +461,7 @@ class Node:
 
     async def readdir(self, ino: int, start_id: int, limit: int) -> list[m.DirEntry]:
         entries = (await self.master.call(m.ReadDir(ino, start_id, limit))).entries
+        self.misses.forget(ino)
         for entry in entries:
             self._current(entry.attr)
         return entries

@@ -76,6 +76,19 @@ def sealed(attr: Attr, dropped: list[int]) -> Sealed:
                   attr.ctime_ns, attr.version, attr.sealed, dropped)
 
 
+class Made(Attr):
+    """A mkdir's answer: the new directory's attributes and its parent's after it (the
+    kernel asks for those next, having dropped its own copy: kvfs.node.dircache.OwnChanges).
+    A node of before 2026-12-02 reads it as the `Attr` it was."""
+
+    parent: Attr | None = None
+
+
+def made(attr: Attr, parent: Attr) -> Made:
+    return Made(attr.ino, attr.mode, attr.nlink, attr.uid, attr.gid, attr.size, attr.atime_ns, attr.mtime_ns,
+                attr.ctime_ns, attr.version, attr.sealed, parent)
+
+
 class DirEntry(msgspec.Struct):
     name: bytes
     attr: Attr
@@ -125,6 +138,9 @@ class Request(msgspec.Struct, tag=True):
 class Lookup(Request):
     parent: U64
     name: Name
+    # A node's temp suffix: a miss then also says whether the directory, if small, holds a
+    # name ending in it (`Entry.no_temps`), for the writer's temp-name lookup that follows.
+    temp_suffix: Name = b""
 
 
 class GetAttr(Request):
@@ -425,6 +441,8 @@ class Publish(Request):
 
 # Responses --------------------------------------------------------------------------
 
+TEMP_SCAN_NAMES = 64  # the largest directory whose names a Lookup miss checks for a temp suffix
+
 
 class Done(msgspec.Struct):
     """A mutation's result: versions whose data the owning node must now free, and
@@ -445,6 +463,10 @@ class Entry(msgspec.Struct):
     node: int = 0
     address: str = ""
     checksums: list[int] = []
+    # A miss asked with a temp suffix: True when the name is absent (not a hidden file) and
+    # the directory, of at most TEMP_SCAN_NAMES names, holds no name ending in the suffix.
+    # False: it may (or the master did not look).
+    no_temps: bool = False
 
 
 class Opened(msgspec.Struct):
@@ -622,7 +644,7 @@ class DirUsageInfo(msgspec.Struct):
 
 # What each request is answered with (the RPC client decodes responses by it).
 RESPONSE_TYPES: dict[type, type] = {
-    Lookup: Entry, GetAttr: Attr, SetAttr: Attr, MkDir: Attr, Create: Opened, Unlink: Done, RmDir: Done,
+    Lookup: Entry, GetAttr: Attr, SetAttr: Attr, MkDir: Made, Create: Opened, Unlink: Done, RmDir: Done,
     Rename: Done, ReadDir: Listing, Forget: Done, OpenRead: Opened, OpenWrite: Opened, Release: Done,
     Seal: Sealed, GetXattr: XattrValue, SetXattr: Done, ListXattr: XattrNames, RemoveXattr: Done,
     GetVersion: VersionInfo, Reclaim: Removed, Offloaded: Done, GetRecord: FileRecord, Lost: Removed,
