@@ -64,20 +64,24 @@ class TlsStream(trio.abc.Stream):
 
     async def _retry(self, call: Callable[[], Any]) -> Any:
         self._check_usable()
+        waited = False
         while True:
             try:
                 result = call()
             except ssl.SSLWantReadError:
                 await trio.lowlevel.wait_readable(self.socket)
+                waited = True
             except ssl.SSLWantWriteError:
                 await trio.lowlevel.wait_writable(self.socket)
+                waited = True
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
                 return b""
             except (ssl.SSLError, OSError) as error:
                 self._broken = f"TLS connection failed: {error}"
                 raise trio.BrokenResourceError(self._broken) from error
             else:
-                await trio.lowlevel.checkpoint()  # a peer that always has data must not starve the others
+                if not waited:  # (a wait is a checkpoint already: one more step is CPU for nothing)
+                    await trio.lowlevel.checkpoint()  # a peer that always has data must not starve the others
                 return result
 
     async def unwrap(self) -> None:
@@ -125,16 +129,19 @@ class TlsStream(trio.abc.Stream):
     async def _plain(self, call: Callable[[], Any], readable: bool) -> Any:
         """One recv or send on the plain socket, once it can go on."""
         self._check_usable()
+        waited = False
         while True:
             try:
                 result = call()
             except BlockingIOError:
                 await (trio.lowlevel.wait_readable if readable else trio.lowlevel.wait_writable)(self.socket)
+                waited = True
             except OSError as error:
                 self._broken = f"connection failed: {error}"
                 raise trio.BrokenResourceError(self._broken) from error
             else:
-                await trio.lowlevel.checkpoint()
+                if not waited:
+                    await trio.lowlevel.checkpoint()
                 return result
 
     async def wait_send_all_might_not_block(self) -> None:

@@ -44,12 +44,13 @@ import msgspec
 import trio
 
 from kvfs.checksum import PIECE_SIZE, chunk_checksum, chunk_hasher
-from kvfs.wire.protocol import ErrorReply, FrameKind, Head, HeaderDecoder, ProtocolError, encode_frame
+from kvfs.wire.protocol import ErrorReply, FrameKind, Head, HeaderDecoder, ProtocolError
 from kvfs.wire.rdma_messages import RDMA_REQUESTS, Unlease
 from kvfs.wire.text import printable
 from kvfs.cluster.authority import PEER_CLIENTS, PEER_ROLE
+from kvfs.net.answers import SEND_STALL_S, Answers, ChunkData, take
 from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, REFUSALS, Gate, LogBudget, connect
-from kvfs.net.streams import BlockingFrames, FrameStream, TlsStream, peer_name, send_some, serve_tcp
+from kvfs.net.streams import BlockingFrames, FrameStream, peer_name, serve_tcp
 from kvfs.security.credentials import Tls
 from kvfs.concurrency import run_all
 from kvfs.config import split_address
@@ -63,12 +64,10 @@ T = TypeVar("T")
 SOCKET_BUFFER = 4 << 20
 # The reader's budget against one peer (docs/cluster.md, "Bounds on a peer"): connecting and
 # authenticating, then each wait for the owner's next bytes, take at most PEER_SILENCE_S; the
-# owner pulses every PULSE_S while it prepares a chunk, so only a frozen, dead or cut-off
-# owner goes silent that long.
+# owner pulses every PULSE_S (kvfs.net.answers) while it prepares a chunk, so only a frozen,
+# dead or cut-off owner goes silent that long.
 PEER_SILENCE_S = 3.0
 CONNECT_TIMEOUT_S = PEER_SILENCE_S
-PULSE_S = 1.0
-SEND_STALL_S = 10.0  # the owner drops a reader that takes no data this long
 STREAMS_PER_PEER = 8
 # The owner's bounds on its readers: fetches served at once to one identity (more wait their
 # turn, as tasks), and worker threads encrypting payloads at once. A thread only ever runs
@@ -101,16 +100,6 @@ def check_batch(batch: FetchBatch) -> None:
         raise ProtocolError("a batch with an empty run")
     if sum(run.count for run in batch.runs) > MAX_BATCH_CHUNKS:
         raise ProtocolError(f"a batch of over {MAX_BATCH_CHUNKS} chunks")
-
-
-class ChunkData(msgspec.Struct, tag=True):
-    index: int
-    length: int
-    pieces: list[int] = []  # the writer's checksum of each PIECE_SIZE piece, if the owner has them
-
-
-class Pulse(msgspec.Struct, tag=True):
-    """Sent while the owner prepares the next chunk (its own frame kind, `FrameKind.PULSE`)."""
 
 
 class ChunkSource(Protocol):
@@ -233,22 +222,28 @@ class PeerServer:
             return
         frames, identity = admitted
         fetches = self._join(identity.name)
+        if self._send_threads is None:
+            self._send_threads = trio.CapacityLimiter(SEND_THREADS)
+        answers = Answers(frames, self._count_served, self._send_threads, self.send_stall_s)
         async with frames.stream:
             session = None
-            try:
+
+            async def requests() -> None:
+                nonlocal session
                 while True:
                     request_id, request = await frames.receive_request(self._requests)
                     if isinstance(request, FetchChunks):
-                        async with fetches:  # a peer's fetches beyond its share wait here, holding nothing
-                            await self._fetch(frames, request_id, [request])
+                        await self._fetch(answers, fetches, request_id, [request])
                     elif isinstance(request, FetchBatch):
                         check_batch(request)
-                        async with fetches:  # (a batch is one fetch of the peer's share)
-                            await self._fetch(frames, request_id, request.runs)
+                        await self._fetch(answers, fetches, request_id, request.runs)  # one fetch of the share
                     elif frames.plaintext:  # memory keys are not for a connection without TLS
                         raise ProtocolError(f"an RDMA request ({type(request).__name__}) on a plaintext connection")
                     else:
                         session = await self._rdma_request(frames, request_id, session, request)
+
+            try:
+                await run_all([requests, answers.pulse_while_serving])  # a failure is raised as itself
             except ProtocolError as error:
                 log.warning("closing peer connection from %s: %s", peer, printable(error))
             except TimeoutError as error:  # a reader that stopped reading: what it held is freed
@@ -289,108 +284,32 @@ class PeerServer:
             await reply(FrameKind.ERROR, ErrorReply(errno.ENOTSUP, "this node has no RDMA transport"))
         return None
 
-    async def _fetch(self, frames: FrameStream, request_id: int, runs: list[FetchChunks]) -> None:
+    async def _fetch(self, answers: Answers, fetches: trio.CapacityLimiter, request_id: int,
+                     runs: list[FetchChunks]) -> None:
         """Answers the runs of one request in order; a run that fails ends with an error frame
-        and the next one follows (a single `FetchChunks` is a batch of one)."""
-        if self._send_threads is None:
-            self._send_threads = trio.CapacityLimiter(SEND_THREADS)
-        answer = _Answer(frames, request_id, self._count_served, self._send_threads, self.send_stall_s)
+        and the next one follows (a single `FetchChunks` is a batch of one). A peer's fetches
+        beyond its share wait for `fetches`, holding nothing."""
         pieces = getattr(self.store, "piece_checksums", None)
 
         def sender(version: int) -> Callable[[int, memoryview | bytes], Awaitable[None]]:
             async def send(index: int, data: memoryview | bytes) -> None:
-                await answer.chunk(index, data, pieces(version, index) if pieces is not None else None)
+                await answers.chunk(index, data, pieces(version, index) if pieces is not None else None)
             return send
 
-        async def serve() -> None:
-            try:
-                for run in runs:
-                    try:  # the store checks the chunk range, for this path and the RDMA one
-                        await self.store.serve_chunks(run.version, run.first, run.count, sender(run.version))
-                    except KvfsError as error:
-                        await answer.error(error)
-            finally:
-                answer.finish()
-
-        await run_all([serve, answer.pulse_until_finished])  # a failure is raised as itself
+        await take(fetches)
+        answers.begin(request_id)
+        try:
+            for run in runs:
+                try:  # the store checks the chunk range, for this path and the RDMA one
+                    await self.store.serve_chunks(run.version, run.first, run.count, sender(run.version))
+                except KvfsError as error:
+                    await answers.error(error)
+        finally:
+            answers.end()
+            fetches.release()
 
     def _count_served(self, count: int) -> None:
         self.served_bytes += count
-
-
-class _Answer:
-    """The owner's answer to one fetch: a frame per chunk (or an error), and a pulse whenever
-    PULSE_S passes without a frame while the store prepares the next chunk."""
-
-    def __init__(self, frames: FrameStream, request_id: int, sent: Callable[[int], None],
-                 threads: trio.CapacityLimiter, stall_s: float = SEND_STALL_S) -> None:
-        assert isinstance(frames.stream, TlsStream)  # (with TLS, or sealed or plain once unwrapped)
-        self.frames = frames
-        self.request_id = request_id
-        self._socket = frames.stream.socket
-        self._threads = threads
-        self.stall_s = stall_s
-        self._sending = trio.Lock()  # one frame at a time
-        self._finished = trio.Event()
-        self._last_sent = trio.current_time()
-        self._sent = sent  # payload bytes, as each chunk goes out
-
-    async def chunk(self, index: int, data: memoryview | bytes, pieces: list[int] | None = None) -> None:
-        header = encode_frame(FrameKind.RESPONSE, self.request_id, ChunkData(index, len(data), pieces or []),
-                              len(data))
-        # The header alone first, so that the reader's open returns while the payload is
-        # still on its way (with a large send buffer the kernel would hold it back with
-        # the payload); the payload from a worker thread, which encrypts it there: the
-        # event loop would wake up for every socket buffer's worth, and encrypt it itself.
-        async with self._sending:
-            with trio.move_on_after(self.stall_s) as stalled:
-                await self.frames.send_encoded(header)
-            if stalled.cancelled_caught:  # a frame may be cut: the connection is done
-                raise TimeoutError(f"the peer took no data for {self.stall_s:g} s")
-            await self._payload(memoryview(data).cast("B"))
-            self._last_sent = trio.current_time()
-        self._sent(len(data))
-
-    async def _payload(self, view: memoryview) -> None:
-        """The payload, encrypted (or, unwrapped, copied) in a worker thread for as long as the
-        socket takes data; while it is full, this waits in the event loop (a reader that stops
-        reading holds no thread). A plaintext connection has nothing to encrypt: what its
-        socket takes at once (a whole 2 MiB chunk, with SOCKET_BUFFER) is sent from the event
-        loop, one non-blocking send and no hop to a worker thread and back."""
-        if self.frames.plaintext:
-            view = view[send_some(self._socket, view):]
-            if not len(view):
-                return
-        while True:
-            view = view[await trio.to_thread.run_sync(send_some, self._socket, view, limiter=self._threads):]
-            if not len(view):
-                return
-            with trio.move_on_after(self.stall_s) as stalled:
-                await trio.lowlevel.wait_writable(self._socket)
-            if stalled.cancelled_caught:
-                raise TimeoutError(f"the peer took no data for {self.stall_s:g} s")
-
-    async def error(self, error: KvfsError) -> None:
-        async with self._sending:
-            await self.frames.send(FrameKind.ERROR, self.request_id, ErrorReply(error.errno, str(error)))
-
-    def finish(self) -> None:
-        self._finished.set()
-
-    async def pulse_until_finished(self) -> None:
-        while True:
-            with trio.move_on_at(self._last_sent + PULSE_S):
-                await self._finished.wait()
-            async with self._sending:
-                if self._finished.is_set():
-                    return
-                if trio.current_time() - self._last_sent < PULSE_S:
-                    continue  # a chunk went out meanwhile
-                with trio.move_on_after(self.stall_s) as stalled:
-                    await self.frames.send(FrameKind.PULSE, self.request_id, Pulse())
-                if stalled.cancelled_caught:  # a frame may be cut: the connection is done
-                    raise TimeoutError(f"the peer took no data for {self.stall_s:g} s")
-                self._last_sent = trio.current_time()
 
 
 class MeasuredTransport:
