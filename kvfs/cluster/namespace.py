@@ -192,12 +192,17 @@ class Namespace:
             raise MetadataError(errno.ENOENT, f"no entry {name!r} in directory {parent}")
         return inode
 
-    def new_inode(self, mode: int, uid: int, gid: int, now_ns: int, directory: bool) -> Inode:
+    def new_inode(self, mode: int, uid: int, gid: int, now_ns: int, directory: bool, at_least: int = 0) -> Inode:
+        """A new inode, numbered past every inode number and entry id handed out (and past
+        `at_least`: the master passes its next version id), so that its link can take its
+        number as entry id and its first version as version id: one int object for the three
+        (docs/cluster.md, "Memory per file"). Numbers skipped so are never used."""
+        number = max(self.next_ino, self.next_entry_id, at_least)
         if directory:
-            inode: Inode = Directory(self.next_ino, mode, uid, gid, now_ns, now_ns, now_ns, children=Entries())
+            inode: Inode = Directory(number, mode, uid, gid, now_ns, now_ns, now_ns, children=Entries())
         else:
-            inode = Inode(self.next_ino, mode, uid, gid, now_ns, now_ns, now_ns)
-        self.next_ino += 1
+            inode = Inode(number, mode, uid, gid, now_ns, now_ns, now_ns)
+        self.next_ino = number + 1
         self.inodes[inode.ino] = inode
         self.dirty.add(inode.ino)
         if not directory:
@@ -213,9 +218,14 @@ class Namespace:
 
     def link(self, parent: Inode, name: bytes, inode: Inode, now_ns: int) -> None:
         assert parent.children is not None and name not in parent.children
-        parent.children.add(name, inode.ino, self.next_entry_id)
-        inode.entry_id = self.next_entry_id
-        self.next_entry_id += 1
+        # Entry ids only grow; a link right after its inode was made (numbered past every entry
+        # id: `new_inode`) takes the inode's number, the same int object (32 B per file).
+        entry_id = self.next_entry_id
+        if inode.ino >= entry_id:
+            entry_id = inode.ino
+        parent.children.add(name, inode.ino, entry_id)
+        inode.entry_id = entry_id
+        self.next_entry_id = entry_id + 1
         inode.parent, inode.name = parent.ino, name
         if inode.is_dir:
             parent.children.subdirs += 1
