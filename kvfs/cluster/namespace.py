@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import errno
 import stat
+from itertools import chain
+from typing import Iterator
+
 from kvfs.cluster.entries import Entries
 from kvfs.cluster.table import NumberTable
 from kvfs.errors import MetadataError
@@ -142,6 +145,36 @@ def check_target(target: bytes) -> None:
         raise MetadataError(errno.EINVAL, f"symbolic link target {target[:64]!r} holds a NUL byte")
 
 
+SHARD_BITS = 6
+
+
+class InoSet:
+    """A set of inode numbers in 64 sets by their low bits: a set grows by copying itself
+    whole (about 120 ms at 1.26M numbers, on one insert), a shard at 1/64 of the size,
+    and the shards cross their sizes on different inserts. What a node's kernel
+    references (one per node, up to every file) is kept in one."""
+
+    __slots__ = ("_shards",)
+
+    def __init__(self) -> None:
+        self._shards: list[set[int]] = [set() for _ in range(1 << SHARD_BITS)]
+
+    def add(self, ino: int) -> None:
+        self._shards[ino & ((1 << SHARD_BITS) - 1)].add(ino)
+
+    def discard(self, ino: int) -> None:
+        self._shards[ino & ((1 << SHARD_BITS) - 1)].discard(ino)
+
+    def __contains__(self, ino: object) -> bool:
+        return isinstance(ino, int) and ino in self._shards[ino & ((1 << SHARD_BITS) - 1)]
+
+    def __iter__(self) -> Iterator[int]:
+        return chain.from_iterable(self._shards)
+
+    def __len__(self) -> int:
+        return sum(map(len, self._shards))
+
+
 class Namespace:
     """Directories and their entries; every inode knows its one parent and name."""
 
@@ -159,7 +192,7 @@ class Namespace:
         self.changes: list[tuple[int, int, bytes, bool]] = []
         # Per node: the inodes its kernel references, the directories it watches. A node that
         # goes down gives these back without a walk of every inode.
-        self.referenced_by: dict[int, set[int]] = {}
+        self.referenced_by: dict[int, InoSet] = {}
         self.watched_by: dict[int, set[int]] = {}
 
     def get(self, ino: int) -> Inode:
@@ -268,7 +301,10 @@ class Namespace:
             inode.refs |= 1 << node
             # Added even when the bit is set: a previous incarnation's bit may still wait for
             # its slice (kvfs.cluster.membership), which leaves inodes in this set alone.
-            self.referenced_by.setdefault(node, set()).add(inode.ino)
+            held = self.referenced_by.get(node)
+            if held is None:
+                held = self.referenced_by[node] = InoSet()
+            held.add(inode.ino)
 
     def unreference(self, inode: Inode, node: int) -> None:
         if inode.ino != ROOT_INO and inode.refs & (1 << node):
