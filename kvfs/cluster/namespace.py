@@ -146,6 +146,7 @@ def check_target(target: bytes) -> None:
 
 
 SHARD_BITS = 6
+SHARD_MASK = (1 << SHARD_BITS) - 1
 
 
 class InoSet:
@@ -154,25 +155,26 @@ class InoSet:
     and the shards cross their sizes on different inserts. What a node's kernel
     references (one per node, up to every file) is kept in one."""
 
-    __slots__ = ("_shards",)
+    __slots__ = ("shards",)
 
     def __init__(self) -> None:
-        self._shards: list[set[int]] = [set() for _ in range(1 << SHARD_BITS)]
+        # (Public: the hot path, `Namespace.reference`, adds to a shard without a method call.)
+        self.shards: list[set[int]] = [set() for _ in range(1 << SHARD_BITS)]
 
     def add(self, ino: int) -> None:
-        self._shards[ino & ((1 << SHARD_BITS) - 1)].add(ino)
+        self.shards[ino & SHARD_MASK].add(ino)
 
     def discard(self, ino: int) -> None:
-        self._shards[ino & ((1 << SHARD_BITS) - 1)].discard(ino)
+        self.shards[ino & SHARD_MASK].discard(ino)
 
     def __contains__(self, ino: object) -> bool:
-        return isinstance(ino, int) and ino in self._shards[ino & ((1 << SHARD_BITS) - 1)]
+        return isinstance(ino, int) and ino in self.shards[ino & SHARD_MASK]
 
     def __iter__(self) -> Iterator[int]:
-        return chain.from_iterable(self._shards)
+        return chain.from_iterable(self.shards)
 
     def __len__(self) -> int:
-        return sum(map(len, self._shards))
+        return sum(map(len, self.shards))
 
 
 class Namespace:
@@ -304,7 +306,7 @@ class Namespace:
             held = self.referenced_by.get(node)
             if held is None:
                 held = self.referenced_by[node] = InoSet()
-            held.add(inode.ino)
+            held.shards[inode.ino & SHARD_MASK].add(inode.ino)  # (InoSet.add, written out)
 
     def unreference(self, inode: Inode, node: int) -> None:
         if inode.ino != ROOT_INO and inode.refs & (1 << node):
