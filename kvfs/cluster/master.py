@@ -26,6 +26,7 @@ from kvfs.cluster.objects import FileVersion
 from kvfs.cluster.opens import OpenHandles
 from kvfs.cluster.registry import LOCAL_NODE, Grant, Registry
 from kvfs.cluster.relocations import Relocations
+from kvfs.cluster.table import NumberTable
 from kvfs.cluster.tempfiles import TempFiles
 from kvfs.cluster.totals import CountedObjects
 from kvfs.cluster.usage import DirectoryUsage, DirTotals
@@ -104,6 +105,7 @@ class MetadataService:
     def __init__(self, clock: Clock, policy: EvictionPolicy, settings: MasterSettings = MasterSettings()) -> None:
         self.clock = clock
         self.policy = policy
+        policy.keep_keys_in(NumberTable())  # its keys are inode numbers (kvfs.policy.base)
         self.settings = settings
         self.ns = Namespace(clock.wall_ns(), settings.root_mode, settings.root_uid, settings.root_gid)
         self.objects = CountedObjects()  # an ObjectDirectory with per-node running totals
@@ -231,6 +233,8 @@ class MetadataService:
         now = self.clock.monotonic()
         for inode in sorted((i for i in inodes if i.is_file), key=lambda i: i.mtime_ns):
             version = self.objects.versions.get(inode.version)
+            if version is not None and version.version == inode.ino:  # one int object for the two numbers
+                version.version = version.ino = inode.version = inode.ino
             if self._is_temp(inode.name):
                 self._temp_files.add(inode.ino)
             if version is not None and version.sealed:
@@ -604,7 +608,8 @@ class MetadataService:
             return opened
         directory = self._new_entry(req.parent, req.name)
         now = self.clock.wall_ns()
-        inode = self.ns.new_inode(stat.S_IFREG | stat.S_IMODE(req.mode), req.uid, req.gid, now, directory=False)
+        inode = self.ns.new_inode(stat.S_IFREG | stat.S_IMODE(req.mode), req.uid, req.gid, now, directory=False,
+                                  at_least=self.objects.next_version)  # (its first version shares the number)
         version = self.objects.create(inode.ino, req.node)
         version.writers = 1
         self._count_open(version.version, True, 1)
@@ -691,9 +696,10 @@ class MetadataService:
         alone: recorded with its node (and saved with it), a Publish by another node of
         one of its numbers is refused."""
         self._known_node(self._caller)
-        first_ino, first_version = self.ns.next_ino, self.objects.next_version
-        self.ns.next_ino += req.count
-        self.objects.next_version += req.count
+        # One first number for both (past the entry ids too): a published file's inode, version
+        # and entry then share one int object, as a created one's do (`Namespace.new_inode`).
+        first_ino = first_version = max(self.ns.next_ino, self.objects.next_version, self.ns.next_entry_id)
+        self.ns.next_ino = self.objects.next_version = first_ino + req.count
         self.ns.dirty.add(ROOT_INO)  # (the counters are saved with any change)
         self.registry.nodes[self._caller].grant(first_ino, first_version, req.count)
         self.registry.dirty = True  # (one node record rewritten per block, not per publish)
@@ -733,7 +739,8 @@ class MetadataService:
         self.ns.inodes[inode.ino] = inode
         self.ns.files += 1
         self.ns.dirty.add(inode.ino)
-        version = FileVersion(req.version, inode.ino, req.node, writers=0 if req.sealed else req.writers)
+        version = FileVersion(inode.ino if req.version == req.ino else req.version, inode.ino, req.node,
+                              writers=0 if req.sealed else req.writers)  # (one int for both numbers)
         self.objects._add(version)  # (its number was granted: next_version is past it)
         self.objects.dirty.add(version.version)
         if req.sealed:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import errno
 import stat
+from itertools import chain
+from typing import Iterator
+
 from kvfs.cluster.entries import Entries
 from kvfs.cluster.table import NumberTable
 from kvfs.errors import MetadataError
@@ -142,6 +145,38 @@ def check_target(target: bytes) -> None:
         raise MetadataError(errno.EINVAL, f"symbolic link target {target[:64]!r} holds a NUL byte")
 
 
+SHARD_BITS = 6
+SHARD_MASK = (1 << SHARD_BITS) - 1
+
+
+class InoSet:
+    """A set of inode numbers in 64 sets by their low bits: a set grows by copying itself
+    whole (about 120 ms at 1.26M numbers, on one insert), a shard at 1/64 of the size,
+    and the shards cross their sizes on different inserts. What a node's kernel
+    references (one per node, up to every file) is kept in one."""
+
+    __slots__ = ("shards",)
+
+    def __init__(self) -> None:
+        # (Public: the hot path, `Namespace.reference`, adds to a shard without a method call.)
+        self.shards: list[set[int]] = [set() for _ in range(1 << SHARD_BITS)]
+
+    def add(self, ino: int) -> None:
+        self.shards[ino & SHARD_MASK].add(ino)
+
+    def discard(self, ino: int) -> None:
+        self.shards[ino & SHARD_MASK].discard(ino)
+
+    def __contains__(self, ino: object) -> bool:
+        return isinstance(ino, int) and ino in self.shards[ino & SHARD_MASK]
+
+    def __iter__(self) -> Iterator[int]:
+        return chain.from_iterable(self.shards)
+
+    def __len__(self) -> int:
+        return sum(map(len, self.shards))
+
+
 class Namespace:
     """Directories and their entries; every inode knows its one parent and name."""
 
@@ -159,7 +194,7 @@ class Namespace:
         self.changes: list[tuple[int, int, bytes, bool]] = []
         # Per node: the inodes its kernel references, the directories it watches. A node that
         # goes down gives these back without a walk of every inode.
-        self.referenced_by: dict[int, set[int]] = {}
+        self.referenced_by: dict[int, InoSet] = {}
         self.watched_by: dict[int, set[int]] = {}
 
     def get(self, ino: int) -> Inode:
@@ -192,12 +227,17 @@ class Namespace:
             raise MetadataError(errno.ENOENT, f"no entry {name!r} in directory {parent}")
         return inode
 
-    def new_inode(self, mode: int, uid: int, gid: int, now_ns: int, directory: bool) -> Inode:
+    def new_inode(self, mode: int, uid: int, gid: int, now_ns: int, directory: bool, at_least: int = 0) -> Inode:
+        """A new inode, numbered past every inode number and entry id handed out (and past
+        `at_least`: the master passes its next version id), so that its link can take its
+        number as entry id and its first version as version id: one int object for the three
+        (docs/cluster.md, "Memory per file"). Numbers skipped so are never used."""
+        number = max(self.next_ino, self.next_entry_id, at_least)
         if directory:
-            inode: Inode = Directory(self.next_ino, mode, uid, gid, now_ns, now_ns, now_ns, children=Entries())
+            inode: Inode = Directory(number, mode, uid, gid, now_ns, now_ns, now_ns, children=Entries())
         else:
-            inode = Inode(self.next_ino, mode, uid, gid, now_ns, now_ns, now_ns)
-        self.next_ino += 1
+            inode = Inode(number, mode, uid, gid, now_ns, now_ns, now_ns)
+        self.next_ino = number + 1
         self.inodes[inode.ino] = inode
         self.dirty.add(inode.ino)
         if not directory:
@@ -213,9 +253,14 @@ class Namespace:
 
     def link(self, parent: Inode, name: bytes, inode: Inode, now_ns: int) -> None:
         assert parent.children is not None and name not in parent.children
-        parent.children.add(name, inode.ino, self.next_entry_id)
-        inode.entry_id = self.next_entry_id
-        self.next_entry_id += 1
+        # Entry ids only grow; a link right after its inode was made (numbered past every entry
+        # id: `new_inode`) takes the inode's number, the same int object (32 B per file).
+        entry_id = self.next_entry_id
+        if inode.ino >= entry_id:
+            entry_id = inode.ino
+        parent.children.add(name, inode.ino, entry_id)
+        inode.entry_id = entry_id
+        self.next_entry_id = entry_id + 1
         inode.parent, inode.name = parent.ino, name
         if inode.is_dir:
             parent.children.subdirs += 1
@@ -258,7 +303,10 @@ class Namespace:
             inode.refs |= 1 << node
             # Added even when the bit is set: a previous incarnation's bit may still wait for
             # its slice (kvfs.cluster.membership), which leaves inodes in this set alone.
-            self.referenced_by.setdefault(node, set()).add(inode.ino)
+            held = self.referenced_by.get(node)
+            if held is None:
+                held = self.referenced_by[node] = InoSet()
+            held.shards[inode.ino & SHARD_MASK].add(inode.ino)  # (InoSet.add, written out)
 
     def unreference(self, inode: Inode, node: int) -> None:
         if inode.ino != ROOT_INO and inode.refs & (1 << node):

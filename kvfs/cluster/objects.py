@@ -154,8 +154,11 @@ class ObjectDirectory:
         return found
 
     def create(self, ino: int, node: int) -> FileVersion:
-        version = FileVersion(self.next_version, ino, node)
-        self.next_version += 1
+        # A file's first version takes its inode's number when no version id reached it yet
+        # (the master numbers new inodes past the version ids): one int object for both.
+        number = ino if ino >= self.next_version else self.next_version
+        version = FileVersion(number, ino, node)
+        self.next_version = number + 1
         self._add(version)
         self.dirty.add(version.version)
         return version

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Hashable, Iterator, Protocol
+from typing import Any, Hashable, Iterator, MutableMapping, Protocol
 
 ALL: Hashable = ("every group",)  # `candidates` of every group, in one order
 
@@ -33,6 +33,12 @@ class EvictionPolicy(Protocol):
         """The file `key` now has the name whose hash is `identity` (it was published under
         it). A block stored again under a name it had before is the same block: a policy
         that learns from a block's past keys that past by its identity."""
+
+    def keep_keys_in(self, table: MutableMapping[int, Any]) -> None:
+        """The policy's key map is `table` (empty) from now on, not a dict. The master's keys
+        are inode numbers, which only grow: it passes pages of slots (kvfs.cluster.table), 8 B
+        per key instead of a dict entry's 42-52, and no dict of every key that resizes at
+        once. Called while the policy holds no key."""
 
     def candidates(self, group: Hashable = ALL) -> Iterator[int]:
         """Keys in eviction order, of one group or of all. The caller must not change the

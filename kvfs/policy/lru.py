@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from typing import Hashable, Iterator
+from typing import Any, Hashable, Iterator, MutableMapping
 
 from kvfs.policy.base import ALL
 from kvfs.policy.order import StampOrder
@@ -18,7 +18,12 @@ class LruPolicy:
     def __init__(self) -> None:
         self._clock = 0.0  # uses so far: a key's stamp is the clock at its last use (a float: 8 B less than an int)
         self._groups: dict[Hashable, StampOrder] = {}
-        self._where: dict[int, StampOrder] = {}  # key -> its group's list
+        self._where: MutableMapping[int, StampOrder] = {}  # key -> its group's list
+
+    def keep_keys_in(self, table: MutableMapping[int, Any]) -> None:
+        if self._where or table:
+            raise ValueError("keep_keys_in() on a policy that holds keys, or with a table that does")
+        self._where = table
 
     def _list(self, group: Hashable) -> StampOrder:
         order = self._groups.get(group)

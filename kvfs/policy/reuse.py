@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Hashable, Iterator
+from typing import Any, Hashable, Iterator, MutableMapping
 
 from kvfs.policy.base import ALL
 from kvfs.policy.order import StampOrder
@@ -90,12 +90,17 @@ class ReusePolicy:
         # grows with the last-use time.
         self._groups: dict[Hashable, list[StampOrder]] = {}
         self._orders: list[StampOrder | None] = [None]  # list number -> list (0: none)
-        self._keys: dict[int, int] = {}  # key -> its record (above), for resident or named keys
+        self._keys: MutableMapping[int, int] = {}  # key -> its record (above), for resident or named keys
         self._resident = 0
         # Identity (or key) of a key that left -> its uses, oldest departure first; with the
         # resident keys, at most `history` (the oldest go first).
         self._left: OrderedDict[int, int] = OrderedDict()
         self._clock = 0  # accesses so far: the policy's notion of time
+
+    def keep_keys_in(self, table: MutableMapping[int, Any]) -> None:
+        if self._keys or self._left or table:
+            raise ValueError("keep_keys_in() on a policy that holds keys, or with a table that does")
+        self._keys = table
 
     def _lists(self, group: Hashable) -> list[StampOrder]:
         lists = self._groups.get(group)
@@ -124,7 +129,7 @@ class ReusePolicy:
         old = self._order(record)
         stamp = self._clock
         if old is not None:
-            last_use = old.discard(key)
+            last_use = old.discard(key, _stamp(record))  # type: ignore[arg-type]
             if renamed:
                 stamp = int(last_use)
         else:
@@ -158,7 +163,7 @@ class ReusePolicy:
         record = self._keys.pop(key, None)
         order = self._order(record)
         if order is not None:
-            order.discard(key)
+            order.discard(key, _stamp(record))  # type: ignore[arg-type]
             self._resident -= 1
             history = _history_key(key, record)
             self._left.pop(history, None)
@@ -169,7 +174,7 @@ class ReusePolicy:
         record = self._keys.get(key)
         order = self._order(record)
         if order is not None and order.group != group:
-            stamp = order.discard(key)
+            stamp = order.discard(key, _stamp(record))  # type: ignore[arg-type]
             order = self._lists(group)[order.cls]
             record = self._keys[key] = record & ~(_NUMBER_MASK << 1) | order.number << 1  # type: ignore[operator]
             order.add(key, stamp, record)
