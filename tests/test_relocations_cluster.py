@@ -83,20 +83,28 @@ def check_reads(nodes: list[KvfsMount], directory: str) -> None:
             assert (reader.path / directory / f"{prefix}{i:05d}.bin").read_bytes() == f"{prefix}{i}".encode() * 64
 
 
+def two_nodes_holding_files(tmp_path: Path, master: SlicedMaster,
+                            nodes: list[KvfsMount]) -> tuple[KvfsMount, KvfsMount]:
+    """Nodes a and b (appended to `nodes`, to be stopped), each with FILES files on SSD
+    under model/layer, their records written under that path."""
+    a = ssd_node(tmp_path, "a", master.address)
+    nodes.append(a)
+    b = ssd_node(tmp_path, "b", master.address)
+    nodes.append(b)
+    (a.path / "model").mkdir()
+    write_files(a, "model/layer", "a", FILES)
+    write_files(b, "model/layer", "b", FILES)
+    assert all_under(a, "model/layer", FILES) and all_under(b, "model/layer", FILES)
+    return a, b
+
+
 def test_a_renamed_directory_reads_at_once_and_every_node_rewrites_its_own_records(tmp_path: Path) -> None:
     master = SlicedMaster(tmp_path)
     master.start()
     nodes: list[KvfsMount] = []
     try:
         with nodes_stopped(nodes):
-            a = ssd_node(tmp_path, "a", master.address)
-            nodes.append(a)
-            b = ssd_node(tmp_path, "b", master.address)
-            nodes.append(b)
-            (a.path / "model").mkdir()
-            write_files(a, "model/layer", "a", FILES)
-            write_files(b, "model/layer", "b", FILES)
-            assert all_under(a, "model/layer", FILES) and all_under(b, "model/layer", FILES)
+            a, b = two_nodes_holding_files(tmp_path, master, nodes)
             os.rename(a.path / "model", a.path / "moved")
             check_reads([a, b], "moved/layer")  # at once, on the caller and on the other node
             wait_until(lambda: all_under(a, "moved/layer", FILES) and all_under(b, "moved/layer", FILES),
@@ -116,13 +124,7 @@ def test_records_left_stale_by_a_master_killed_and_a_node_down_are_rewritten_aft
     nodes: list[KvfsMount] = []
     try:
         with nodes_stopped(nodes):
-            a = ssd_node(tmp_path, "a", master.address)
-            nodes.append(a)
-            b = ssd_node(tmp_path, "b", master.address)
-            nodes.append(b)
-            (a.path / "model").mkdir()
-            write_files(a, "model/layer", "a", FILES)
-            write_files(b, "model/layer", "b", FILES)
+            a, b = two_nodes_holding_files(tmp_path, master, nodes)
             b.stop()
             os.rename(a.path / "model", a.path / "moved")
             master.kill()

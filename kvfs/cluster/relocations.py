@@ -23,7 +23,7 @@ the next registration; with no restart, the walk and the heartbeats deliver ever
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Container, Iterator, Mapping
 
 from kvfs.cluster.backlog import STEP_ITEMS, Backlog
 from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace
@@ -113,9 +113,10 @@ class Relocations:
         """A node (re)registered: its report says again which of its records are stale."""
         self._outboxes.pop(node, None)
 
-    def forget(self, registered: Iterable[int]) -> None:
-        """Outboxes of nodes no longer registered (forgotten: their records went with them)."""
-        for node in self._outboxes.keys() - set(registered):
+    def forget(self, registered: Container[int]) -> None:
+        """Outboxes of nodes no longer registered (forgotten: their records went with them).
+        O(outboxes): called before every backlog slice."""
+        for node in [node for node in self._outboxes if node not in registered]:
             del self._outboxes[node]
 
     def check(self, node: int, held: list[m.Held]) -> None:

@@ -114,10 +114,5 @@ def adds_temp_name(request: m.Request, temp_suffix: bytes) -> bool:
     """A change that makes a name ending in the temp suffix known to the master."""
     if not temp_suffix:
         return False
-    if isinstance(request, m.Rename):
-        name = request.name_new
-    elif isinstance(request, (m.Create, m.Publish, m.MkDir, m.Symlink)):
-        name = request.name
-    else:
-        return False
-    return name.endswith(temp_suffix)
+    added = m.added_name(request)
+    return added is not None and added[1].endswith(temp_suffix)

@@ -29,6 +29,7 @@ from kvfs.wire import messages as m
 from kvfs.node.dircache import DirectoryCache, OwnChanges
 from kvfs.node.kernelattrs import KernelDirAttrs
 from kvfs.node.misses import RecentMisses, adds_temp_name
+from kvfs.node.relocations import BATCH as RECORD_BATCH
 from kvfs.cluster.embedded import MasterClient
 from kvfs.node.batching import FetchBatcher
 from kvfs.node.prefetch import Prefetches
@@ -397,8 +398,9 @@ class Node:
         self._own_change(parent_old, name_old, False, done)
         self._own_change(parent_new, name_new, True, done)
         self.drop(done.dropped)
-        for version in done.relocated:  # before replying: a crash must not resurrect the old name
-            await self.store.refresh_record(version)
+        relocated = done.relocated  # rewritten before replying: a crash must not resurrect the old name
+        for at in range(0, len(relocated), RECORD_BATCH):  # (a sync per batch, not per record)
+            await self.store.refresh_records(relocated[at:at + RECORD_BATCH])
 
     async def change(self, request: m.Request) -> Any:
         """This node's change of the namespace or of attributes: the master's answer. The
@@ -439,13 +441,9 @@ class Node:
         this node last looked (vLLM's store ignores that EEXIST and walks on through the
         name). The node's copy may not hold that node's change yet; from now its lookups of
         the name ask the master, so the walk finds it instead of ENOENT."""
-        if isinstance(request, m.Rename):
-            parent, name = request.parent_new, request.name_new
-        elif isinstance(request, (m.MkDir, m.Symlink, m.Create, m.Publish)):
-            parent, name = request.parent, request.name
-        else:
-            return
-        self._own_change(parent, name, present=True)
+        added = m.added_name(request)
+        if added is not None:
+            self._own_change(*added, present=True)
 
     def _own_change(self, parent: int, name: bytes, present: bool, answer: Any = None) -> None:
         """This node's own change, in its directory copies before the reply (the master's

@@ -592,6 +592,16 @@ class NameChanges(msgspec.Struct):
     seq: U64 = 0  # the push's number on this connection, acknowledged with Heartbeat.applied (0: more follow)
 
 
+def added_name(request: Request) -> tuple[int, bytes] | None:
+    """(directory, name) where a request makes a name, or replaces one (a rename's target);
+    None for a request that makes none."""
+    if isinstance(request, Rename):
+        return request.parent_new, request.name_new
+    if isinstance(request, (MkDir, Symlink, Create, Publish)):
+        return request.parent, request.name
+    return None
+
+
 def entry_bytes(name: bytes, entry: Entry | None) -> int:
     """A bound on the encoded size of one name with its entry (pages and pushes stay
     well under a frame's header limit)."""
