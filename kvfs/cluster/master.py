@@ -352,16 +352,16 @@ class MetadataService:
     # Helpers ---------------------------------------------------------------------------
 
     def attr(self, inode: Inode) -> m.Attr:
+        mode, uid, gid, _ = inode.meta
+        atime, mtime, ctime = inode.times()
         if inode.children is not None:  # "." and each subdirectory's ".." link here
-            return m.Attr(inode.ino, inode.mode, 2 + inode.subdirs, inode.uid, inode.gid, 0,
-                          inode.atime_ns, inode.mtime_ns, inode.ctime_ns)
+            return m.Attr(inode.ino, mode, 2 + inode.subdirs, uid, gid, 0, atime, mtime, ctime)
         if inode.is_symlink:
-            return m.Attr(inode.ino, inode.mode, 1 if inode.linked else 0, inode.uid, inode.gid, len(inode.target),
-                          inode.atime_ns, inode.mtime_ns, inode.ctime_ns)
+            return m.Attr(inode.ino, mode, 1 if inode.linked else 0, uid, gid, len(inode.target), atime, mtime, ctime)
         version = self.objects.versions.get(inode.version)
         size, sealed = (version.size, version.sealed) if version else (0, True)
-        return m.Attr(inode.ino, inode.mode, 1 if inode.linked else 0, inode.uid, inode.gid, size,
-                      inode.atime_ns, inode.mtime_ns, inode.ctime_ns, inode.version, sealed)
+        return m.Attr(inode.ino, mode, 1 if inode.linked else 0, uid, gid, size, atime, mtime, ctime, inode.version,
+                      sealed)
 
     def copy_entry(self, parent: int, name: bytes, node: int) -> m.Entry | None:
         """What a lookup by `node` of a name in a directory it watches answers, for its copy
@@ -852,7 +852,7 @@ class MetadataService:
         self._unpublished.pop(inode.ino, None)  # read: published
         self.usage.opened(self.ns, inode.parent, inode.name, version.size)
         now = self.clock.wall_ns()
-        version.last_access_ns = inode.atime_ns = now
+        version.last_access = inode.access(now)  # (one int for both)
         self.policy.touch(inode.ino, self.clock.monotonic())
         opened = m.Opened(self.attr(inode), version.version)
         opened.node, opened.address, opened.checksums = self._remote_location(version)

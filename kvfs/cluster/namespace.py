@@ -9,6 +9,7 @@ from typing import Iterator
 
 from kvfs.cluster.entries import Entries
 from kvfs.cluster.table import NumberTable
+from kvfs.cluster.times import BASE_NS
 from kvfs.errors import MetadataError
 
 ROOT_INO = 1
@@ -16,7 +17,23 @@ NAME_MAX = 255
 SYMLINK_MAX = 4095  # PATH_MAX - 1: the longest target the kernel hands to symlink()
 
 
-_MODES: dict[int, int] = {}  # one int object per distinct mode, not one per inode (a few kinds exist)
+_SHARED_METAS = 4096  # distinct (mode, uid, gid) that inodes share one tuple for
+Meta = tuple[int, int, int, dict[bytes, bytes] | None]  # mode, uid, gid, user attributes
+_metas: dict[tuple[int, int, int], Meta] = {}
+
+
+def _meta(mode: int, uid: int, gid: int, xattrs: dict[bytes, bytes] | None) -> Meta:
+    """An inode's mode, owner and user attributes in one tuple: without attributes, one
+    tuple per distinct (mode, uid, gid) (most files share one), not three slots each."""
+    if xattrs:
+        return (mode, uid, gid, xattrs)
+    key = (mode, uid, gid)
+    found = _metas.get(key)
+    if found is None:
+        found = (mode, uid, gid, None)
+        if len(_metas) < _SHARED_METAS:
+            _metas[key] = found
+    return found
 
 
 class Inode:
@@ -24,11 +41,11 @@ class Inode:
     millions of them (docs/cluster.md, "Memory per file"). A directory (`Directory`) has its
     entries, subdirectory count and watchers in its `children` (kvfs.cluster.entries), a
     symbolic link (`Symlink`) its target: a plain file reads both from the class (None, b"")
-    and takes no slot for them. User attributes are None until the first is set. Build one
-    from saved fields with `make_inode`, which picks the class."""
+    and takes no slot for them. Mode, uid, gid and user attributes are one shared tuple
+    (`meta`, read-only) until the first attribute is set. Build one from saved fields with
+    `make_inode`, which picks the class."""
 
-    __slots__ = ("ino", "mode", "uid", "gid", "atime_ns", "mtime_ns", "ctime_ns", "parent", "name",
-                 "_xattrs", "version", "entry_id", "refs")
+    __slots__ = ("ino", "meta", "_atime", "_mtime", "_ctime", "parent", "name", "version", "entry_id", "refs")
     children: Entries | None = None  # a directory's entries (a slot of `Directory`)
     target: bytes = b""  # a symbolic link's target, fixed at creation (a slot of `Symlink`)
 
@@ -36,13 +53,16 @@ class Inode:
                  parent: int = 0, name: bytes = b"", children: Entries | dict | None = None,
                  xattrs: dict[bytes, bytes] | None = None, version: int = 0, entry_id: int = 0,
                  refs: int = 0, target: bytes = b"") -> None:
-        self.ino, self.mode, self.uid, self.gid = ino, _MODES.setdefault(mode, mode), uid, gid
-        self.atime_ns, self.mtime_ns, self.ctime_ns = atime_ns, mtime_ns, ctime_ns
+        self.ino = ino
+        self.meta = _meta(mode, uid, gid, dict(xattrs) if xattrs else None)
+        # Equal times share one int (a new inode's three, a seal's mtime and ctime).
+        self._atime = atime = atime_ns - BASE_NS
+        self._mtime = mtime = atime if mtime_ns == atime_ns else mtime_ns - BASE_NS
+        self._ctime = mtime if ctime_ns == mtime_ns else atime if ctime_ns == atime_ns else ctime_ns - BASE_NS
         self.parent = parent  # 0 once unlinked
         self.name = name
         if children is not None:  # ({} from a saved state: its entries are linked as they load)
             self.children = children if isinstance(children, Entries) else Entries()
-        self._xattrs = xattrs or None
         self.version = version  # the file's current version
         self.entry_id = entry_id  # position in its parent's listing
         self.refs = refs  # bit n set: node n's kernel holds a lookup reference
@@ -50,25 +70,94 @@ class Inode:
             self.target = target
 
     @property
+    def mode(self) -> int:
+        return self.meta[0]
+
+    @mode.setter
+    def mode(self, value: int) -> None:
+        _, uid, gid, xattrs = self.meta
+        self.meta = _meta(value, uid, gid, xattrs)
+
+    @property
+    def uid(self) -> int:
+        return self.meta[1]
+
+    @uid.setter
+    def uid(self, value: int) -> None:
+        mode, _, gid, xattrs = self.meta
+        self.meta = _meta(mode, value, gid, xattrs)
+
+    @property
+    def gid(self) -> int:
+        return self.meta[2]
+
+    @gid.setter
+    def gid(self, value: int) -> None:
+        mode, uid, _, xattrs = self.meta
+        self.meta = _meta(mode, uid, value, xattrs)
+
+    # Times are kept as offsets from BASE_NS (kvfs.cluster.times); read back, the same ns.
+    @property
+    def atime_ns(self) -> int:
+        return self._atime + BASE_NS
+
+    @atime_ns.setter
+    def atime_ns(self, value: int) -> None:
+        offset = value - BASE_NS
+        self._atime = self._mtime if offset == self._mtime else offset
+
+    @property
+    def mtime_ns(self) -> int:
+        return self._mtime + BASE_NS
+
+    @mtime_ns.setter
+    def mtime_ns(self, value: int) -> None:
+        offset = value - BASE_NS
+        self._mtime = self._ctime if offset == self._ctime else offset
+
+    @property
+    def ctime_ns(self) -> int:
+        return self._ctime + BASE_NS
+
+    @ctime_ns.setter
+    def ctime_ns(self, value: int) -> None:
+        offset = value - BASE_NS
+        self._ctime = self._mtime if offset == self._mtime else offset
+
+    def access(self, now_ns: int) -> int:
+        """Sets atime; returns it as kept (a version read now keeps the same int)."""
+        self.atime_ns = now_ns
+        return self._atime
+
+    def times(self) -> tuple[int, int, int]:
+        """atime, mtime and ctime in ns (one call for an attribute reply's three)."""
+        return self._atime + BASE_NS, self._mtime + BASE_NS, self._ctime + BASE_NS
+
+    @property
     def xattrs(self) -> dict[bytes, bytes]:
         """The user attributes (read-only: change them with set_xattr and remove_xattr)."""
-        return self._xattrs if self._xattrs is not None else {}
+        xattrs = self.meta[3]
+        return xattrs if xattrs is not None else {}
 
     @xattrs.setter
     def xattrs(self, value: dict[bytes, bytes]) -> None:
-        self._xattrs = dict(value) or None
+        mode, uid, gid, _ = self.meta
+        self.meta = _meta(mode, uid, gid, dict(value) or None)
 
     def set_xattr(self, name: bytes, value: bytes) -> None:
-        if self._xattrs is None:
-            self._xattrs = {}
-        self._xattrs[name] = value
+        mode, uid, gid, xattrs = self.meta
+        if xattrs is None:  # (a shared tuple's: this inode gets a tuple and a dict of its own)
+            self.meta = _meta(mode, uid, gid, {name: value})
+        else:
+            xattrs[name] = value
 
     def remove_xattr(self, name: bytes) -> bytes | None:
-        if self._xattrs is None:
+        mode, uid, gid, xattrs = self.meta
+        if xattrs is None:
             return None
-        value = self._xattrs.pop(name, None)
-        if not self._xattrs:
-            self._xattrs = None
+        value = xattrs.pop(name, None)
+        if not xattrs:
+            self.meta = _meta(mode, uid, gid, None)
         return value
 
     @property
@@ -95,12 +184,12 @@ class Inode:
 
     @property
     def is_symlink(self) -> bool:
-        return stat.S_ISLNK(self.mode)
+        return stat.S_ISLNK(self.meta[0])
 
     @property
     def is_file(self) -> bool:
         """A regular file: the only kind of inode that has versions and bytes."""
-        return self.children is None and not stat.S_ISLNK(self.mode)
+        return self.children is None and not stat.S_ISLNK(self.meta[0])
 
     @property
     def linked(self) -> bool:

@@ -13,56 +13,142 @@ from itertools import compress
 from typing import Callable, Iterator, Sequence
 
 from kvfs.cluster.table import NumberTable
+from kvfs.cluster.times import BASE_NS
 from kvfs.errors import MetadataError
 
 
-SHARED_SIZES = 4096  # distinct file sizes whose int objects versions share
 # Ids of a node's id array examined per add or forget of one of its versions while the array
 # is being compacted: the compaction's cost is spread over the changes that made it due (a
 # rebuild in one go is ~80 ms per million ids), and it ends before the forgotten ids double.
 COMPACT_STEP = 4
 _SEALED, _CURRENT, _ON_DISK, _HELD = 1, 2, 4, 8
+# A version's node, size and four flags, one int: `size << 36 | node << 4 | flags`, one
+# object per distinct value (KV-cache blocks come in a few sizes: nodes x sizes x flags).
+_FLAG_MASK = (1 << 4) - 1
+_NODE_SHIFT = 4
+_NODE_MAX = (1 << 32) - 1  # (node ids count registered names: 4G of them)
+_SIZE_SHIFT = _NODE_SHIFT + 32
+_SIZE_MAX = (1 << 64) - 1
+_SHARED_PLACES = 16384  # distinct such ints versions share (past that, each its own)
 _NO_SUMS = b""
+# A version's use, one int: hits in the low bits, then open readers, then open writers. Closed
+# and read at most 256 times it is a cached small int (no object of its own). Hits stop at
+# the field's top (4G opens), counts of open handles too (more cannot be open at once).
+_COUNT_BITS = 32
+_COUNT_MAX = (1 << _COUNT_BITS) - 1
+_READERS_SHIFT = _COUNT_BITS
+_WRITERS_SHIFT = 2 * _COUNT_BITS
+
+
+_places: dict[int, int] = {}
+
+
+def _shared(place: int) -> int:
+    found = _places.get(place)
+    if found is not None:
+        return found
+    if len(_places) < _SHARED_PLACES:
+        _places[place] = place
+    return place
 
 
 def _flag(bit: int, doc: str) -> property:
     def get(self: FileVersion) -> bool:
-        return bool(self._flags & bit)
+        return bool(self._place & bit)
 
     def put(self: FileVersion, value: bool) -> None:
-        self._flags = self._flags | bit if value else self._flags & ~bit
+        self._place = _shared(self._place | bit if value else self._place & ~bit)
 
     return property(get, put, doc=doc)
 
 
-class FileVersion:
-    """One version of a file's bytes. Slots only, its four flags in one int and its chunk
-    checksums packed 8 bytes each: a master holds millions (docs/cluster.md, "Memory per
-    file"). `checksums` reads and takes a list of ints, as the wire and the saved state do."""
+def _count(shift: int, doc: str) -> property:
+    clear = ~(_COUNT_MAX << shift)
 
-    __slots__ = ("version", "ino", "node", "size", "_flags", "readers", "writers", "_sums", "hits",
-                 "last_access_ns")
+    def get(self: FileVersion) -> int:
+        return self._use >> shift & _COUNT_MAX
+
+    def put(self: FileVersion, value: int) -> None:
+        if not 0 <= value <= _COUNT_MAX:
+            value = 0 if value < 0 else _COUNT_MAX
+        self._use = self._use & clear | value << shift
+
+    return property(get, put, doc=doc)
+
+
+def _place(node: int, size: int, flags: int) -> int:
+    if not 0 <= node <= _NODE_MAX or not 0 <= size <= _SIZE_MAX:
+        raise ValueError(f"a file version of {size} bytes on node {node}")
+    return _shared(size << _SIZE_SHIFT | node << _NODE_SHIFT | flags)
+
+
+class FileVersion:
+    """One version of a file's bytes. Slots only: a master holds millions (docs/cluster.md,
+    "Memory per file"). Its node, size and four flags are one shared int (`_place`), its hits
+    and open readers and writers one int (`_use`, 0 while closed and unread), its chunk
+    checksums packed 8 bytes each (one checksum: the int itself). `checksums` reads and
+    takes a list of ints, as the wire and the saved state do."""
+
+    __slots__ = ("version", "ino", "_place", "_use", "_sums", "last_access")
 
     def __init__(self, version: int, ino: int, node: int, size: int = 0, sealed: bool = False,
                  current: bool = True, readers: int = 0, writers: int = 0, checksums: Sequence[int] = (),
                  on_disk: bool = False, hits: int = 0, last_access_ns: int = 0, held: bool = False) -> None:
         self.version, self.ino = version, ino
-        self.node = node  # the node that stores the bytes
-        self.size = size
-        self._flags = (_SEALED if sealed else 0) | (_CURRENT if current else 0) | (_ON_DISK if on_disk else 0) \
-            | (_HELD if held else 0)
-        self.readers, self.writers = readers, writers
+        self._place = _place(node, size, (_SEALED if sealed else 0) | (_CURRENT if current else 0)
+                             | (_ON_DISK if on_disk else 0) | (_HELD if held else 0))
+        self._use = 0
+        if readers or writers or hits:
+            self.readers, self.writers, self.hits = readers, writers, hits
         self._sums = _pack(checksums)
-        self.hits, self.last_access_ns = hits, last_access_ns
+        # Its last open for reading, since BASE_NS (kvfs.cluster.times; None: never): the int
+        # its inode keeps as atime then (`Inode.access`).
+        self.last_access: int | None = last_access_ns - BASE_NS if last_access_ns else None
+
+    @property
+    def node(self) -> int:
+        """The node that stores the bytes."""
+        return self._place >> _NODE_SHIFT & _NODE_MAX
+
+    @node.setter
+    def node(self, value: int) -> None:
+        place = self._place
+        self._place = _place(value, place >> _SIZE_SHIFT, place & _FLAG_MASK)
+
+    @property
+    def size(self) -> int:
+        return self._place >> _SIZE_SHIFT
+
+    @size.setter
+    def size(self, value: int) -> None:
+        place = self._place
+        if place >> _SIZE_SHIFT != value:
+            self._place = _place(place >> _NODE_SHIFT & _NODE_MAX, value, place & _FLAG_MASK)
 
     sealed = _flag(_SEALED, "its bytes are final")
     current = _flag(_CURRENT, "still the version its file's name refers to")
     on_disk = _flag(_ON_DISK, "a copy is safe on the node's SSD")
     held = _flag(_HELD, "retired, but an inode a kernel references still shows it (see master)")
+    hits = _count(0, "opens for reading so far (not saved)")
+    readers = _count(_READERS_SHIFT, "handles open for reading")
+    writers = _count(_WRITERS_SHIFT, "handles open for writing")
+
+    def seal(self, size: int, checksums: Sequence[int]) -> None:
+        """Its bytes are final: sealed, size and checksums in one go (one shared int looked up)."""
+        place = self._place
+        self._place = _place(place >> _NODE_SHIFT & _NODE_MAX, size, place & _FLAG_MASK | _SEALED)
+        self._sums = _pack(checksums)
+
+    @property
+    def last_access_ns(self) -> int:
+        return 0 if self.last_access is None else self.last_access + BASE_NS
 
     @property
     def checksums(self) -> list[int]:
-        return memoryview(self._sums).cast("Q").tolist() if self._sums else []
+        sums = self._sums
+        if type(sums) is int:
+            return [sums]
+        return memoryview(sums).cast("Q").tolist() if sums else []
 
     @checksums.setter
     def checksums(self, value: Sequence[int]) -> None:
@@ -70,13 +156,21 @@ class FileVersion:
 
     @property
     def in_use(self) -> bool:
-        return self.readers > 0 or self.writers > 0
+        return self._use > _COUNT_MAX  # an open reader or writer
 
     def __repr__(self) -> str:
         return f"FileVersion({self.version}, ino {self.ino}, node {self.node}, {self.size} bytes)"
 
 
-def _pack(checksums: Sequence[int]) -> bytes:
+def _pack(checksums: Sequence[int]) -> bytes | int:
+    """Checksums 8 bytes each; one (a one-chunk file) as the int it is, 32-36 B, not 41."""
+    if len(checksums) == 1:
+        value = checksums[0]
+        if not isinstance(value, int):  # (as array("Q") refuses what it cannot hold)
+            raise TypeError(f"checksum {value!r} is not an int")
+        if not 0 <= value < 1 << 64:
+            raise OverflowError(f"checksum {value} is not an unsigned 64-bit int")
+        return int(value)
     return array("Q", checksums).tobytes() if checksums else _NO_SUMS
 
 
@@ -139,7 +233,6 @@ class ObjectDirectory:
         # node's death, registration and removal touch that node's versions only.
         self.by_node: dict[int, NodeIds] = {}
         self._node_versions: dict[int, int] = {}  # node -> how many versions it stores
-        self._sizes: dict[int, int] = {}  # sizes seen, each one int object (see `seal`)
         self.retired: set[int] = set()  # versions no longer current, kept while open or held (a few)
         # Versions their node no longer holds (it registered again without them, or it was
         # forgotten): hidden until they are forgotten, a slice at a time (not saved).
@@ -184,11 +277,12 @@ class ObjectDirectory:
 
     def _add(self, version: FileVersion) -> None:
         self.versions[version.version] = version
-        ids = self.by_node.get(version.node)
+        node = version.node
+        ids = self.by_node.get(node)
         if ids is None:
-            ids = self.by_node[version.node] = NodeIds()
+            ids = self.by_node[node] = NodeIds()
         ids.append(version.version)
-        self._node_versions[version.node] = self._node_versions.get(version.node, 0) + 1
+        self._node_versions[node] = self._node_versions.get(node, 0) + 1
         if ids.compacting:
             ids.step(self.versions.__contains__, COMPACT_STEP)
 
@@ -210,12 +304,7 @@ class ObjectDirectory:
         return self._node_versions.get(node, 0)
 
     def seal(self, version: FileVersion, size: int, checksums: list[int]) -> None:
-        # KV-cache blocks come in a few sizes: one int object per size, not one per version.
-        if len(self._sizes) < SHARED_SIZES:
-            size = self._sizes.setdefault(size, size)
-        else:
-            size = self._sizes.get(size, size)
-        version.sealed, version.size, version.checksums = True, size, checksums
+        version.seal(size, checksums)
         self.sealed_bytes += size
         self.dirty.add(version.version)
 
