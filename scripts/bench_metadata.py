@@ -7,7 +7,8 @@ Three layers, each measured with the same figures:
   `restart_s` (save everything to lmdb, then load it into a fresh service);
 - a real `kvfs master` through `RemoteMaster` clients (registered as nodes, CONCURRENT
   callers each), over TLS on loopback: creates, lookups, a listing, the master's RSS
-  growth per file, and a kill -9 and restart timed until it answers with the namespace;
+  growth per file and CPU per request (/proc), and a kill -9 and restart timed until it
+  answers with the namespace; with --base DIR, DIR's master too, in the same rounds;
 - a cluster node's FUSE mount next to a single-node `kvfs mount`, in alternating rounds:
   the store (create a temp file exclusively, one write, close, rename) with 1 and 16
   writers in two patterns (one flat directory, LMCache's; vLLM's hashed three-level layout
@@ -18,7 +19,7 @@ Three layers, each measured with the same figures:
 Counts above --fuse-max are measured on the first two layers only (going through FUSE at
 that count takes longer than a run should); the output says so. Medians over --rounds.
 
-Usage (as root): python scripts/bench_metadata.py [--counts 10K,100K,1M] [--rounds 3]
+Usage (as root): python scripts/bench_metadata.py [--counts 10K,100K,1M] [--rounds 3] [--base DIR]
 """
 
 from __future__ import annotations

@@ -238,9 +238,8 @@ class MetadataServer:
                         except ProtocolError as error:  # those before it are still saved and answered
                             hostile, received = error, None
                     self.save()  # (no checkpoint since the first request: nothing else saw the changes)
-                    if answers:  # (no checkpoint after it: the next receive is one, or waits)
-                        await frames.send_encoded(answers[0] if len(answers) == 1 else b"".join(answers),
-                                                  yield_after=False)
+                    if answers:
+                        await frames.send_encoded(answers[0] if len(answers) == 1 else b"".join(answers))
                 if hostile is not None:
                     raise hostile
                 if deferred is not None:

@@ -62,7 +62,7 @@ class TlsStream(trio.abc.Stream):
         if self._broken is not None:
             raise trio.BrokenResourceError(self._broken)
 
-    async def _retry(self, call: Callable[[], Any], yield_after: bool = True) -> Any:
+    async def _retry(self, call: Callable[[], Any]) -> Any:
         self._check_usable()
         waited = False
         while True:
@@ -80,7 +80,7 @@ class TlsStream(trio.abc.Stream):
                 self._broken = f"TLS connection failed: {error}"
                 raise trio.BrokenResourceError(self._broken) from error
             else:
-                if not waited and yield_after:  # (a wait is a checkpoint already: one more step is CPU for nothing)
+                if not waited:  # (a wait is a checkpoint already: one more step is CPU for nothing)
                     await trio.lowlevel.checkpoint()  # a peer that always has data must not starve the others
                 return result
 
@@ -112,9 +112,7 @@ class TlsStream(trio.abc.Stream):
         # A TLS record holds at most 16 KiB: asking for more only allocates more per call.
         return await self._retry(lambda: self.socket.recv(min(max_bytes or READ_SIZE, READ_SIZE)))
 
-    async def send_all(self, data: bytes | bytearray | memoryview, yield_after: bool = True) -> None:
-        """Sends all of DATA. Without YIELD_AFTER, a send that did not have to wait is no
-        checkpoint (for a caller whose next step is a receive, which is one)."""
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data)
         if not len(view):
             return await trio.lowlevel.checkpoint()
@@ -123,7 +121,7 @@ class TlsStream(trio.abc.Stream):
                 while len(view):
                     view = view[await self._plain(lambda: self.socket.send(view), readable=False):]
             else:  # one write: OpenSSL keeps its progress across retries of the same buffer
-                await self._retry(lambda: self.socket.send(view), yield_after)
+                await self._retry(lambda: self.socket.send(view))
         except trio.Cancelled:
             self._broken = "a send was cut short"
             raise
@@ -230,13 +228,9 @@ class FrameStream:
         if payload:
             await self.stream.send_all(payload)
 
-    async def send_encoded(self, frame: bytes, yield_after: bool = True) -> None:
-        """A frame already encoded (`encode_frame`), payload-less or with its payload appended.
-        Without YIELD_AFTER, no checkpoint after a TLS send that did not wait (see `TlsStream.send_all`)."""
-        if yield_after or not isinstance(self.stream, TlsStream):
-            await self.stream.send_all(frame)
-        else:
-            await self.stream.send_all(frame, yield_after=False)
+    async def send_encoded(self, frame: bytes) -> None:
+        """A frame already encoded (`encode_frame`), payload-less or with its payload appended."""
+        await self.stream.send_all(frame)
 
     async def aclose(self) -> None:
         await self.stream.aclose()
