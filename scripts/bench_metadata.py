@@ -7,7 +7,8 @@ Three layers, each measured with the same figures:
   `restart_s` (save everything to lmdb, then load it into a fresh service);
 - a real `kvfs master` through `RemoteMaster` clients (registered as nodes, CONCURRENT
   callers each), over TLS on loopback: creates, lookups, a listing, the master's RSS
-  growth per file, and a kill -9 and restart timed until it answers with the namespace;
+  growth per file and CPU per request (/proc), and a kill -9 and restart timed until it
+  answers with the namespace; with --base DIR, DIR's master too, in the same rounds;
 - a cluster node's FUSE mount next to a single-node `kvfs mount`, in alternating rounds:
   the store (create a temp file exclusively, one write, close, rename) with 1 and 16
   writers in two patterns (one flat directory, LMCache's; vLLM's hashed three-level layout
@@ -18,7 +19,7 @@ Three layers, each measured with the same figures:
 Counts above --fuse-max are measured on the first two layers only (going through FUSE at
 that count takes longer than a run should); the output says so. Medians over --rounds.
 
-Usage (as root): python scripts/bench_metadata.py [--counts 10K,100K,1M] [--rounds 3]
+Usage (as root): python scripts/bench_metadata.py [--counts 10K,100K,1M] [--rounds 3] [--base DIR]
 """
 
 from __future__ import annotations
@@ -184,13 +185,13 @@ def pure_service(count: int, base: Path, results: Results, traced: bool) -> None
 # A real master through RemoteMaster clients ---------------------------------------------
 
 
-def start_master(base: Path, bundle: Path, data: Path) -> tuple[subprocess.Popen, str]:
+def start_master(base: Path, bundle: Path, data: Path, repo: Path = REPO) -> tuple[subprocess.Popen, str]:
     log_path = base / "master.log"
     with open(log_path, "ab") as log:
         offset = log.tell()
         process = subprocess.Popen([sys.executable, "-m", "kvfs", "master", "--listen", "127.0.0.1:0", "--data",
                                     str(data), "--tls-dir", str(bundle), "--log-level", "info"],
-                                   stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+                                   stdout=log, stderr=subprocess.STDOUT, cwd=repo)
     deadline = time.monotonic() + 600
     while True:
         with open(log_path, "rb") as log:
@@ -203,17 +204,19 @@ def start_master(base: Path, bundle: Path, data: Path) -> tuple[subprocess.Popen
         time.sleep(0.01)
 
 
-def remote_master(count: int, base: Path, bundles: dict[str, Path], results: Results) -> None:
-    """Creates `count` files through a `kvfs master` with CLIENTS connections of CONCURRENT callers."""
+def remote_master(count: int, base: Path, bundles: dict[str, Path], results: Results, repo: Path = REPO,
+                  name: str = "master") -> None:
+    """Creates `count` files through a `kvfs master` (REPO's checkout's) with CLIENTS connections of
+    CONCURRENT callers; the master's CPU per request is read from /proc around each phase."""
     import trio
 
     from kvfs.net.rpc import RemoteMaster
     from kvfs.security.credentials import Tls
     from kvfs.wire import messages as m
 
-    layer = f"master {short(count)}"
-    data = base / f"master-{count}"
-    process, address = start_master(base, bundles["master"], data)
+    layer = f"{name} {short(count)}"
+    data = base / f"{name.replace(' ', '-')}-{count}"
+    process, address = start_master(base, bundles["master"], data, repo)
     host, port = address.rsplit(":", 1)
     rss_before = rss_bytes(process.pid)
     names = [f"{i:064x}.bin".encode() for i in range(count)]
@@ -257,9 +260,13 @@ def remote_master(count: int, base: Path, bundles: dict[str, Path], results: Res
                 for name in share:
                     await remote.call(m.Lookup(directory, name))
 
+            cpu = cpu_seconds(process.pid)
             results.record(layer, "creates_per_s", count / await in_parallel(create, clients))
+            cpu, spent = cpu_seconds(process.pid), cpu_seconds(process.pid) - cpu
+            results.record(layer, "create_cpu_us", spent / (2 * count) * 1e6)  # per request: Create, Seal
             results.record(layer, "bytes_per_file", (rss_bytes(process.pid) - rss_before) / count)
             results.record(layer, "lookups_per_s", count / await in_parallel(lookup, clients))
+            results.record(layer, "lookup_cpu_us", (cpu_seconds(process.pid) - cpu) / count * 1e6)
             started = time.perf_counter()
             start_id = listed = 0
             while page := (await remote.call(m.ReadDir(directory, start_id, PAGE))).entries:
@@ -275,7 +282,7 @@ def remote_master(count: int, base: Path, bundles: dict[str, Path], results: Res
         process.send_signal(signal.SIGKILL)
         process.wait()
         started = time.perf_counter()
-        process, address = start_master(base, bundles["master"], data)
+        process, address = start_master(base, bundles["master"], data, repo)
         host, port = address.rsplit(":", 1)
 
         async def files() -> int:
@@ -480,7 +487,8 @@ def fuse_layers(counts: list[int], rounds: int, base: Path, bundles: dict[str, P
 # Report ---------------------------------------------------------------------------------
 
 
-METRICS = ("bytes_per_file", "creates_per_s", "lookups_per_s", "listing_s", "restart_s")
+METRICS = ("bytes_per_file", "creates_per_s", "lookups_per_s", "listing_s", "restart_s", "create_cpu_us",
+           "lookup_cpu_us")
 
 
 def report(results: Results, counts: list[int], fuse_counts: list[int], layers: set[str]) -> None:
@@ -491,7 +499,7 @@ def report(results: Results, counts: list[int], fuse_counts: list[int], layers: 
 
     print(f"{'layer':<22}" + "".join(f"{metric:>16}" for metric in METRICS + ("rss_bytes/file",)))
     for count in counts:
-        for layer in (f"service {short(count)}", f"master {short(count)}"):
+        for layer in (f"service {short(count)}", f"master {short(count)}", f"base master {short(count)}"):
             row = [results.median(layer, metric) for metric in METRICS]
             row.append(results.median(layer, "rss_bytes_per_file"))
             if any(value is not None for value in row):
@@ -500,7 +508,16 @@ def report(results: Results, counts: list[int], fuse_counts: list[int], layers: 
           f"{CLIENTS} connections x {CONCURRENT} callers, bytes_per_file = its RSS growth per file;")
     print(" restart_s: save + load from lmdb (service), kill -9 to a restarted master answering with the "
           "namespace (master);")
-    print(" a create is Create + Seal with the writer's release: what a node sends per file before its rename)")
+    print(" a create is Create + Seal with the writer's release: what a node sends per file before its rename;")
+    print(" create_cpu_us, lookup_cpu_us: the master's CPU per request (/proc), Create and Seal counted apart;")
+    print(" base master: the master of the --base checkout, measured in the same rounds, the order swapped each round)")
+    for count in counts:
+        for layer in (f"master {short(count)}", f"base master {short(count)}"):
+            runs = {metric: results.values.get((layer, metric), []) for metric in
+                    ("creates_per_s", "lookups_per_s", "create_cpu_us", "lookup_cpu_us")}
+            if len(runs["creates_per_s"]) > 1:
+                print(f"{layer}, each round: " + "; ".join(
+                    f"{metric} " + " ".join(f"{value:,.0f}" for value in values) for metric, values in runs.items()))
     if not fuse_counts:
         for note in results.notes:
             print(f"note: {note}")
@@ -556,6 +573,8 @@ def main() -> None:
     parser.add_argument("--fuse-max", default="100K", help="larger counts skip the FUSE layer")
     parser.add_argument("--layers", default="service,master,fuse", help="which layers to measure")
     parser.add_argument("--dram", default="4G", help="DRAM tier of the node and the single-node mount")
+    parser.add_argument("--base", type=Path, help="another checkout whose master is measured too, rounds "
+                                                  "alternating (master layer)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("run as root: the benchmark mounts file systems and drops the kernel's caches")
@@ -576,7 +595,9 @@ def main() -> None:
                     pure_service(count, base / f"r{round_}", results, traced=round_ == 0 < args.rounds - 1)
                 if "master" in layers:
                     (base / f"r{round_}").mkdir(exist_ok=True)
-                    remote_master(count, base / f"r{round_}", bundles, results)
+                    masters = [(REPO, "master")] + ([(args.base.resolve(), "base master")] if args.base else [])
+                    for repo, name in masters[::-1] if round_ % 2 else masters:
+                        remote_master(count, base / f"r{round_}", bundles, results, repo, name)
         fuse_layers(fuse_counts, args.rounds, base, bundles, results, args.dram)
     report(results, counts, fuse_counts, layers)
 

@@ -36,22 +36,30 @@ def test_a_failed_save_keeps_the_changes_dirty_and_the_retry_writes_them(tmp_pat
     process = MasterProcess(MasterConfig("127.0.0.1:0", str(data), load_tls("master", "master"), metrics_listen=None))
     process.state.close()
     process.state = MasterState(data, map_size=SMALL_MAP)  # the same state, in a small map
-    node = process.handle(m.Register("a", "a:1"), 0).node
-    process.handle(m.Report([]), node)
-    process.handle(m.FinishRegistration(), node)
+
+    def handle(request: m.Request, caller: int) -> object:
+        """One request as a batch of its own: handled, then saved (as the server does before answering)."""
+        try:
+            return process.handle(request, caller)
+        finally:
+            process.save_requests()
+
+    node = handle(m.Register("a", "a:1"), 0).node
+    handle(m.Report([]), node)
+    handle(m.FinishRegistration(), node)
     names = []
     with caplog.at_level(logging.WARNING, logger="kvfs.master"):
         for i in range(400):
             name = f"k{i}.bin".encode()
-            attr = process.handle(m.MkDir(ROOT_INO, name, 0o755, 0, 0), node)
-            process.handle(m.SetXattr(attr.ino, b"user.pad", bytes(8000)), node)
+            attr = handle(m.MkDir(ROOT_INO, name, 0o755, 0, 0), node)
+            handle(m.SetXattr(attr.ino, b"user.pad", bytes(8000)), node)
             names.append(name)
             if process.save_failures:
                 break
         assert process.save_failures, "the small map never filled"
         # Requests are still answered; what they changed waits, dirty, for the retry.
         for name in (b"after1", b"after2"):
-            process.handle(m.MkDir(ROOT_INO, name, 0o755, 0, 0), node)
+            handle(m.MkDir(ROOT_INO, name, 0o755, 0, 0), node)
             names.append(name)
         assert process.service.ns.dirty
         failures = [r for r in caplog.records if r.levelno == logging.ERROR and "saving the master state" in r.message]

@@ -182,14 +182,15 @@ class MetadataService:
         self.evicted_files = 0  # decided by `_reclaim`, since this process started
         self.evicted_bytes = 0
 
-    def handle(self, request: m.Request, caller: int = LOCAL_NODE) -> Any:
+    def handle(self, request: m.Request, caller: int = LOCAL_NODE, decoded: bool = False) -> Any:
         """Answers one request from node `caller`; raises MetadataError with the errno it should see.
 
         Versions dropped on behalf of other nodes, and names other nodes' kernels may
         cache, are queued for those nodes and delivered with their next heartbeat.
 
-        The request is checked first (kvfs.cluster.validate): one that fails changes nothing."""
-        check_request(request)
+        The request is checked first (kvfs.cluster.validate): one that fails changes nothing.
+        DECODED: it came from a frame, whose decoder checked the structs' bounds already."""
+        check_request(request, decoded)
         self._caller = caller
         try:
             response = self._handlers[type(request)](request)

@@ -1,8 +1,9 @@
 """The master's durable state in lmdb: inodes, file versions, node names.
 
-After every request the master writes what the request changed (the dirty sets
-of the namespace, the object directory and the registry, as kvfs.cluster.records
-encodes them) in one transaction, so a restart, even after kill -9, finds every
+After every batch of requests (those a connection's loop handles together) the
+master writes what they changed (the dirty sets of the namespace, the object
+directory and the registry, as kvfs.cluster.records encodes them) in one
+transaction, before any of them is answered, so a restart, even after kill -9, finds every
 name it ever acknowledged. Commits are not fsynced one by one (the page cache
 survives a killed process); a timer syncs them. What a machine crash loses on the
 master is re-learned from the nodes, which report everything they hold when they
@@ -72,12 +73,12 @@ class MasterState:
             service.registry.dirty = True
         return files
 
-    def save(self, service: MetadataService) -> None:
-        """Writes what changed since the last save, in one transaction. Nodes are written
-        only when the registry changed (a registration, a node forgotten), not with every
-        request; the counters are one small record."""
+    def save(self, service: MetadataService) -> bool:
+        """Writes what changed since the last save, in one transaction (False: nothing had
+        changed, none was made). Nodes are written only when the registry changed (a
+        registration, a node forgotten), not with every request; the counters are one small record."""
         if not records.is_dirty(service):
-            return
+            return False
         dbs = {Kind.INODE: self._inodes, Kind.VERSION: self._versions}
         with self.env.begin(write=True) as txn:
             # the nodes as stored, read only when the registry changed (rarely; a few records)
@@ -98,6 +99,7 @@ class MasterState:
         records.clear_dirty(service)
         self._upgrade = False
         self.commits += 1
+        return True
 
     def _stored_nodes(self, txn: lmdb.Transaction) -> dict[int, records.NodeFields]:
         loaded = records.Loaded()

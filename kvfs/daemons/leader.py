@@ -141,7 +141,8 @@ class Term:
         return HOLD if batch is None and not self.may_act() else batch
 
     def handle(self, request: m.Request, caller: int) -> Any:
-        return self.requests.timed(type(request).__name__, lambda: self.service.handle(request, caller))
+        """A request the server decoded from a frame (the structs' bounds checked by the decoder)."""
+        return self.requests.timed(type(request).__name__, lambda: self.service.handle(request, caller, True))
 
     async def _write(self, batch: Batch | object) -> None:
         """Commits a batch (HOLD: none), or ends the term (and never returns). It returns, and

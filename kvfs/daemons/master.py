@@ -1,7 +1,9 @@
 """`kvfs master`: the metadata service as a process, with its state in lmdb.
 
-Every request is answered by the pure `MetadataService` and what it changed is
-written to lmdb before the answer goes out. A timer declares nodes that stopped
+Every request is answered by the pure `MetadataService`, and what it changed is
+written to lmdb before the answer goes out: the requests a connection's loop handles
+together (those already received) are saved in one transaction, before any of them is
+answered (kvfs.net.rpc). A timer declares nodes that stopped
 heartbeating dead (a gap in that timer's own passes is the master's stall, which
 convicts nobody: kvfs.cluster.liveness); another syncs the state to disk.
 
@@ -30,6 +32,7 @@ from kvfs.net.rpc import MetadataServer
 from kvfs.config import split_address
 from kvfs.config import DEFAULT_MASTER_METRICS
 from kvfs.metrics.exporter import serve_metrics
+from kvfs.errors import errno_of
 from kvfs.histogram import OperationStats
 from kvfs.metrics.master import MasterMetrics
 from kvfs.policy import DEFAULT_POLICY, make_policy
@@ -135,22 +138,22 @@ class MasterProcess:
         files = self.state.load(self.service)
         log.info("loaded %d files, %d nodes from %s in %.2f s", files, len(self.service.registry.nodes),
                  config.data_dir, time.monotonic() - started)
-        self.requests = OperationStats()  # by request type, handling and saving to lmdb
+        self.requests = OperationStats()  # by request type, their handling
+        self.saves = OperationStats()  # the lmdb transactions, each for a batch of requests or a timer
         self.save_failures = 0  # failed saves in a row; the changes stay dirty meanwhile
         self.slow_saves = 0
         self._slow_save_log = Every(10.0)
         self.server = MetadataServer(self.handle, config.tls, self.service, owner_of=owner_finder(self.service),
-                                     temp_suffix=self.service.settings.temp_suffix)
+                                     temp_suffix=self.service.settings.temp_suffix, save=self.save_requests)
 
     def handle(self, request: m.Request, caller: int) -> Any:
-        return self.requests.timed(type(request).__name__, lambda: self._handle_and_save(request, caller))
+        """A request the server decoded from a frame (the structs' bounds checked by the decoder)."""
+        return self.requests.timed(type(request).__name__, lambda: self.service.handle(request, caller, True))
 
-    def _handle_and_save(self, request: m.Request, caller: int) -> Any:
-        try:
-            return self.service.handle(request, caller)
-        finally:  # before the answer leaves: an acknowledged change is never forgotten
-            if not self.save_failures:  # else the timer tries again, not every request
-                self.save(type(request).__name__)
+    def save_requests(self) -> None:
+        """After a batch of requests, before any answer leaves: an acknowledged change is never forgotten."""
+        if not self.save_failures:  # else the timer tries again, not every batch
+            self.save("requests")
 
     def save(self, cause: str) -> bool:
         """Writes what changed since the last save (a few entries per request: fast).
@@ -158,14 +161,17 @@ class MasterProcess:
         it is logged, tried again every SYNC_INTERVAL_S, and its end logged too."""
         started = time.monotonic()
         try:
-            self.state.save(self.service)
+            if not self.state.save(self.service):
+                return True  # nothing changed: no transaction
         except Exception as error:  # lmdb.Error, OSError: a full map or disk, an I/O error
+            self.saves.record("lmdb", errno_of(error), time.monotonic() - started)
             self.save_failures += 1
             if self.save_failures == 1:
                 log.error("saving the master state in %s failed (%s): %r; the changes stay in memory and are "
                           "saved again every %.0f s", self.config.data_dir, cause, error, SYNC_INTERVAL_S)
             return False
         elapsed = time.monotonic() - started
+        self.saves.record("lmdb", 0, elapsed)
         if self.save_failures:
             log.warning("saved the master state again after %d failed attempts", self.save_failures)
             self.save_failures = 0
@@ -181,7 +187,7 @@ class MasterProcess:
         try:
             async with trio.open_nursery() as nursery:
                 if self.config.metrics_listen is not None:
-                    metrics = MasterMetrics(self.service, self.requests, self.server)
+                    metrics = MasterMetrics(self.service, self.requests, self.server, self.saves)
                     await nursery.start(serve_metrics, self.config.metrics_listen, metrics.describe)
                 bound = await nursery.start(self.server.serve, host, port)
                 log.info("master listening on %s:%d", host, bound)

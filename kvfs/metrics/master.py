@@ -27,12 +27,15 @@ class MasterMetrics:
     service: MetadataService
     requests: OperationStats
     server: MetadataServer
+    saves: OperationStats | None = None  # the lmdb master's transactions (an elected master commits to etcd)
 
     def describe(self, out: Families) -> None:
         out.gauges("master_info", "this master (value 1)", ("version",), {(__version__,): 1})
         describe_namespace(out, self.service)
-        out.operations("master_requests", "requests handled by the master (including the lmdb save)", "request",
-                       self.requests)
+        out.operations("master_requests", "requests handled by the master", "request", self.requests)
+        if self.saves is not None:
+            out.operations("master_saves", "saves of the master's state, each for the requests handled together",
+                           "store", self.saves)
         out.counter("master_connections_refused", "connections that failed authentication", self.server.refused)
         nodes = list(self.service.registry.nodes.values())
         out.gauges("node_up", "1 while a node heartbeats, 0 once it is declared dead", ("node",),

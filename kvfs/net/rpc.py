@@ -74,15 +74,23 @@ class MetadataServer:
     `may_act()` is checked before a request is handled and before its reply or a push is
     sent: once false (the leadership's lease may have run out), the connection waits for
     `resumed()` (a leader paused while etcd answers no renewal: True once it may act again)
-    and is closed if that is False. `epoch()` is the leadership's epoch, announced in the Welcome."""
+    and is closed if that is False. `epoch()` is the leadership's epoch, announced in the Welcome.
+
+    `save()` makes durable what the requests handled so far changed (`kvfs master`: one lmdb
+    transaction). It is called once per batch of requests handled together in one turn of a
+    connection's loop, before any of their answers leaves and before any other task runs (no
+    checkpoint between the handling and the save), so no answer and no push shows a change
+    that is not saved."""
 
     def __init__(self, handle: Callable[[m.Request, int], Any], tls: Tls, notifier: Notifier | None = None,
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
                  owner_of: Callable[[int], int | None] = lambda version: None,
                  group: GroupCommit | None = None, may_act: Callable[[], bool] = lambda: True,
                  epoch: Callable[[], int] = lambda: 0, temp_suffix: bytes = b"",
-                 resumed: Callable[[], Awaitable[bool]] | None = None) -> None:
+                 resumed: Callable[[], Awaitable[bool]] | None = None,
+                 save: Callable[[], None] = lambda: None) -> None:
         self.handle = handle
+        self.save = save
         self.temp_suffix = temp_suffix  # writers' temporary names: their creates wait for no node (kvfs.net.pushes)
         self.notifier = notifier
         self.owner_of = owner_of
@@ -201,11 +209,13 @@ class MetadataServer:
                 if self.group is not None or waiting[0]:  # (replies leave in order)
                     frame, caller, pushes = self._answer(request_id, request, caller, nursery, frames, send_lock,
                                                          peer)
+                    self.save()
                     waiting[0] += 1
                     await replies.send(_Reply(frame, self.group.ticket() if self.group is not None else None,
                                               pushes, trio.current_time() + ACK_WAIT_S))
                     continue
                 deferred: _Reply | None = None
+                hostile: ProtocolError | None = None
                 # Handled and sent under the send lock: the answer may carry the node's waiting
                 # name changes, and no push of later ones may pass it (`_push_forever`).
                 async with send_lock:
@@ -221,10 +231,17 @@ class MetadataServer:
                         if len(answers) >= ANSWERS_TOGETHER or not self.may_act():
                             break  # (the next receive finds it and closes the connection)
                         # Requests already here (a node's concurrent callers send theirs together)
-                        # are answered in the same write: one TLS record, one wake-up of the node.
-                        received = self._buffered(frames)
+                        # are answered in the same write and saved in one transaction: one TLS
+                        # record, one wake-up of the node, one commit.
+                        try:
+                            received = self._buffered(frames)
+                        except ProtocolError as error:  # those before it are still saved and answered
+                            hostile, received = error, None
+                    self.save()  # (no checkpoint since the first request: nothing else saw the changes)
                     if answers:
                         await frames.send_encoded(answers[0] if len(answers) == 1 else b"".join(answers))
+                if hostile is not None:
+                    raise hostile
                 if deferred is not None:
                     waiting[0] += 1
                     await replies.send(deferred)
@@ -322,21 +339,41 @@ class MetadataServer:
                              queued: trio.MemoryReceiveChannel[_Reply], waiting: list[int], nursery: trio.Nursery,
                              identity: Identity, peer: Any) -> None:
         """Sends a connection's replies in order, each once the nodes its change was pushed
-        to applied it (at most until its deadline: kvfs.net.pushes) and once committed."""
+        to applied it (at most until its deadline: kvfs.net.pushes) and once committed.
+        The replies queued behind it that are ready too (one commit releases many) leave
+        in the same write."""
+        held: _Reply | None = None  # taken from the channel, not ready yet: the next to send
         try:
-            async for reply in queued:
+            while True:
+                if held is not None:
+                    reply, held = held, None
+                else:
+                    try:
+                        reply = await queued.receive()
+                    except trio.EndOfChannel:
+                        break
                 for watcher, seq in reply.pushes:
                     await watcher.wait_applied(seq, reply.deadline)
                 if reply.ticket is not None:
                     assert self.group is not None
                     await self.group.wait(reply.ticket)
-                frame = reply.frame
+                out = [reply.frame]
+                while len(out) < ANSWERS_TOGETHER:
+                    try:
+                        held = queued.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                    if held.pushes or (held.ticket is not None and self.group is not None
+                                       and self.group.committed < held.ticket):
+                        break  # it waits: sent alone, after these
+                    out.append(held.frame)
+                    held = None
                 if not await self._may_act_again():
                     log.info("closing connection from %s at %s: this master may no longer lead", identity, peer)
                     break
                 async with send_lock:
-                    await frames.send_encoded(frame)
-                waiting[0] -= 1
+                    await frames.send_encoded(out[0] if len(out) == 1 else b"".join(out))
+                waiting[0] -= len(out)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass  # gone: the request loop sees it too
         nursery.cancel_scope.cancel()  # the connection ends with its replies

@@ -38,6 +38,9 @@ class FrameKind(enum.IntEnum):
     PULSE = 6  # "still working on your request": an owner preparing a chunk, so the reader waits on
 
 
+_KINDS = {kind.value: kind for kind in FrameKind}
+
+
 class ProtocolError(Exception):
     """A peer sent something that is not a valid frame; the connection must close."""
 
@@ -66,10 +69,9 @@ def parse_prefix(data: bytes | memoryview, max_header: int = MAX_HEADER, max_pay
         raise ProtocolError(f"bad magic {bytes(magic)!r}")
     if version != VERSION:
         raise ProtocolError(f"protocol version {version} (this side speaks {VERSION})")
-    try:
-        frame_kind = FrameKind(kind)
-    except ValueError:
-        raise ProtocolError(f"unknown frame kind {kind}") from None
+    frame_kind = _KINDS.get(kind)  # (a dict, not FrameKind(kind): this runs for every frame)
+    if frame_kind is None:
+        raise ProtocolError(f"unknown frame kind {kind}")
     if header_length > max_header:
         raise ProtocolError(f"header of {header_length} bytes exceeds {max_header}")
     if payload_length > max_payload:
