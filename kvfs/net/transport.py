@@ -113,6 +113,8 @@ class ChunkSource(Protocol):
 
     # Optional: `piece_checksums(version, index) -> list[int] | None`, the writer's checksums
     # of a chunk's pieces where the source keeps them (a source without it sends whole chunks).
+    # Optional: `hold_chunks(version, first, count) -> HeldChunks | None` (kvfs.store.remote),
+    # a run's chunks as views pinned in DRAM, so that a request's chunks go out in one send.
 
 
 def _no_pieces(index: int, verified: int) -> None:
@@ -288,8 +290,13 @@ class PeerServer:
                      runs: list[FetchChunks]) -> None:
         """Answers the runs of one request in order; a run that fails ends with an error frame
         and the next one follows (a single `FetchChunks` is a batch of one). A peer's fetches
-        beyond its share wait for `fetches`, holding nothing."""
+        beyond its share wait for `fetches`, holding nothing.
+
+        The runs whose chunks the store holds in DRAM go out together, the request's frames in
+        one worker call (`Answers.frames_out`), their views pinned until it returns; a run the
+        store serves from SSD goes chunk by chunk, as the disk gives them (`serve_chunks`)."""
         pieces = getattr(self.store, "piece_checksums", None)
+        hold = getattr(self.store, "hold_chunks", None)  # (a source without it serves chunk by chunk)
 
         def sender(version: int) -> Callable[[int, memoryview | bytes], Awaitable[None]]:
             async def send(index: int, data: memoryview | bytes) -> None:
@@ -298,13 +305,34 @@ class PeerServer:
 
         await take(fetches)
         answers.begin(request_id)
+        releases: list[Callable[[], None]] = []
+        views: list[memoryview] = []  # frames not yet sent, in order
+        payload = 0
         try:
             for run in runs:
                 try:  # the store checks the chunk range, for this path and the RDMA one
-                    await self.store.serve_chunks(run.version, run.first, run.count, sender(run.version))
+                    held = hold(run.version, run.first, run.count) if hold is not None else None
+                    if held is None:
+                        if views:  # what comes before it goes first
+                            await answers.frames_out(views, payload)
+                            views, payload = [], 0
+                        await self.store.serve_chunks(run.version, run.first, run.count, sender(run.version))
+                        continue
                 except KvfsError as error:
-                    await answers.error(error)
+                    if views:
+                        views.append(answers.error_frame(error))
+                    else:
+                        await answers.error(error)
+                    continue
+                releases.append(held.release)
+                for offset, (view, checksums) in enumerate(zip(held.views, held.pieces)):
+                    views.extend(answers.chunk_frame(run.first + offset, view, checksums))
+                    payload += len(view)
+            if views:
+                await answers.frames_out(views, payload)
         finally:
+            for release in releases:
+                release()
             answers.end()
             fetches.release()
 
