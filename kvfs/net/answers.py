@@ -7,8 +7,8 @@ event loop one hop to a worker thread and back in the common case, however many 
 takes; only a socket that fills brings it back to the event loop to wait, bounded by the
 stall budget. Each header still goes out as a send of its own, ahead of its payload, so the
 reader's open returns while the payload is on its way. On a plain connection there is
-nothing to seal: the event loop hands the socket all of them in one `sendmsg`, as much as it
-takes, with no hop at all.
+nothing to seal: the event loop hands the socket the frames itself, with no hop at all, each
+payload gathered with the next frame's header in one `sendmsg`.
 
 The pulses come from one task per connection that sleeps until a fetch has gone PULSE_S
 without a frame: it is not started, woken or joined per fetch (its wake-up time is a cancel
@@ -78,10 +78,12 @@ def send_views_some(sock: Socket, views: list[memoryview], at: int) -> int:
 
 
 def sendmsg_some(sock: socket.socket, views: list[memoryview], at: int) -> int:
-    """`send_views_some` for a plain socket: the views gathered, in as few `sendmsg` calls as
-    the socket takes them (_IOV_MAX views a call at most)."""
+    """`send_views_some` for a plain socket, whose views are frames' (header, payload) pairs: a
+    payload and the next frame's header go in one `sendmsg`, so that every header still ends
+    its send and reaches the reader before its own payload is copied (gathered with it, the
+    kernel pushed it only after most of a 2 MiB payload). N frames: N + 1 sends, not 2N."""
     while at < len(views):
-        stop = min(at + _IOV_MAX, len(views))
+        stop = min(at + 1 if at % 2 == 0 else at + 2, len(views))  # (a header alone ends a send)
         try:
             sent = sock.sendmsg(views[at:stop])
         except BlockingIOError:
@@ -93,9 +95,6 @@ def sendmsg_some(sock: socket.socket, views: list[memoryview], at: int) -> int:
             views[at] = views[at][sent:]
             return at
     return at
-
-
-_IOV_MAX = 1024  # Linux's bound on a sendmsg's buffers
 
 
 class Answers:
@@ -127,22 +126,23 @@ class Answers:
 
     def chunk_frame(self, index: int, data: memoryview | bytes, pieces: list[int] | None = None
                     ) -> tuple[memoryview, memoryview]:
-        """A chunk's frame for `frames`: its encoded header and its payload (a view, no copy)."""
+        """A chunk's frame for `frames_out`: its encoded header and its payload (a view, no copy)."""
         payload = memoryview(data).cast("B")
         header = encode_frame(FrameKind.RESPONSE, self.request_id, ChunkData(index, len(payload), pieces or []),
                               len(payload))
         return memoryview(header), payload
 
-    def error_frame(self, error: KvfsError) -> memoryview:
-        """An error frame for `frames` (it ends one run of a batch, or the fetch)."""
-        return memoryview(encode_frame(FrameKind.ERROR, self.request_id, ErrorReply(error.errno, str(error))))
+    def error_frame(self, error: KvfsError) -> tuple[memoryview, memoryview]:
+        """An error frame for `frames_out` (it ends one run of a batch), with its empty payload."""
+        header = encode_frame(FrameKind.ERROR, self.request_id, ErrorReply(error.errno, str(error)))
+        return memoryview(header), memoryview(b"")
 
     async def chunk(self, index: int, data: memoryview | bytes, pieces: list[int] | None = None) -> None:
         header, payload = self.chunk_frame(index, data, pieces)
         await self.frames_out([header, payload], len(payload))
 
     async def frames_out(self, views: list[memoryview], payload_bytes: int) -> None:
-        """Sends the views (frames' headers and payloads, in order) as one: one worker call while
+        """Sends the views (frames' header and payload pairs, in order) as one: one worker call while
         the socket takes them. `payload_bytes` is counted as served once they are out. The
         views must stay valid until this returns."""
         await take(self._sending)
@@ -157,7 +157,7 @@ class Answers:
         """The views, sealed in a worker thread for as long as the socket takes data; while it is
         full, this waits in the event loop (a reader that stops reading holds no thread). A
         plaintext connection has nothing to seal: the event loop hands the socket the views
-        itself, gathered, with no hop to a worker thread and back."""
+        itself (`sendmsg_some`), with no hop to a worker thread and back."""
         at, waited = 0, False
         while True:
             if self.frames.plaintext:

@@ -320,7 +320,7 @@ class PeerServer:
                         continue
                 except KvfsError as error:
                     if views:
-                        views.append(answers.error_frame(error))
+                        views.extend(answers.error_frame(error))
                     else:
                         await answers.error(error)
                     continue
