@@ -17,7 +17,7 @@ import trio.testing
 from conftest import load_tls
 from kvfs.checksum import PIECE_SIZE, chunk_checksum
 from kvfs.errors import StorageError
-from kvfs.net.answers import send_views_some, sendmsg_some
+from kvfs.net.answers import send_views_some, send_views_waiting, sendmsg_some
 from kvfs.net.hop import in_thread
 from kvfs.net.sealed import SealedSocket
 from kvfs.net.transport import FetchRun, PeerServer, TcpTransport
@@ -84,7 +84,8 @@ def test_a_batch_of_dram_runs_goes_out_in_order_with_its_errors_and_every_pin_co
     assert server.served_bytes == served + len(files[12])
 
 
-def views_across_a_full_socket(plain: bool) -> None:
+def views_across_a_full_socket(how: str) -> None:
+    plain = how == "plain"
     key_a, key_b = os.urandom(32), os.urandom(32)
     left, right = socket.socketpair()
     left.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
@@ -109,7 +110,10 @@ def views_across_a_full_socket(plain: bool) -> None:
     views = [memoryview(part) for part in parts]
     at, calls = 0, 0
     while at < len(views):
-        at = sendmsg_some(left, views, at) if plain else send_views_some(sender, views, at)
+        if how == "waiting":  # the reader reads nothing until this returns: it does return
+            at = send_views_waiting(sender, views, at)
+        else:
+            at = sendmsg_some(left, views, at) if plain else send_views_some(sender, views, at)
         calls += 1
         if at < len(views):
             full.set()
@@ -122,9 +126,9 @@ def views_across_a_full_socket(plain: bool) -> None:
     right.close()
 
 
-@pytest.mark.parametrize("plain", [False, True])
-def test_a_request_s_views_go_out_whole_and_in_order_across_a_full_socket(plain: bool) -> None:
-    views_across_a_full_socket(plain)
+@pytest.mark.parametrize("how", ["sealed", "plain", "waiting"])
+def test_a_request_s_views_go_out_whole_and_in_order_across_a_full_socket(how: str) -> None:
+    views_across_a_full_socket(how)
 
 
 def test_the_hop_returns_raises_bounds_its_threads_and_outlives_a_cancel() -> None:

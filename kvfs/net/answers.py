@@ -3,9 +3,10 @@ whenever PULSE_S passes without a frame while a fetch is in progress.
 
 A request's frames (a run's chunks, a batch's runs, their error frames) cost the owner's
 event loop one hop to a worker thread and back in the common case, however many there are
-(`frames`): the thread seals each frame's header and then its payload, as much as the socket
-takes; only a socket that fills brings it back to the event loop to wait, bounded by the
-stall budget. Each header still goes out as a send of its own, ahead of its payload, so the
+(`frames_out`): the thread seals each frame's header and then its payload, as much as the
+socket takes, waiting for room while a full socket drains (up to THREAD_WAIT_S at a time);
+only a socket that stays full brings it back to the event loop to wait, bounded by the stall
+budget. Each header still goes out as a send of its own, ahead of its payload, so the
 reader's open returns while the payload is on its way. On a plain connection there is
 nothing to seal: the event loop hands the socket the frames itself, with no hop at all, each
 payload gathered with the next frame's header in one `sendmsg`.
@@ -18,6 +19,7 @@ scope's deadline, moved as a fetch begins and ends), so a fast fetch costs it no
 from __future__ import annotations
 
 import math
+import select
 import socket
 from typing import Callable
 
@@ -31,6 +33,10 @@ from kvfs.wire.protocol import ErrorReply, FrameKind, encode_frame
 
 PULSE_S = 1.0
 SEND_STALL_S = 10.0  # the owner drops a reader that takes no data this long
+# How long a worker thread waits for room in a full socket before it hands the wait to the event
+# loop: a reader that is reading makes room within it (the socket drains in well under 1 ms a
+# MiB on a live reader), and a send thread never waits on a stopped one for longer.
+THREAD_WAIT_S = 0.005
 
 
 class ChunkData(msgspec.Struct, tag=True):
@@ -75,6 +81,23 @@ def send_views_some(sock: Socket, views: list[memoryview], at: int) -> int:
                 return at
         at += 1
     return at
+
+
+def send_views_waiting(sock: Socket, views: list[memoryview], at: int, wait_s: float = THREAD_WAIT_S) -> int:
+    """`send_views_some`, for a worker thread: while the socket is full, it waits up to
+    `wait_s` at a time for room before it gives up and returns (the event loop waits then).
+    A reader that keeps reading costs one call, not one per time the socket filled; one that
+    stops holds the thread no longer than `wait_s`."""
+    poller: select.poll | None = None
+    while True:
+        at = send_views_some(sock, views, at)
+        if at == len(views):
+            return at
+        if poller is None:
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLOUT)
+        if not poller.poll(wait_s * 1000):
+            return at
 
 
 def sendmsg_some(sock: socket.socket, views: list[memoryview], at: int) -> int:
@@ -154,8 +177,9 @@ class Answers:
         self._sent(payload_bytes)
 
     async def _send(self, views: list[memoryview]) -> None:
-        """The views, sealed in a worker thread for as long as the socket takes data; while it is
-        full, this waits in the event loop (a reader that stops reading holds no thread). A
+        """The views, sealed in a worker thread for as long as the socket takes data (or makes
+        room within THREAD_WAIT_S); while it stays full, this waits in the event loop (a reader
+        that stops reading holds no thread). A
         plaintext connection has nothing to seal: the event loop hands the socket the views
         itself (`sendmsg_some`), with no hop to a worker thread and back."""
         at, waited = 0, False
@@ -163,7 +187,7 @@ class Answers:
             if self.frames.plaintext:
                 at = sendmsg_some(self._socket, views, at)  # type: ignore[arg-type]
             else:
-                at = await in_thread(self._threads, send_views_some, self._socket, views, at)
+                at = await in_thread(self._threads, send_views_waiting, self._socket, views, at)
             if at == len(views):
                 if self.frames.plaintext and not waited:
                     await trio.lowlevel.checkpoint()  # (a batch's requests must not hog the loop)

@@ -70,8 +70,9 @@ PEER_SILENCE_S = 3.0
 CONNECT_TIMEOUT_S = PEER_SILENCE_S
 STREAMS_PER_PEER = 8
 # The owner's bounds on its readers: fetches served at once to one identity (more wait their
-# turn, as tasks), and worker threads encrypting payloads at once. A thread only ever runs
-# while the socket takes data: a reader that stops reading holds a task, never a thread.
+# turn, as tasks), and worker threads encrypting payloads at once. A thread runs while the
+# socket takes data, and waits for room at most THREAD_WAIT_S (kvfs.net.answers) before it
+# hands the wait to the event loop: a reader that stops reading holds a task, not a thread.
 FETCHES_PER_PEER = STREAMS_PER_PEER
 SEND_THREADS = 8
 # A batch's bounds (the owner refuses a larger one as a protocol error): runs, and chunks in all.
