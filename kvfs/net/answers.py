@@ -179,9 +179,8 @@ class Answers:
     async def _send(self, views: list[memoryview]) -> None:
         """The views, sealed in a worker thread for as long as the socket takes data (or makes
         room within THREAD_WAIT_S); while it stays full, this waits in the event loop (a reader
-        that stops reading holds no thread). A
-        plaintext connection has nothing to seal: the event loop hands the socket the views
-        itself (`sendmsg_some`), with no hop to a worker thread and back."""
+        that stops reading holds no thread). A plaintext connection has nothing to seal: the
+        event loop hands the socket the views itself (`sendmsg_some`), with no hop at all."""
         at, waited = 0, False
         while True:
             if self.frames.plaintext:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, TypeVar
 
-import outcome
 import trio
 
 T = TypeVar("T")
@@ -34,7 +33,7 @@ async def in_thread(limiter: trio.CapacityLimiter, fn: Callable[..., T], *args: 
         task = trio.lowlevel.current_task()
         token = trio.lowlevel.current_trio_token()
 
-        def deliver(result: outcome.Outcome[T]) -> None:
+        def deliver(result: Any) -> None:  # (an `outcome.Outcome`: trio hands it back as is)
             token.run_sync_soon(trio.lowlevel.reschedule, task, result)
 
         trio.lowlevel.start_thread_soon(lambda: fn(*args), deliver)

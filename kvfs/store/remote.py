@@ -92,12 +92,12 @@ class PeerChunks:
         lengths = self._chunk_lengths(version, first, count)
         if version not in self.dram or self.reads.promoting(version):
             return None
-        self.residency.pin(version)
-        self.residency.touch(version)
         size = self.chunk_size
         views = [memoryview(self.dram.read(version, index * size, lengths[index])) for index in
                  range(first, first + count)]
         pieces = [self.dram.pieces(version, index) for index in range(first, first + count)]
+        self.residency.pin(version)  # (last: nothing above can leave a pin behind)
+        self.residency.touch(version)
         return HeldChunks(views, pieces, lambda: self.reads.unpin(version))
 
     def piece_checksums(self, version: int, index: int) -> list[int] | None:
