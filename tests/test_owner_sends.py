@@ -84,6 +84,53 @@ def test_a_batch_of_dram_runs_goes_out_in_order_with_its_errors_and_every_pin_co
     assert server.served_bytes == served + len(files[12])
 
 
+class DiskFor:
+    """The real store, but the given versions it serves chunk by chunk (`serve_chunks`), as it
+    does a version on SSD alone: the peer server's other path, between held runs."""
+
+    def __init__(self, store: TieredStore, versions: set[int]) -> None:
+        self.store = store
+        self.chunk_size = store.chunk_size
+        self.versions = versions
+        self.piece_checksums = store.piece_checksums
+        self.serve_chunks = store.serve_chunks
+
+    def hold_chunks(self, version: int, first: int, count: int):
+        return None if version in self.versions else self.store.hold_chunks(version, first, count)
+
+
+def test_runs_served_chunk_by_chunk_keep_their_place_between_held_runs() -> None:
+    files = {version: os.urandom(CHUNK * version + 99) for version in (1, 2, 3, 4)}
+    store = TieredStore(DramTier(32 * CHUNK, chunk_size=CHUNK), None, read_buffers=ReadBufferPool(2, CHUNK))
+    for version, data in files.items():
+        store.create(version)
+        store.dram.write(version, 0, data)
+        store.seal(version, len(data))
+    server = PeerServer(DiskFor(store, {2, 4}), load_tls("owner"))
+    versions = [1, 2, ABSENT, 3, 4, 1]
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(store.run)
+            port = await nursery.start(server.serve, "127.0.0.1", 0)
+            transport = TcpTransport(load_tls("reader"))
+            with trio.fail_after(30):
+                runs, reported = runs_of(files, versions)
+                outcomes = await transport.fetch_batch(f"127.0.0.1:{port}", runs)
+                await trio.testing.wait_all_tasks_blocked()
+            for version, run, outcome, chunks in zip(versions, runs, outcomes, reported):
+                if version == ABSENT:
+                    assert isinstance(outcome, StorageError) and outcome.errno == errno.ENOENT
+                    continue
+                assert outcome is None and chunks == list(range(len(run.targets)))
+                assert b"".join(bytes(t[:n]) for t, n in zip(run.targets, run.lengths)) == files[version]
+            assert not any(store.residency.pinned(version) for version in files)
+            await transport.aclose()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def views_across_a_full_socket(how: str) -> None:
     plain = how == "plain"
     key_a, key_b = os.urandom(32), os.urandom(32)
