@@ -1,11 +1,15 @@
 """The owner's answers on one peer connection: a frame per chunk (or an error), and a pulse
 whenever PULSE_S passes without a frame while a fetch is in progress.
 
-A chunk costs the owner's event loop one hop to a worker thread and back in the common case:
-the thread seals (or, on a plain connection, the event loop sends) the frame's header and
-then its payload, as much as the socket takes; only a socket that fills brings it back to
-the event loop to wait, bounded by the stall budget. The header still goes out as its own
-send, ahead of the payload, so the reader's open returns while the payload is on its way.
+A request's frames (a run's chunks, a batch's runs, their error frames) cost the owner's
+event loop one hop to a worker thread and back in the common case, however many there are
+(`frames_out`): the thread seals each frame's header and then its payload, as much as the
+socket takes, waiting for room while a full socket drains (up to THREAD_WAIT_S at a time);
+only a socket that stays full brings it back to the event loop to wait, bounded by the stall
+budget. Each header still goes out as a send of its own, ahead of its payload, so the
+reader's open returns while the payload is on its way. On a plain connection there is
+nothing to seal: the event loop hands the socket the frames itself, with no hop at all, each
+payload gathered with the next frame's header in one `sendmsg`.
 
 The pulses come from one task per connection that sleeps until a fetch has gone PULSE_S
 without a frame: it is not started, woken or joined per fetch (its wake-up time is a cancel
@@ -15,17 +19,24 @@ scope's deadline, moved as a fetch begins and ends), so a fast fetch costs it no
 from __future__ import annotations
 
 import math
+import select
+import socket
 from typing import Callable
 
 import msgspec
 import trio
 
 from kvfs.errors import KvfsError
+from kvfs.net.hop import in_thread
 from kvfs.net.streams import FrameStream, Socket, TlsStream, send_some
 from kvfs.wire.protocol import ErrorReply, FrameKind, encode_frame
 
 PULSE_S = 1.0
 SEND_STALL_S = 10.0  # the owner drops a reader that takes no data this long
+# How long a worker thread waits for room in a full socket before it hands the wait to the event
+# loop: a reader that is reading makes room within it (the socket drains in well under 1 ms a
+# MiB on a live reader), and a send thread never waits on a stopped one for longer.
+THREAD_WAIT_S = 0.005
 
 
 class ChunkData(msgspec.Struct, tag=True):
@@ -51,13 +62,62 @@ def send_frame_some(sock: Socket, header: memoryview, payload: memoryview) -> tu
     """Sends what the non-blocking socket takes now of a frame, header first (as a send of
     its own, so that it is not held back behind the payload); returns what is left of each.
     Call again with what it returned once the socket is writable (`send_some`'s contract)."""
-    if len(header):
-        header = header[send_some(sock, header):]
-        if len(header):
-            return header, payload
-    if len(payload):
-        payload = payload[send_some(sock, payload):]
-    return header, payload
+    views = [header, payload]
+    at = send_views_some(sock, views, 0)
+    return (views[0] if at == 0 else header[:0]), (views[1] if at <= 1 else payload[:0])
+
+
+def send_views_some(sock: Socket, views: list[memoryview], at: int) -> int:
+    """Sends views[at:] in order, each as a send of its own (a header is not held back behind
+    the payload before it is sealed), as much as the non-blocking socket takes now. Returns
+    the index of the first view not sent whole (len(views): all went), having left in its
+    place what is left of it; call again with that index once the socket is writable."""
+    while at < len(views):
+        view = views[at]
+        if len(view):
+            sent = send_some(sock, view)
+            if sent < len(view):
+                views[at] = view[sent:]
+                return at
+        at += 1
+    return at
+
+
+def send_views_waiting(sock: Socket, views: list[memoryview], at: int, wait_s: float = THREAD_WAIT_S) -> int:
+    """`send_views_some`, for a worker thread: while the socket is full, it waits up to
+    `wait_s` at a time for room before it gives up and returns (the event loop waits then).
+    A reader that keeps reading costs one call, not one per time the socket filled; one that
+    stops holds the thread no longer than `wait_s`."""
+    poller: select.poll | None = None
+    while True:
+        at = send_views_some(sock, views, at)
+        if at == len(views):
+            return at
+        if poller is None:
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLOUT)
+        if not poller.poll(wait_s * 1000):
+            return at
+
+
+def sendmsg_some(sock: socket.socket, views: list[memoryview], at: int) -> int:
+    """`send_views_some` for a plain socket, whose views are frames' (header, payload) pairs: a
+    payload and the next frame's header go in one `sendmsg`, so that every header still ends
+    its send and reaches the reader before its own payload is copied (gathered with it, the
+    kernel pushed it only after most of a 2 MiB payload). N frames: N + 1 sends, not 2N."""
+    while at < len(views):
+        stop = min(at + 1 if at % 2 == 0 else at + 2, len(views))  # (a header alone ends a send)
+        try:
+            sent = sock.sendmsg(views[at:stop])
+        except BlockingIOError:
+            return at
+        while at < stop and sent >= len(views[at]):
+            sent -= len(views[at])
+            at += 1
+        if at < stop:  # the socket took part of them: it is full
+            views[at] = views[at][sent:]
+            return at
+    return at
 
 
 class Answers:
@@ -75,7 +135,7 @@ class Answers:
         self._serving = False  # between begin and end
         self._last_sent = 0.0
         self._timer = trio.CancelScope()  # the pulse task's sleep; its deadline is when it looks next
-        self._sent = sent  # payload bytes, as each chunk goes out
+        self._sent = sent  # payload bytes, as each request's chunks go out
 
     def begin(self, request_id: int) -> None:
         self.request_id = request_id
@@ -87,35 +147,54 @@ class Answers:
         self._serving = False
         self._timer.deadline = math.inf
 
-    async def chunk(self, index: int, data: memoryview | bytes, pieces: list[int] | None = None) -> None:
+    def chunk_frame(self, index: int, data: memoryview | bytes, pieces: list[int] | None = None
+                    ) -> tuple[memoryview, memoryview]:
+        """A chunk's frame for `frames_out`: its encoded header and its payload (a view, no copy)."""
         payload = memoryview(data).cast("B")
         header = encode_frame(FrameKind.RESPONSE, self.request_id, ChunkData(index, len(payload), pieces or []),
                               len(payload))
+        return memoryview(header), payload
+
+    def error_frame(self, error: KvfsError) -> tuple[memoryview, memoryview]:
+        """An error frame for `frames_out` (it ends one run of a batch), with its empty payload."""
+        header = encode_frame(FrameKind.ERROR, self.request_id, ErrorReply(error.errno, str(error)))
+        return memoryview(header), memoryview(b"")
+
+    async def chunk(self, index: int, data: memoryview | bytes, pieces: list[int] | None = None) -> None:
+        header, payload = self.chunk_frame(index, data, pieces)
+        await self.frames_out([header, payload], len(payload))
+
+    async def frames_out(self, views: list[memoryview], payload_bytes: int) -> None:
+        """Sends the views (frames' header and payload pairs, in order) as one: one worker call while
+        the socket takes them. `payload_bytes` is counted as served once they are out. The
+        views must stay valid until this returns."""
         await take(self._sending)
         try:
-            await self._frame(memoryview(header), payload)
+            await self._send(views)
             self._last_sent = trio.current_time()
         finally:
             self._sending.release()
-        self._sent(len(payload))
+        self._sent(payload_bytes)
 
-    async def _frame(self, header: memoryview, payload: memoryview) -> None:
-        """The frame, sealed (or, unwrapped, copied) in a worker thread for as long as the socket
-        takes data; while it is full, this waits in the event loop (a reader that stops reading
-        holds no thread). A plaintext connection has nothing to encrypt: what its socket takes
-        at once (a whole 2 MiB chunk, with the socket buffers the peer server sets) is sent from
-        the event loop, with no hop to a worker thread and back."""
-        if self.frames.plaintext:
-            header, payload = send_frame_some(self._socket, header, payload)
-            if not (len(header) or len(payload)):
-                return await trio.lowlevel.checkpoint()  # (a batch's chunks must not hog the loop)
+    async def _send(self, views: list[memoryview]) -> None:
+        """The views, sealed in a worker thread for as long as the socket takes data (or makes
+        room within THREAD_WAIT_S); while it stays full, this waits in the event loop (a reader
+        that stops reading holds no thread). A plaintext connection has nothing to seal: the
+        event loop hands the socket the views itself (`sendmsg_some`), with no hop at all."""
+        at, waited = 0, False
         while True:
-            header, payload = await trio.to_thread.run_sync(send_frame_some, self._socket, header, payload,
-                                                            limiter=self._threads)
-            if not (len(header) or len(payload)):
+            if self.frames.plaintext:
+                at = sendmsg_some(self._socket, views, at)  # type: ignore[arg-type]
+            else:
+                at = await in_thread(self._threads, send_views_waiting, self._socket, views, at)
+            if at == len(views):
+                if self.frames.plaintext and not waited:
+                    await trio.lowlevel.checkpoint()  # (a batch's requests must not hog the loop)
                 return
+            self._last_sent = trio.current_time()  # (bytes went: no pulse is due for them yet)
             with trio.move_on_after(self.stall_s) as stalled:
                 await trio.lowlevel.wait_writable(self._socket)
+            waited = True
             if stalled.cancelled_caught:  # a frame may be cut: the connection is done
                 raise TimeoutError(f"the peer took no data for {self.stall_s:g} s")
 

@@ -70,8 +70,9 @@ PEER_SILENCE_S = 3.0
 CONNECT_TIMEOUT_S = PEER_SILENCE_S
 STREAMS_PER_PEER = 8
 # The owner's bounds on its readers: fetches served at once to one identity (more wait their
-# turn, as tasks), and worker threads encrypting payloads at once. A thread only ever runs
-# while the socket takes data: a reader that stops reading holds a task, never a thread.
+# turn, as tasks), and worker threads encrypting payloads at once. A thread runs while the
+# socket takes data, and waits for room at most THREAD_WAIT_S (kvfs.net.answers) before it
+# hands the wait to the event loop: a reader that stops reading holds a task, not a thread.
 FETCHES_PER_PEER = STREAMS_PER_PEER
 SEND_THREADS = 8
 # A batch's bounds (the owner refuses a larger one as a protocol error): runs, and chunks in all.
@@ -113,6 +114,8 @@ class ChunkSource(Protocol):
 
     # Optional: `piece_checksums(version, index) -> list[int] | None`, the writer's checksums
     # of a chunk's pieces where the source keeps them (a source without it sends whole chunks).
+    # Optional: `hold_chunks(version, first, count) -> HeldChunks | None` (kvfs.store.remote),
+    # a run's chunks as views pinned in DRAM, so that a request's chunks go out in one send.
 
 
 def _no_pieces(index: int, verified: int) -> None:
@@ -288,8 +291,13 @@ class PeerServer:
                      runs: list[FetchChunks]) -> None:
         """Answers the runs of one request in order; a run that fails ends with an error frame
         and the next one follows (a single `FetchChunks` is a batch of one). A peer's fetches
-        beyond its share wait for `fetches`, holding nothing."""
+        beyond its share wait for `fetches`, holding nothing.
+
+        The runs whose chunks the store holds in DRAM go out together, the request's frames in
+        one worker call (`Answers.frames_out`), their views pinned until it returns; a run the
+        store serves from SSD goes chunk by chunk, as the disk gives them (`serve_chunks`)."""
         pieces = getattr(self.store, "piece_checksums", None)
+        hold = getattr(self.store, "hold_chunks", None)  # (a source without it serves chunk by chunk)
 
         def sender(version: int) -> Callable[[int, memoryview | bytes], Awaitable[None]]:
             async def send(index: int, data: memoryview | bytes) -> None:
@@ -298,13 +306,34 @@ class PeerServer:
 
         await take(fetches)
         answers.begin(request_id)
+        releases: list[Callable[[], None]] = []
+        views: list[memoryview] = []  # frames not yet sent, in order
+        payload = 0
         try:
             for run in runs:
                 try:  # the store checks the chunk range, for this path and the RDMA one
-                    await self.store.serve_chunks(run.version, run.first, run.count, sender(run.version))
+                    held = hold(run.version, run.first, run.count) if hold is not None else None
+                    if held is None:
+                        if views:  # what comes before it goes first
+                            await answers.frames_out(views, payload)
+                            views, payload = [], 0
+                        await self.store.serve_chunks(run.version, run.first, run.count, sender(run.version))
+                        continue
                 except KvfsError as error:
-                    await answers.error(error)
+                    if views:
+                        views.extend(answers.error_frame(error))
+                    else:
+                        await answers.error(error)
+                    continue
+                releases.append(held.release)
+                for offset, (view, checksums) in enumerate(zip(held.views, held.pieces)):
+                    views.extend(answers.chunk_frame(run.first + offset, view, checksums))
+                    payload += len(view)
+            if views:
+                await answers.frames_out(views, payload)
         finally:
+            for release in releases:
+                release()
             answers.end()
             fetches.release()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import trio
@@ -27,6 +28,16 @@ log = logging.getLogger("kvfs.store.tiered")
 
 # Fills chunks start..stop-1 of a remote source (the transport's side of a fetch).
 Fetch = Callable[[ReadSource, int, int], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class HeldChunks:
+    """A run of chunks of a version in DRAM, as views of the arena (no copy) and the writer's
+    piece checksums of each where kept; pinned, so the views stay valid, until `release()`."""
+
+    views: list[memoryview]
+    pieces: list[list[int] | None]
+    release: Callable[[], None]
 
 
 class PeerChunks:
@@ -71,6 +82,23 @@ class PeerChunks:
                 await send(index, buffer[: lengths[index]])
         finally:
             self.read_buffers.give_back(buffer)
+
+    def hold_chunks(self, version: int, first: int, count: int) -> HeldChunks | None:
+        """Chunks first..first+count-1 of a sealed version in DRAM, pinned and touched as a
+        read (as `serve_chunks` does) until the caller releases them: so that the peer server
+        sends a request's chunks, of several versions, in one go. None when the version is
+        not in DRAM now (on SSD alone, or being promoted): `serve_chunks` serves it then, as
+        the disk gives its chunks. Raises StorageError as `serve_chunks` does."""
+        lengths = self._chunk_lengths(version, first, count)
+        if version not in self.dram or self.reads.promoting(version):
+            return None
+        size = self.chunk_size
+        views = [memoryview(self.dram.read(version, index * size, lengths[index])) for index in
+                 range(first, first + count)]
+        pieces = [self.dram.pieces(version, index) for index in range(first, first + count)]
+        self.residency.pin(version)  # (last: nothing above can leave a pin behind)
+        self.residency.touch(version)
+        return HeldChunks(views, pieces, lambda: self.reads.unpin(version))
 
     def piece_checksums(self, version: int, index: int) -> list[int] | None:
         """The writer's checksums of one chunk's pieces, where the DRAM tier keeps them (they

@@ -40,7 +40,7 @@ from kvfs.store.dram import DramTier
 from kvfs.store.faults import StorageFaults
 from kvfs.store.offloader import Offloader
 from kvfs.store.reads import LocalReads
-from kvfs.store.remote import Fetch, PeerChunks
+from kvfs.store.remote import Fetch, HeldChunks, PeerChunks
 from kvfs.store.residency import Residency
 from kvfs.store.source import ReadSource  # re-exported: callers import it from here
 
@@ -227,6 +227,10 @@ class TieredStore:
                            send: Callable[[int, memoryview | bytes], Awaitable[None]]) -> None:
         """Hands chunks of a sealed version to `send` in order (the peer server's source)."""
         await self.peers.serve_chunks(version, first, count, send)
+
+    def hold_chunks(self, version: int, first: int, count: int) -> HeldChunks | None:
+        """A run of a version's chunks as pinned DRAM views (None: not in DRAM now)."""
+        return self.peers.hold_chunks(version, first, count)
 
     def piece_checksums(self, version: int, index: int) -> list[int] | None:
         """The writer's checksums of one chunk's pieces, if kept (sent with the chunk)."""

@@ -1,0 +1,42 @@
+"""A call in a worker thread for the owner's serving path, at the cost of the hop alone.
+
+`trio.to_thread.run_sync` does more per call than the owner's sends need: it names the OS
+thread for the call and back (two `prctl`s through ctypes), formats that name from the task's,
+copies the context, and takes its limiter with a scheduler pass of its own even when the
+limiter is free. `in_thread` keeps what the serving path relies on (a thread from trio's
+cache, a bound on threads at once, the caller's task waiting uncancellably until the call
+returns, its outcome raised or returned) and drops the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, TypeVar
+
+import trio
+
+T = TypeVar("T")
+
+
+def _no_abort(_: Any) -> trio.lowlevel.Abort:
+    # The thread holds views of the caller's buffers: the caller waits until it returns.
+    return trio.lowlevel.Abort.FAILED
+
+
+async def in_thread(limiter: trio.CapacityLimiter, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in a cached worker thread, with one of `limiter`'s tokens held meanwhile;
+    returns its result or raises its exception. A cancel takes effect after it returns."""
+    try:
+        limiter.acquire_nowait()
+    except trio.WouldBlock:
+        await limiter.acquire()
+    try:
+        task = trio.lowlevel.current_task()
+        token = trio.lowlevel.current_trio_token()
+
+        def deliver(result: Any) -> None:  # (an `outcome.Outcome`: trio hands it back as is)
+            token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+
+        trio.lowlevel.start_thread_soon(lambda: fn(*args), deliver)
+        return await trio.lowlevel.wait_task_rescheduled(_no_abort)  # type: ignore[no-any-return]
+    finally:
+        limiter.release()
