@@ -132,6 +132,28 @@ def test_a_corrupt_piece_in_a_batch_fails_its_file_and_the_next_file_arrives_who
     serve(store, test)
 
 
+def test_a_corrupt_last_piece_fails_its_chunk_and_nothing_of_that_chunk_is_served_after_the_good_pieces() -> None:
+    """The last piece of a chunk is verified with the whole chunk (its own checksum is not
+    computed as well): a bad one still fails the file with EIO, once, after the good pieces."""
+    files = {7: os.urandom(CHUNK), 8: os.urandom(CHUNK)}
+    store = owner_store(files)
+    at = store.dram.chunk_offsets(7, 0, 1)[0]
+    assert at is not None
+    store.dram.arena.view[at + 3 * PIECE_SIZE + 5] ^= 0xFF  # the owner's copy of the last piece goes bad
+
+    async def test(address: str) -> None:
+        transport = TcpTransport(READER)
+        runs = [Received(7, files[7]), Received(8, files[8])]
+        outcomes = await transport.fetch_batch(address, [r.run for r in runs])
+        assert isinstance(outcomes[0], StorageError) and outcomes[0].errno == errno.EIO
+        assert "fails its checksum" in str(outcomes[0]) and transport.checksum_failures == 1
+        assert runs[0].events == ["answer", (0, PIECE_SIZE), (0, 2 * PIECE_SIZE), (0, 3 * PIECE_SIZE)]
+        assert outcomes[1] is None and runs[1].bytes() == files[8]
+        await transport.aclose()
+
+    serve(store, test)
+
+
 HOSTILE = [
     FetchBatch([]),
     FetchBatch([FetchChunks(7, 0, 1)] * (MAX_BATCH_RUNS + 1)),
