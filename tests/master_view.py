@@ -3,9 +3,12 @@ against what a fresh service loads back (kvfs.cluster.persist)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from kvfs.cluster.master import MetadataService
+from kvfs.clock import SystemClock
+from kvfs.cluster.master import MasterSettings, MetadataService
+from kvfs.cluster.namespace import ROOT_INO
 from kvfs.cluster.persist import MasterState
 from kvfs.policy import LruPolicy
 
@@ -30,3 +33,14 @@ def reloaded_view(service: MetadataService, state: MasterState) -> dict[str, Any
     fresh = MetadataService(service.clock, LruPolicy(), service.settings)
     state.load(fresh)
     return saved_view(fresh)
+
+
+def names_on_disk(directory: Path) -> set[bytes]:
+    """The root's names in a master's lmdb, loaded as a restarted master would."""
+    service = MetadataService(SystemClock(), LruPolicy(), MasterSettings(cluster=True))
+    state = MasterState(directory)
+    try:
+        state.load(service)
+    finally:
+        state.close()
+    return set(service.ns.inodes[ROOT_INO].children)

@@ -11,30 +11,17 @@ from pathlib import Path
 import trio
 
 from conftest import MasterDaemon, load_tls
-from kvfs.clock import SystemClock
-from kvfs.cluster.master import MasterSettings, MetadataService
+from master_view import names_on_disk
 from kvfs.cluster.namespace import ROOT_INO
-from kvfs.cluster.persist import MasterState
 from kvfs.net.handshake import connect
 from kvfs.net.rpc import RemoteMaster
 from kvfs.net.streams import FrameStream
-from kvfs.policy import LruPolicy
 from kvfs.wire import messages as m
 from kvfs.wire.protocol import FrameKind, HeaderDecoder, encode_frame
 
 NODE = load_tls("node1")
 OPENED = HeaderDecoder(m.Opened)
 
-
-def names_on_disk(directory: Path) -> set[bytes]:
-    """The root's names in a master's lmdb, loaded as a restarted master would."""
-    service = MetadataService(SystemClock(), LruPolicy(), MasterSettings(cluster=True))
-    state = MasterState(directory)
-    try:
-        state.load(service)
-    finally:
-        state.close()
-    return set(service.ns.inodes[ROOT_INO].children)
 
 
 def saves(master: MasterDaemon) -> float:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import load_tls
+from master_view import names_on_disk
 from kvfs.cluster.master import MasterSettings, MetadataService
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.cluster.persist import MasterState
@@ -19,15 +20,6 @@ from kvfs.wire import messages as m
 
 SMALL_MAP = 256 << 10  # room for a few dozen inodes with large xattrs, then lmdb's map is full
 
-
-def names_on_disk(directory: Path) -> set[bytes]:
-    service = MetadataService(SystemClock(), LruPolicy(), MasterSettings(cluster=True))
-    state = MasterState(directory)
-    try:
-        state.load(service)
-    finally:
-        state.close()
-    return set(service.ns.inodes[ROOT_INO].children)
 
 
 def test_a_failed_save_keeps_the_changes_dirty_and_the_retry_writes_them(tmp_path: Path,
