@@ -1,20 +1,16 @@
-"""The owner's answers (kvfs.net.answers): a frame sent in pieces as a real sealed socket takes
-them, and the connection's one pulse task, which speaks only while a fetch waits on its store."""
+"""The owner's answers (kvfs.net.answers): the connection's one pulse task, which speaks only
+while a fetch waits on its store (frames across a full socket: tests/test_owner_sends.py)."""
 
 from __future__ import annotations
 
 import os
-import select
-import socket
-import threading
 
 import trio
 
 from conftest import load_tls
 from kvfs.checksum import chunk_checksum
-from kvfs.net.answers import PULSE_S, ChunkData, send_frame_some
+from kvfs.net.answers import PULSE_S, ChunkData
 from kvfs.net.handshake import connect
-from kvfs.net.sealed import SealedSocket
 from kvfs.net.transport import FetchChunks, PeerServer
 from kvfs.store.buffers import ReadBufferPool
 from kvfs.store.dram import DramTier
@@ -25,41 +21,6 @@ OWNER = load_tls("owner")
 READER = load_tls("reader")
 CHUNK = 1 << 20
 FAST, SLOW = 7, 8  # versions: SLOW's chunks take 1.5 PULSE_S to come from the store
-
-
-def test_a_frame_goes_out_whole_and_in_order_across_a_full_sealed_socket() -> None:
-    key_a, key_b = os.urandom(32), os.urandom(32)
-    left, right = socket.socketpair()
-    left.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
-    sender, receiver = SealedSocket(left, key_a, key_b), SealedSocket(right, key_b, key_a)
-    sender.setblocking(False)
-    header, payload = os.urandom(300), os.urandom(3 * CHUNK + 17)
-    full = threading.Event()
-    received = bytearray(len(header) + len(payload))
-
-    def receive() -> None:
-        full.wait(10)  # the socket fills before anything is read
-        view, got = memoryview(received), 0
-        while got < len(view):
-            count = receiver.recv_into(view[got:])
-            assert count
-            got += count
-
-    reader = threading.Thread(target=receive)
-    reader.start()
-    rest = memoryview(header), memoryview(payload)
-    calls = 0
-    while len(rest[0]) or len(rest[1]):
-        rest = send_frame_some(sender, *rest)
-        calls += 1
-        if len(rest[0]) or len(rest[1]):
-            full.set()
-            select.select([], [left], [], 10)
-    reader.join(10)
-    assert calls > 1  # it did stop at a full socket and go on with what it returned
-    assert bytes(received) == header + payload
-    left.close()
-    right.close()
 
 
 class SlowSource:

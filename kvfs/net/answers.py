@@ -58,15 +58,6 @@ async def take(lock: trio.Lock | trio.CapacityLimiter) -> None:
         await lock.acquire()
 
 
-def send_frame_some(sock: Socket, header: memoryview, payload: memoryview) -> tuple[memoryview, memoryview]:
-    """Sends what the non-blocking socket takes now of a frame, header first (as a send of
-    its own, so that it is not held back behind the payload); returns what is left of each.
-    Call again with what it returned once the socket is writable (`send_some`'s contract)."""
-    views = [header, payload]
-    at = send_views_some(sock, views, 0)
-    return (views[0] if at == 0 else header[:0]), (views[1] if at <= 1 else payload[:0])
-
-
 def send_views_some(sock: Socket, views: list[memoryview], at: int) -> int:
     """Sends views[at:] in order, each as a send of its own (a header is not held back behind
     the payload before it is sealed), as much as the non-blocking socket takes now. Returns
