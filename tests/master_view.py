@@ -25,7 +25,8 @@ def saved_view(service: MetadataService) -> dict[str, Any]:
     nodes = sorted((n.node_id, n.name, n.address, tuple(n.grants)) for n in registry.nodes.values()
                    if n.node_id not in registry.permanent)
     return {"inodes": inodes, "versions": versions, "nodes": nodes, "next_ino": service.ns.next_ino,
-            "next_entry_id": service.ns.next_entry_id, "next_version": service.objects.next_version}
+            "next_entry_id": service.ns.next_entry_id, "next_version": service.objects.next_version,
+            "next_node": registry.next_id}
 
 
 def reloaded_view(service: MetadataService, state: MasterState) -> dict[str, Any]:

@@ -15,15 +15,18 @@ open handles when they register again, and every node starts out not alive.
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from pathlib import Path
 
 import lmdb
+import msgspec
 
 from kvfs.cluster import records
 from kvfs.cluster.master import MetadataService
 from kvfs.cluster.records import Kind
+from kvfs.errors import MetadataError
 
 log = logging.getLogger(__name__)
 
@@ -49,24 +52,34 @@ class MasterState:
         self._upgrade = False  # the old meta record is still there
 
     def load(self, service: MetadataService) -> int:
-        """Fills a fresh service with the saved state; returns the number of files."""
+        """Fills a fresh service with the saved state; returns the number of files. A damaged
+        record (or a field out of its bounds) is named, and nothing is loaded: MetadataError."""
         loaded = records.Loaded()
-        with self.env.begin() as txn:
-            raw_counters = txn.get(COUNTERS_KEY, db=self._meta)
-            raw_meta = txn.get(OLD_META_KEY, db=self._meta)
-            if raw_counters is not None:
-                loaded.add(Kind.COUNTERS, 0, raw_counters)
-                for key, value in txn.cursor(db=self._meta):
-                    if key.startswith(NODE_PREFIX):
-                        loaded.add(Kind.NODE, int.from_bytes(key[len(NODE_PREFIX):], "big"), value)
-            elif raw_meta is not None:  # a data directory of the first layout: nodes inside the meta record
-                loaded.add_meta(raw_meta)
-            else:
-                return 0
-            for key, value in txn.cursor(db=self._inodes):
-                loaded.add(Kind.INODE, int.from_bytes(key, "big"), value)
-            for key, value in txn.cursor(db=self._versions):
-                loaded.add(Kind.VERSION, int.from_bytes(key, "big"), value)
+        kind, key = Kind.COUNTERS, COUNTERS_KEY  # the record being read (one try for all: none per record)
+        try:
+            with self.env.begin() as txn:
+                raw_counters = txn.get(COUNTERS_KEY, db=self._meta)
+                raw_meta = txn.get(OLD_META_KEY, db=self._meta)
+                if raw_counters is not None:
+                    loaded.add(Kind.COUNTERS, 0, raw_counters)
+                    kind = Kind.NODE
+                    for key, value in txn.cursor(db=self._meta):
+                        if key.startswith(NODE_PREFIX):
+                            loaded.add(Kind.NODE, int.from_bytes(key[len(NODE_PREFIX):], "big"), value)
+                elif raw_meta is not None:  # a data directory of the first layout: nodes inside the meta record
+                    key = OLD_META_KEY
+                    loaded.add_meta(raw_meta)
+                else:
+                    return 0
+                kind = Kind.INODE
+                for key, value in txn.cursor(db=self._inodes):
+                    loaded.add(Kind.INODE, int.from_bytes(key, "big"), value)
+                kind = Kind.VERSION
+                for key, value in txn.cursor(db=self._versions):
+                    loaded.add(Kind.VERSION, int.from_bytes(key, "big"), value)
+        except msgspec.DecodeError as error:
+            raise MetadataError(errno.EIO, f"{self.env.path()}: the {kind.name.lower()} record {bytes(key)!r} is "
+                                           f"damaged ({error}); not loaded") from None
         files = loaded.into(service)
         if raw_counters is None:  # the next save writes the nodes as records of their own and drops the old meta record
             self._upgrade = True

@@ -1,7 +1,7 @@
 """The master's durable records, pure: what a save writes and how a load reads it back.
 
 A save turns the metadata service's dirty sets into `Change`s: one record per inode, per
-file version and per node, and one for the counters (the next inode, entry and version
+file version and per node, and one for the counters (the next inode, entry, version and node
 numbers); a record whose object is gone is a deletion (value None). A store (lmdb in
 kvfs.cluster.persist, etcd in kvfs.net.etcdstate) writes them in one transaction and,
 once that committed, clears the dirty sets (`clear_dirty`). A load decodes the stored
@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Annotated
 
 import msgspec
 
 from kvfs.cluster.master import MetadataService
 from kvfs.cluster.namespace import Inode, make_inode
 from kvfs.cluster.objects import FileVersion
-from kvfs.cluster.registry import Grant
+from kvfs.cluster.registry import NODE_ID_MAX, Grant
 
 LAYOUT = 1
 
@@ -57,6 +58,9 @@ class SavedCounters(msgspec.Struct, array_like=True):
     next_ino: int
     next_entry_id: int
     next_version: int
+    # The next node id (Registry.next_id): ids of removed nodes are not handed out again after
+    # a restart or failover. 0: saved before it was (the load derives it from the nodes, as then).
+    next_node: Annotated[int, msgspec.Meta(ge=0, le=NODE_ID_MAX + 1)] = 0
 
 
 class SavedNode(msgspec.Struct, array_like=True):
@@ -144,7 +148,8 @@ def changes(service: MetadataService, written_nodes: dict[int, NodeFields]) -> l
         out.extend(Change(Kind.NODE, node_id, None) for node_id in sorted(written_nodes.keys() - current.keys()))
     if out:
         out.append(Change(Kind.COUNTERS, 0, _encode(SavedCounters(LAYOUT, ns.next_ino, ns.next_entry_id,
-                                                                  objects.next_version))))
+                                                                  objects.next_version,
+                                                                  service.registry.next_id))))
     return out
 
 
@@ -171,6 +176,7 @@ class Loaded:
     next_ino: int = 0
     next_entry_id: int = 0
     next_version: int = 0
+    next_node: int = 0  # the saved high-water mark of node ids (0: none saved)
     nodes: list[tuple[int, str, str]] = field(default_factory=list)
     grants: dict[int, list[Grant]] = field(default_factory=dict)  # by node id
     found: bool = False  # any counters record: state was saved before
@@ -189,6 +195,7 @@ class Loaded:
             counters = _decode_counters(value)
             self.next_ino, self.next_entry_id, self.next_version = (counters.next_ino, counters.next_entry_id,
                                                                     counters.next_version)
+            self.next_node = counters.next_node
             self.found = True
 
     def add_meta(self, value: bytes) -> None:
@@ -204,6 +211,7 @@ class Loaded:
             return 0
         service.load(self.inodes, self.versions, self.next_ino, self.next_entry_id, self.next_version, self.nodes,
                      self.grants)
+        service.registry.reserve(self.next_node)
         return service.ns.files
 
     def written_nodes(self) -> dict[int, NodeFields]:

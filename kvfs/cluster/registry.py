@@ -5,6 +5,12 @@ SSD index refers to it). It is alive while it heartbeats; one that misses
 heartbeats for `dead_after_s` is declared dead (`expired`, asked by
 kvfs.cluster.liveness, which first rules out the master's own stalls). After a
 master restart every known node starts out not alive until it registers again.
+
+An id is never handed out twice, not even after the node that had it was removed and
+the master restarted or failed over: ids, records, fencing of late frames and outboxes
+would otherwise pass a removed node's meaning to a new one. The next id (`next_id`, the
+high-water mark) is saved with the counters (kvfs.cluster.records) and `reserve`d on a
+load.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from dataclasses import dataclass, field
 from kvfs.wire.messages import Activity, NameChange
 
 LOCAL_NODE = 1  # the only node of a single-node (embedded) mount
+NODE_ID_MAX = (1 << 32) - 1  # a version keeps its node's id in 32 bits (kvfs.cluster.objects)
 # Number blocks remembered per node (kvfs.node.private): a node uses its blocks oldest first
 # and holds two or three at a time (it asks for the next when a quarter is left), so the
 # newest eight always include every block it may still publish from, even after it restarted
@@ -108,6 +115,11 @@ class Registry:
                                              grants=list((grants or {}).get(node_id, ())))
             self.by_name[name] = node_id
             self.next_id = max(self.next_id, node_id + 1)
+
+    def reserve(self, next_id: int) -> None:
+        """Ids below NEXT_ID were handed out before (the saved high-water mark; 0: none saved,
+        as in state written before it was): none of them is handed out again."""
+        self.next_id = max(self.next_id, next_id)
 
     def is_live(self, node_id: int) -> bool:
         node = self.nodes.get(node_id)

@@ -170,6 +170,7 @@ class Follower:
             counters = (changed.next_ino, changed.next_entry_id, changed.next_version)
             self.service.apply(changed.inodes, changed.versions, gone[Kind.INODE], gone[Kind.VERSION], counters,
                                changed.nodes, gone[Kind.NODE], changed.grants)
+            self.service.registry.reserve(changed.next_node)  # (the ids of nodes removed meanwhile too)
         except Exception as error:  # a record that does not fit the copy: it cannot be trusted any more
             self.service = None
             raise _Diverged(f"applying {len(latest)} records up to revision {self.revision} failed: "
