@@ -1,8 +1,10 @@
 """Node ids are never handed out twice. With the node of the highest id removed, a master
 restarted after kill -9 (its state in lmdb) and a standby elected after kill -9 of the
-leader (the state in etcd, loaded by a standby started after the removal) give a new node a fresh id, not the removed one's; a saved
-high-water mark out of bounds is refused at the load, and state saved before the mark
-existed loads with the mark derived from the nodes, as it was then."""
+leader (the state in etcd, loaded by a standby started after the removal) give a new
+node a fresh id, not the removed one's; a saved high-water mark out of bounds is refused
+at the load, and state saved before the mark existed loads with the mark derived from
+the nodes, as it was then. A removal that a restart cut short is finished by the
+restarted master."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from conftest import MasterDaemon, load_tls, wait_until
 from etcd import ElectedMaster, EtcdCluster
 from test_master_ha import FAILOVER_S, TTL, leading, run_masters
 from kvfs.clock import ManualClock
+from kvfs.cluster.backlog import STEP_ITEMS
 from kvfs.cluster.master import MasterSettings, MetadataService
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.cluster.persist import COUNTERS_KEY, MasterState
@@ -192,3 +195,44 @@ def _counters(directory: Path) -> bytes:
     state.close()
     assert value is not None
     return bytes(value)
+
+
+def test_a_removal_cut_short_by_a_restart_is_finished_after_it(tmp_path: Path) -> None:
+    """`kvfs remove-node` forgets a node's files in slices; the rest of a master killed between
+    them are forgotten by the restarted one (before, they stayed hidden for good, or went to
+    a new node that was given the removed one's id)."""
+    files = STEP_ITEMS + 76  # the first slice goes with the answer: 76 left
+    clock = ManualClock()
+    service = MetadataService(clock, LruPolicy(), SETTINGS)
+    nodes = {}
+    for name in ("a", "b"):
+        nodes[name] = service.handle(m.Register(name, "10.0.0.1:1"), 0).node
+        service.handle(m.Report([]), nodes[name])
+        service.handle(m.FinishRegistration(), nodes[name])
+    b = nodes["b"]
+    for i in range(files):
+        opened = service.handle(m.Create(ROOT_INO, b"f%d" % i, 0o644, 0, 0, b, True), b)
+        service.handle(m.Seal(opened.version, 10, clock.wall_ns(), []), b)
+        service.handle(m.Release(opened.version, True), b)
+        service.handle(m.Offloaded([opened.version]), b)  # on its SSD: kept, hidden, while it is down
+    while service.registry.is_live(b):  # expiry passes; only a heartbeats
+        clock.advance(SETTINGS.expire_interval_s)
+        service.handle(m.Heartbeat(0, 0, 0, 0), nodes["a"])
+        service.expire_nodes()
+    assert service.handle(m.RemoveNode("b"), 0).files == files
+    state = MasterState(tmp_path)
+    state.save(service)  # the master is killed here: the next slices never run
+    state.close()
+
+    restarted = loaded(tmp_path)
+    assert len(restarted.objects.of_node(b)) == files - STEP_ITEMS
+    c = restarted.handle(m.Register("c", "10.0.0.3:1"), 0).node
+    assert c != b and restarted.objects.of_node(c) == []
+    restarted.expire_nodes()  # the first pass queues the rest; it goes in slices between requests
+    while restarted.pending_work(1.0):
+        pass
+    assert restarted.objects.of_node(b) == [] and restarted.objects.versions == {}
+    assert not restarted.ns.inodes[ROOT_INO].children  # the names are free
+    assert restarted.members.forgetting == set()
+    restarted.expire_nodes()
+    assert len(restarted.backlog) == 0  # nothing queued again

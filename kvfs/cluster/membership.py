@@ -96,6 +96,7 @@ class Membership:
         self.backlog = backlog  # work in proportion to a node's files, done in slices
         self.forget_dead_after_s = forget_dead_after_s  # 0: dead nodes are kept until removed
         self.forgotten = 0  # dead nodes forgotten since start
+        self.forgetting: set[int] = set()  # nodes no longer registered whose versions are being forgotten
         self.liveness = liveness
         self.ns = ns
         self.objects = objects
@@ -250,9 +251,17 @@ class Membership:
             for node in [n for n in self.registry.nodes.values() if not (n.live or n.registering)
                          and n.address and now - n.last_seen > self.forget_dead_after_s]:
                 self._unregister(node)  # its name is free now: its files are hidden, and go in slices
-                self.backlog.add(self._forget_job(node.node_id))
+                self._forget(node.node_id)
                 self.forgotten += 1
+        # Versions of a node no longer registered with no job forgetting them: a removal that a
+        # restart or failover cut short (the job lived in the old process). O(nodes) a pass.
+        for node_id in self.objects.by_node.keys() - self.registry.nodes.keys() - self.forgetting:
+            self._forget(node_id)
         return [node.node_id for node in dead]
+
+    def _forget(self, node_id: int, entries: list[tuple[int, bytes, int]] | None = None) -> None:
+        self.forgetting.add(node_id)
+        self.backlog.add(self._forget_job(node_id, entries))
 
     def _forget_job(self, node_id: int, entries: list[tuple[int, bytes, int]] | None = None) -> Iterator[None]:
         """The versions of a forgotten node (no longer registered: hidden, as no live node holds
@@ -270,6 +279,7 @@ class Membership:
             self._forget_versions(found)
             self.files.route_outcomes(node_id)  # (their node does not hold them: nothing to free)
             yield
+        self.forgetting.discard(node_id)
 
     def _unregister(self, node: NodeRecord) -> None:
         del self.registry.nodes[node.node_id]
@@ -382,7 +392,7 @@ class Membership:
         files, _, _, freed = self.objects.totals(node.node_id)
         self._unregister(node)
         entries: list[tuple[int, bytes, int]] = []
-        self.backlog.add(self._forget_job(node.node_id, entries))
+        self._forget(node.node_id, entries)
         return m.Removed([], entries, freed, files=files)
 
     def cluster_status(self, req: m.ClusterStatus) -> m.ClusterInfo:
