@@ -7,10 +7,10 @@ kvfs.cluster.liveness, which first rules out the master's own stalls). After a
 master restart every known node starts out not alive until it registers again.
 
 An id is never handed out twice, not even after the node that had it was removed and
-the master restarted or failed over: ids, records, fencing of late frames and outboxes
-would otherwise pass a removed node's meaning to a new one. The next id (`next_id`, the
-high-water mark) is saved with the counters (kvfs.cluster.records) and `reserve`d on a
-load.
+the master restarted or failed over: a new node would otherwise inherit what the id
+meant (the removed node's version records, the fencing of its late frames, its
+outboxes, its metrics). The next id (`next_id`, the high-water mark) is saved with the
+counters (kvfs.cluster.records) and `reserve`d on a load.
 """
 
 from __future__ import annotations
