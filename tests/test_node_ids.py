@@ -3,7 +3,8 @@ restarted after kill -9 (its state in lmdb) and a standby elected after kill -9 
 leader (the state in etcd, loaded by a standby started after the removal) give a new
 node a fresh id, not the removed one's; a saved high-water mark out of bounds is refused
 at the load, and state saved before the mark existed loads with the mark derived from
-the nodes, as it was then. A removal that a restart cut short is finished by the
+the nodes, as it was then. A hot standby applying the leader's commits reserves the ids
+the leader handed out, and a removal that a restart cut short is finished by the
 restarted master."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import trio
 from conftest import MasterDaemon, load_tls, wait_until
 from etcd import ElectedMaster, EtcdCluster
 from test_master_ha import FAILOVER_S, TTL, leading, run_masters
+from test_standby import CLUSTER, elect, loaded_follower, until
 from kvfs.clock import ManualClock
 from kvfs.cluster.backlog import STEP_ITEMS
 from kvfs.cluster.master import MasterSettings, MetadataService
@@ -27,6 +29,8 @@ from kvfs.cluster.namespace import ROOT_INO
 from kvfs.cluster.persist import COUNTERS_KEY, MasterState
 from kvfs.cluster.registry import NODE_ID_MAX
 from kvfs.errors import MetadataError
+from kvfs.net.etcd import EtcdClient
+from kvfs.net.etcdstate import EtcdState
 from kvfs.net.rpc import RemoteMaster
 from kvfs.policy import LruPolicy
 from kvfs.wire import messages as m
@@ -236,3 +240,45 @@ def test_a_removal_cut_short_by_a_restart_is_finished_after_it(tmp_path: Path) -
     assert restarted.members.forgetting == set()
     restarted.expire_nodes()
     assert len(restarted.backlog) == 0  # nothing queued again
+
+
+def join(service: MetadataService, name: str) -> int:
+    node = service.handle(m.Register(name, "10.0.0.1:1"), 0).node
+    service.handle(m.Report([]), node)
+    service.handle(m.FinishRegistration(), node)
+    return node
+
+
+def test_a_standby_following_the_leader_reserves_the_ids_it_handed_out(etcd_cluster: EtcdCluster) -> None:
+    """A node registered and removed between two commits leaves no record of its own, only
+    the saved mark: a standby applying the leader's commits hands its id to nobody."""
+    async def main() -> None:
+        client = EtcdClient(etcd_cluster.urls)
+        epoch = await elect(client)
+        clock = ManualClock()
+        leader, state = MetadataService(clock, LruPolicy(), SETTINGS), EtcdState(client, CLUSTER)
+
+        async def commit() -> None:
+            batch = state.take(leader)
+            if batch is not None:
+                await state.commit(batch, epoch)
+
+        join(leader, "a")
+        await commit()
+        async with trio.open_nursery() as nursery:
+            follower = await loaded_follower(client, nursery)
+            b = join(leader, "b")
+            while leader.registry.is_live(b):  # expiry passes with no heartbeat
+                clock.advance(SETTINGS.expire_interval_s)
+                leader.expire_nodes()
+            leader.handle(m.RemoveNode("b"), 0)
+            leader.handle(m.MkDir(ROOT_INO, b"d", 0o755, 0, 0), 1)
+            await commit()
+            await until(lambda: follower.revision >= state.revision, "the standby following")
+            nursery.cancel_scope.cancel()
+        copy, _ = await follower.catch_up(state.revision, 5.0)
+        assert "b" not in copy.registry.by_name and copy.ns.lookup(ROOT_INO, b"d") is not None
+        assert join(copy, "c") == b + 1
+        await client.aclose()
+
+    trio.run(main)
