@@ -254,9 +254,11 @@ class Membership:
                 self._forget(node.node_id)
                 self.forgotten += 1
         # Versions of a node no longer registered with no job forgetting them: a removal that a
-        # restart or failover cut short (the job lived in the old process). O(nodes) a pass.
-        for node_id in self.objects.by_node.keys() - self.registry.nodes.keys() - self.forgetting:
-            self._forget(node_id)
+        # restart or failover cut short (the job lived in the old process). O(nodes) a pass, and
+        # one such node a pass, as a job's first slice runs at once (the loop stays responsive).
+        orphaned = self.objects.by_node.keys() - self.registry.nodes.keys() - self.forgetting
+        if orphaned:
+            self._forget(min(orphaned))
         return [node.node_id for node in dead]
 
     def _forget(self, node_id: int, entries: list[tuple[int, bytes, int]] | None = None) -> None:
