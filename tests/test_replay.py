@@ -72,19 +72,17 @@ def conversation_trace(path: Path, requests: int, seed: int) -> None:
                                   "hash_ids": chain}) + "\n")
 
 
-MAX_FAILED_LOADS = 3  # per policy: loads of a block evicted after access() found it (see below)
-
-
 def test_live_replay_through_a_mount_delivers_the_offline_hit_ratio(tmp_path: Path) -> None:
     """Every policy, played through a real mount with eviction, hits what the offline
-    model predicts for the number of blocks the mount's DRAM tier holds. Not always to
-    the block: a file is sealed (and becomes evictable) when the kernel's RELEASE
-    arrives, which may be after the next request's first calls; and the kernel drops
-    the entry of an evicted file asynchronously, so access() may still find a block that
-    a store just evicted and its load fail. The script counts that load as a miss, as
-    vLLM does, after checking that the block is really gone (a load that fails while
-    its file exists stops it); such loads are rare, and each costs at most the rest of
-    one request's prefix."""
+    model predicts for the number of blocks the mount's DRAM tier holds, within 0.005
+    (docs/eviction.md): a file is sealed (and becomes evictable) when the kernel's
+    RELEASE arrives, which may be after the next request's first calls. The kernel
+    drops the entry of an evicted file asynchronously, so access() may still find a
+    block that a store just evicted and its load fail; the script checks that the block
+    is really gone (a load that fails while its file exists stops it) and counts the
+    load as a miss, as vLLM does. The model evicted that block too, so it is a miss
+    there as well: the ratio holds however many such loads there are, and their number
+    is not bounded here, as it grows with how late the kernel's invalidation comes."""
     path = tmp_path / "conversation.jsonl"
     conversation_trace(path, 400, seed=5)
     result = subprocess.run([sys.executable, "scripts/replay_trace.py", "live", str(path), "--capacity", "0.1",
@@ -95,11 +93,8 @@ def test_live_replay_through_a_mount_delivers_the_offline_hit_ratio(tmp_path: Pa
     rows = [line.split() for line in lines if line.split()[0] == "0.100"]
     assert sorted(row[2] for row in rows) == sorted(POLICIES)
     trace = load_trace(path)
-    requested = sum(len(request.blocks) for request in trace)
-    longest = max(len(request.blocks) for request in trace)
-    for _, blocks, policy, live, offline, failed, *_ in rows:
+    for _, blocks, policy, live, offline, *_ in rows:
         assert int(blocks) < unique_blocks(trace) // 5  # small enough to evict
-        assert int(failed) <= MAX_FAILED_LOADS, lines
-        assert abs(float(live) - float(offline)) <= 0.005 + int(failed) * longest / requested, lines
+        assert abs(float(live) - float(offline)) <= 0.005, lines
         assert float(offline) == round(replay(trace, int(blocks), make_policy(policy)), 4)
     assert lines[-1] == f"hit_ratio={next(row[3] for row in rows if row[2] == DEFAULT_POLICY)}"
