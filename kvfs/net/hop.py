@@ -1,9 +1,10 @@
-"""A call in a worker thread for the owner's serving path, at the cost of the hop alone.
+"""A call in a worker thread for the chunk paths (the owner's sends, the reader's receives),
+at the cost of the hop alone.
 
-`trio.to_thread.run_sync` does more per call than the owner's sends need: it names the OS
+`trio.to_thread.run_sync` does more per call than these paths need: it names the OS
 thread for the call and back (two `prctl`s through ctypes), formats that name from the task's,
 copies the context, and takes its limiter with a scheduler pass of its own even when the
-limiter is free. `in_thread` keeps what the serving path relies on (a thread from trio's
+limiter is free. `in_thread` keeps what they rely on (a thread from trio's
 cache, a bound on threads at once, the caller's task waiting uncancellably until the call
 returns, its outcome raised or returned) and drops the rest.
 """

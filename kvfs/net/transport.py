@@ -50,6 +50,7 @@ from kvfs.wire.text import printable
 from kvfs.cluster.authority import PEER_CLIENTS, PEER_ROLE
 from kvfs.net.answers import SEND_STALL_S, Answers, ChunkData, take
 from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, REFUSALS, Gate, LogBudget, connect
+from kvfs.net.hop import in_thread
 from kvfs.net.streams import BlockingFrames, FrameStream, peer_name, serve_tcp
 from kvfs.security.credentials import Tls
 from kvfs.concurrency import run_all
@@ -472,7 +473,11 @@ class TcpTransport(MeasuredTransport):
         self._next_id += 1
         reusable = False
         try:
-            result = await trio.to_thread.run_sync(exchange, connection, request_id)
+            # A fetch not yet begun still ends at a cancel; once begun it runs to its end (the
+            # thread fills the caller's buffers). The light hop: no thread naming per call.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            result = await in_thread(trio.to_thread.current_default_thread_limiter(), exchange, connection,
+                                     request_id)
             reusable = True
             return result
         except _RemoteError:
