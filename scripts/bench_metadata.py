@@ -3,11 +3,12 @@
 Three layers, each measured with the same figures:
 
 - the pure `MetadataService`, in this process: create (Create, Seal, Release), lookup,
-  a full listing by pages, `bytes_per_file` (tracemalloc and RSS growth per file) and
+  a full listing by pages, `bytes_per_file` (tracemalloc; VmRSS growth beside it) and
   `restart_s` (save everything to lmdb, then load it into a fresh service);
 - a real `kvfs master` through `RemoteMaster` clients (registered as nodes, CONCURRENT
-  callers each), over TLS on loopback: creates, lookups, a listing, the master's RSS
-  growth per file and CPU per request (/proc), and a kill -9 and restart timed until it
+  callers each), over TLS on loopback: creates, lookups, a listing, the master's memory
+  per file (`bytes_per_file`: RssAnon growth, its own heap; VmRSS growth beside it, which
+  adds lmdb's mapped file pages) and CPU per request (/proc), and a kill -9 and restart timed until it
   answers with the namespace; with --base DIR, DIR's master too, in the same rounds;
 - a cluster node's FUSE mount next to a single-node `kvfs mount`, in alternating rounds:
   the store (create a temp file exclusively, one write, close, rename) with 1 and 16
@@ -74,11 +75,23 @@ def short(count: int) -> str:
     return f"{count // 1000_000}M" if count >= 1000_000 and not count % 1000_000 else f"{count // 1000}K"
 
 
-def rss_bytes(pid: int) -> int:
+def status_bytes(pid: int, field: str) -> int:
+    """A size field of /proc/PID/status (kB) in bytes; 0 if the kernel has none."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory, file-backed pages included (a master's are lmdb's map: page cache)."""
+    return status_bytes(pid, "VmRSS")
+
+
+def anon_bytes(pid: int) -> int:
+    """Resident anonymous memory: the process's own heap, not lmdb's mapped file pages,
+    which the kernel may drop and VmRSS counts as RssFile."""
+    return status_bytes(pid, "RssAnon")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -218,7 +231,7 @@ def remote_master(count: int, base: Path, bundles: dict[str, Path], results: Res
     data = base / f"{name.replace(' ', '-')}-{count}"
     process, address = start_master(base, bundles["master"], data, repo)
     host, port = address.rsplit(":", 1)
-    rss_before = rss_bytes(process.pid)
+    rss_before, anon_before = rss_bytes(process.pid), anon_bytes(process.pid)
     names = [f"{i:064x}.bin".encode() for i in range(count)]
 
     async def connect(nursery: trio.Nursery, name: str) -> tuple[RemoteMaster, int]:
@@ -264,7 +277,8 @@ def remote_master(count: int, base: Path, bundles: dict[str, Path], results: Res
             results.record(layer, "creates_per_s", count / await in_parallel(create, clients))
             cpu, spent = cpu_seconds(process.pid), cpu_seconds(process.pid) - cpu
             results.record(layer, "create_cpu_us", spent / (2 * count) * 1e6)  # per request: Create, Seal
-            results.record(layer, "bytes_per_file", (rss_bytes(process.pid) - rss_before) / count)
+            results.record(layer, "bytes_per_file", (anon_bytes(process.pid) - anon_before) / count)
+            results.record(layer, "rss_bytes_per_file", (rss_bytes(process.pid) - rss_before) / count)
             results.record(layer, "lookups_per_s", count / await in_parallel(lookup, clients))
             results.record(layer, "lookup_cpu_us", (cpu_seconds(process.pid) - cpu) / count * 1e6)
             started = time.perf_counter()
@@ -504,8 +518,11 @@ def report(results: Results, counts: list[int], fuse_counts: list[int], layers: 
             row.append(results.median(layer, "rss_bytes_per_file"))
             if any(value is not None for value in row):
                 print(f"{layer:<22}" + "".join(cell(value) for value in row))
-    print("(service: in-process, bytes_per_file by tracemalloc; master: a kvfs master over TLS, "
-          f"{CLIENTS} connections x {CONCURRENT} callers, bytes_per_file = its RSS growth per file;")
+    print("(service: in-process, bytes_per_file by tracemalloc, rss_bytes/file its VmRSS growth per file;")
+    print(f" master: a kvfs master over TLS, {CLIENTS} connections x {CONCURRENT} callers, bytes_per_file = "
+          "its RssAnon growth per file (its own memory),")
+    print(" rss_bytes/file = its VmRSS growth per file (RssAnon plus lmdb's mapped file pages, page cache "
+          "the kernel can drop);")
     print(" restart_s: save + load from lmdb (service), kill -9 to a restarted master answering with the "
           "namespace (master);")
     print(" a create is Create + Seal with the writer's release: what a node sends per file before its rename;")

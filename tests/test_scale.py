@@ -324,6 +324,38 @@ def test_fields_kept_together_read_back_what_was_set() -> None:
     assert inode.atime_ns == version.last_access_ns == now + 5
 
 
+def test_fields_read_in_one_call_are_those_the_properties_read() -> None:
+    # `fields` (one read per request) agrees with the properties, after changes too.
+    for node, size, sealed, current, on_disk in [(1, 4096, False, True, False), (7, 2**40 + 3, True, False, True),
+                                                 (2**32 - 1, 2**64 - 1, True, True, True)]:
+        version = FileVersion(5, 5, node, size=size, sealed=sealed, current=current, on_disk=on_disk)
+        assert version.fields() == (version.node, version.size, version.sealed, version.current,
+                                    version.on_disk) == (node, size, sealed, current, on_disk)
+    version.on_disk, version.size = False, 12
+    assert version.fields() == (2**32 - 1, 12, True, True, False)
+    # A release takes one handle of its kind, never below none.
+    version = FileVersion(6, 6, 1, readers=2, writers=1, hits=3)
+    version.closed(True)
+    version.closed(True)
+    version.closed(False)
+    assert (version.readers, version.writers, version.hits, version.in_use) == (1, 0, 3, True)
+
+    # A seal's times: mtime as given; ctime never goes back; equal ones one int.
+    now = 1_790_000_000_123_456_789
+    inode = Inode(23, 0o100644, 0, 0, now, now, now)
+    inode.modified(now + 10, now + 10)
+    assert inode.times() == (now, now + 10, now + 10) and inode._ctime is inode._mtime
+    inode.ctime_ns = now + 50  # a chmod while the file was written
+    inode.modified(now + 20, now + 20)
+    assert inode.times() == (now, now + 20, now + 50)
+    inode.modified(now + 50, now + 30)  # ctime stays later, mtime caught up with it: one int
+    assert inode.times() == (now, now + 50, now + 50) and inode._ctime is inode._mtime
+    inode.modified(now + 60, now + 70)
+    assert inode.times() == (now, now + 60, now + 70)
+    # A directory's entries changed: mtime and ctime now, one int.
+    inode.entries_changed(now + 80)
+    assert inode.times() == (now, now + 80, now + 80) and inode._ctime is inode._mtime
+
 def test_a_number_table_frees_the_pages_of_numbers_gone() -> None:
     table: NumberTable[str] = NumberTable()
     reference: dict[int, str] = {}

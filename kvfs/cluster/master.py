@@ -53,7 +53,8 @@ ORPHAN_WALK_MAX = 1024
 def evict_group(version: FileVersion) -> tuple[int, bool]:
     """What the eviction policy files a file under: its node, and whether its copy is on SSD
     (a reclaim asks for one node's DRAM-only files, or for its files on SSD)."""
-    return version.node, version.on_disk
+    node, _, _, _, on_disk = version.fields()
+    return node, on_disk
 
 
 _IDENTITY_MASK = (1 << 60) - 1
@@ -194,9 +195,10 @@ class MetadataService:
         self._caller = caller
         try:
             response = self._handlers[type(request)](request)
-            others = {v.version for v in self.objects.dropped_log if v.node != caller}
-            if others and isinstance(getattr(response, "dropped", None), list):
-                response.dropped = [v for v in response.dropped if v not in others]  # theirs, not the caller's
+            if self.objects.dropped_log:  # (most requests drop nothing: no set built for them)
+                others = {v.version for v in self.objects.dropped_log if v.node != caller}
+                if others and isinstance(getattr(response, "dropped", None), list):
+                    response.dropped = [v for v in response.dropped if v not in others]  # theirs, not the caller's
         finally:
             self.route_outcomes(caller)
         return response
@@ -353,15 +355,25 @@ class MetadataService:
     # Helpers ---------------------------------------------------------------------------
 
     def attr(self, inode: Inode) -> m.Attr:
+        if inode.children is None and not stat.S_ISLNK(inode.meta[0]):
+            return self.file_attr(inode, self.objects.versions.get(inode.version))
         mode, uid, gid, _ = inode.meta
         atime, mtime, ctime = inode.times()
         if inode.children is not None:  # "." and each subdirectory's ".." link here
-            return m.Attr(inode.ino, mode, 2 + inode.subdirs, uid, gid, 0, atime, mtime, ctime)
-        if inode.is_symlink:
-            return m.Attr(inode.ino, mode, 1 if inode.linked else 0, uid, gid, len(inode.target), atime, mtime, ctime)
-        version = self.objects.versions.get(inode.version)
-        size, sealed = (version.size, version.sealed) if version else (0, True)
-        return m.Attr(inode.ino, mode, 1 if inode.linked else 0, uid, gid, size, atime, mtime, ctime, inode.version,
+            return m.Attr(inode.ino, mode, 2 + inode.children.subdirs, uid, gid, 0, atime, mtime, ctime)
+        return m.Attr(inode.ino, mode, 1 if inode.linked else 0, uid, gid, len(inode.target), atime, mtime, ctime)
+
+    def file_attr(self, inode: Inode, version: FileVersion | None) -> m.Attr:
+        """A regular file's attributes, its current version (or None) already at hand: the
+        hot paths fetched it before and read its packed fields once here."""
+        mode, uid, gid, _ = inode.meta
+        atime, mtime, ctime = inode.times()
+        if version is None:
+            size, sealed = 0, True
+        else:
+            _, size, sealed, _, _ = version.fields()
+        # (a file is never the root: linked is a parent)
+        return m.Attr(inode.ino, mode, 1 if inode.parent else 0, uid, gid, size, atime, mtime, ctime, inode.version,
                       sealed)
 
     def copy_entry(self, parent: int, name: bytes, node: int) -> m.Entry | None:
@@ -385,7 +397,7 @@ class MetadataService:
 
     def changed(self, inode: Inode) -> None:
         """A file's entry changed (not its name): nodes watching its directory are told."""
-        if inode.linked and not inode.is_dir:
+        if inode.parent and inode.children is None:  # (linked, not a directory: the root is one)
             parent = self.ns.inodes.get(inode.parent)
             if parent is not None and parent.watchers:
                 self.ns.changes.append((parent.watchers, parent.ino, inode.name, True))
@@ -404,6 +416,18 @@ class MetadataService:
         if version is not None and not self.available(version):
             return None
         return inode
+
+    def _shown(self, inode: Inode | None) -> tuple[Inode | None, FileVersion | None, bool]:
+        """`_visible` with what it read: (the inode or None, a file's current version or None,
+        whether that version's bytes can be had), each fetched and checked once."""
+        if inode is None or inode.children is not None:
+            return inode, None, False
+        version = self.objects.versions.get(inode.version)
+        if version is None:
+            return inode, None, False
+        if not self.available(version):
+            return None, version, False
+        return inode, version, True
 
     def available(self, version: FileVersion) -> bool:
         """Whether a version's bytes can be had: its node is live and still holds it."""
@@ -446,14 +470,17 @@ class MetadataService:
     def _is_temp(self, name: bytes) -> bool:
         return name.endswith(self.settings.temp_suffix)
 
-    def _new_entry(self, parent: int, name: bytes) -> Inode:
+    def _new_entry(self, parent: int, name: bytes, claim: bool = True) -> Inode:
+        """The directory a new entry goes in. CLAIM False: the caller found no entry of that
+        name, hidden or not (a create's own lookup), so there is none to claim."""
         check_name(name)
         directory = self.ns.directory(parent)
         if not directory.linked:
             raise MetadataError(errno.ENOENT, f"directory {parent} was removed")
         if name in (b".", b".."):
             raise MetadataError(errno.EEXIST, f"{name!r} exists in directory {parent}")
-        self._claim(parent, name)  # only once nothing can fail: a hidden file's name is free
+        if claim:
+            self._claim(parent, name)  # only once nothing can fail: a hidden file's name is free
         if name in directory.children:  # type: ignore[operator]
             raise MetadataError(errno.EEXIST, f"{name!r} exists in directory {parent}")
         return directory
@@ -462,23 +489,24 @@ class MetadataService:
         self.ns.link(directory, name, inode, now)
         if counted:  # (False: a rename within its directory, whose totals stay as they are)
             self.dir_totals.enter(self.ns, inode)
-        if not inode.is_file:
+        if inode.children is not None or stat.S_ISLNK(inode.meta[0]):  # (not a file: `is_file`)
             return
-        if self._is_temp(name):
+        if name.endswith(self.settings.temp_suffix):
             self._temp_files.add(inode.ino)
         else:
             self._temp_files.discard(inode.ino)
-            self._identify(inode)
+            self.policy.identify(inode.ino, name_identity(inode.parent, name))  # (`_identify`: just linked)
 
     def _identify(self, inode: Inode) -> None:
         """A file published under its name: the policy knows the block by it, across re-creations."""
         if inode.linked and not self._is_temp(inode.name):
             self.policy.identify(inode.ino, name_identity(inode.parent, inode.name))
 
-    def admit(self, inode: Inode, size: int) -> None:
-        """A sealed, current file becomes evictable."""
+    def admit(self, inode: Inode, size: int, version: FileVersion | None = None) -> None:
+        """A sealed, current file becomes evictable (VERSION: its current one, if at hand)."""
         self._identify(inode)
-        version = self.objects.versions.get(inode.version)
+        if version is None:
+            version = self.objects.versions.get(inode.version)
         group = evict_group(version) if version is not None else None
         self.policy.insert(inode.ino, size, self.clock.monotonic(), group)
 
@@ -524,18 +552,24 @@ class MetadataService:
     # Namespace -------------------------------------------------------------------------
 
     def _lookup(self, req: m.Lookup) -> m.Entry:
-        check_name(req.name)
+        # (the name was checked with the request: kvfs.cluster.validate)
         named = self.ns.lookup(req.parent, req.name)
-        inode = self._visible(named)
-        if not self._is_temp(req.name):  # a writer's check for its temp file is no miss
+        inode, version, available = self._shown(named)
+        if not req.name.endswith(self.settings.temp_suffix):  # a writer's check for its temp file is no miss
             self.usage.looked_up(self.ns, req.parent, req.name, inode)
         if inode is None:  # (a hidden file is no miss to remember: it shows again when its node is back)
             return m.Entry(None, no_temps=named is None and self._no_temps(req.parent, req.temp_suffix))
-        entry = m.Entry(self._referenced(inode))
-        if inode.version:
-            version = self.objects.get(inode.version)
-            if version.sealed and self.available(version):
-                entry.node, entry.address, entry.checksums = self._remote_location(version)
+        self.ns.reference(inode, self._caller)
+        if inode.children is not None or stat.S_ISLNK(inode.meta[0]):
+            return m.Entry(self.attr(inode))
+        if version is None:
+            if inode.version:  # (a current version that is gone: as `ObjectDirectory.get` says)
+                self.objects.get(inode.version)
+            return m.Entry(self.file_attr(inode, None))
+        entry = m.Entry(self.file_attr(inode, version))
+        node, _, sealed, _, _ = version.fields()
+        if sealed and available and node != self._caller:  # (the caller's own: it reads them itself)
+            entry.node, entry.address, entry.checksums = node, self.registry.nodes[node].address, version.checksums
         return entry
 
     def _no_temps(self, parent: int, suffix: bytes) -> bool:
@@ -598,27 +632,27 @@ class MetadataService:
         return m.LinkTarget(inode.target)
 
     def _create(self, req: m.Create) -> m.Opened:
-        check_name(req.name)
         self._known_node(req.node)
-        existing = self._entry(req.parent, req.name)
+        named = self.ns.lookup(req.parent, req.name)  # (the name was checked with the request)
+        existing = self._visible(named)
         if existing is not None:
             if req.exclusive:
                 raise MetadataError(errno.EEXIST, f"{req.name!r} exists in directory {req.parent}")
             opened = self._open_write(m.OpenWrite(existing.ino, req.node, truncate=False))
             self._referenced(existing)  # only once the open succeeded: the kernel holds it now
             return opened
-        directory = self._new_entry(req.parent, req.name)
+        directory = self._new_entry(req.parent, req.name, claim=named is not None)
         now = self.clock.wall_ns()
         inode = self.ns.new_inode(stat.S_IFREG | stat.S_IMODE(req.mode), req.uid, req.gid, now, directory=False,
                                   at_least=self.objects.next_version)  # (its first version shares the number)
-        version = self.objects.create(inode.ino, req.node)
-        version.writers = 1
+        version = self.objects.create(inode.ino, req.node, writers=1)
         self._count_open(version.version, True, 1)
         inode.version = version.version
         self._link(directory, req.name, inode, now)
         self._unpublished[inode.ino] = None
         self._unpublished_peak = max(self._unpublished_peak, len(self._unpublished))
-        return m.Opened(self._referenced(inode), version.version, parent=self.attr(directory))
+        self.ns.reference(inode, self._caller)
+        return m.Opened(self.file_attr(inode, version), version.version, parent=self.attr(directory))
 
     def _existing(self, parent: int, name: bytes) -> Inode:
         inode = self._entry(parent, name)
@@ -749,15 +783,14 @@ class MetadataService:
         elif req.writers:
             self._count_open(version.version, True, req.writers)
         inode.version = version.version
-        self._link(directory, req.name, inode, now)
-        inode.mtime_ns, inode.ctime_ns = req.mtime_ns, max(req.ctime_ns, req.mtime_ns)
+        self._link(directory, req.name, inode, now)  # (the inode's times stay as made above)
         self.ns.reference(inode, self._caller)  # the caller's kernel holds it (it created it)
         if req.sealed:
-            self.admit(inode, req.size)
+            self.admit(inode, req.size, version)
         else:  # being written: published by the rename that follows, or evicted last meanwhile
             self._unpublished[inode.ino] = None
             self._unpublished_peak = max(self._unpublished_peak, len(self._unpublished))
-        return m.Published(self.attr(inode), dropped, directories=[self.attr(directory)])
+        return m.Published(self.file_attr(inode, version), dropped, directories=[self.attr(directory)])
 
     def _relocate(self, inode: Inode) -> list[int]:
         """A renamed inode's files on SSD, whose recorded paths change with it: the caller's
@@ -873,8 +906,7 @@ class MetadataService:
             current.writers += 1
             self._count_open(current.version, True, 1)
             return m.Opened(self.attr(inode), current.version)
-        version = self.objects.create(inode.ino, req.node)
-        version.writers = 1
+        version = self.objects.create(inode.ino, req.node, writers=1)
         self._count_open(version.version, True, 1)
         self.dir_totals.leave(self.ns, inode)
         inode.version = version.version
@@ -919,33 +951,32 @@ class MetadataService:
 
     def _seal_version(self, req: m.Seal) -> m.Attr:
         version = self.objects.get(req.version)
-        newly = not version.sealed
+        _, size, sealed, current, _ = version.fields()  # (one read; only the seal below changes them)
+        newly = not sealed
         inode = self.ns.inodes.get(version.ino)
         if newly:
             self.objects.seal(version, req.size, req.checksums)
             self.dir_totals.sealed(self.ns, inode, version)
-        elif (version.size, version.checksums) != (req.size, req.checksums):
+        elif (size, version.checksums) != (req.size, req.checksums):
             raise MetadataError(errno.EINVAL, f"version {req.version} is already sealed")
         # (else: the same seal again, a node's retry after its re-registration reported it)
         if inode is None:
             return m.Attr(version.ino, stat.S_IFREG, 0, 0, 0, req.size, 0, 0, 0, version.version, True)
-        # ctime never goes back: a chmod or utimensat while the file was written already moved it.
-        inode.mtime_ns = mtime = req.mtime_ns
-        # A node sends ctime equal to mtime unless a utimensat came between: decoded, that is a
-        # second int object of the same value (32 B per file kept); the inode keeps mtime's.
-        ctime = req.ctime_ns or mtime
-        inode.ctime_ns = max(inode.ctime_ns, mtime if ctime == mtime else ctime)
+        # ctime never goes back: a chmod or utimensat while the file was written already moved
+        # it (`Inode.modified`). A node sends ctime 0 or equal to mtime unless a utimensat came
+        # between: the inode then keeps one int for both (32 B per file).
+        inode.modified(req.mtime_ns, req.ctime_ns or req.mtime_ns)
         self.ns.dirty.add(inode.ino)
-        if newly and version.current:
+        if newly and current:
             self.changed(inode)
-        if newly and version.current and inode.linked:
-            self.admit(inode, req.size)
+        if newly and current and inode.linked:
+            self.admit(inode, req.size, version)
             if inode.ino in self._unpublished:
                 closed = self._unpublished[inode.ino] = self.clock.monotonic()  # the grace runs from close
                 self._closed_at.append(closed)
                 self._closed_inos.append(inode.ino)
                 self._forget_published(closed)
-        return self.attr(inode)
+        return self.file_attr(inode, version) if inode.version == version.version else self.attr(inode)
 
     def _get_version(self, req: m.GetVersion) -> m.VersionInfo:
         v = self.objects.get(req.version)

@@ -124,6 +124,23 @@ class Inode:
         offset = value - BASE_NS
         self._ctime = self._mtime if offset == self._mtime else offset
 
+    def entries_changed(self, now_ns: int) -> None:
+        """mtime and ctime both `now_ns` (a directory's entries changed): one int for the two,
+        as the two setters would leave them, without their calls."""
+        offset, ctime = now_ns - BASE_NS, self._ctime
+        self._mtime = self._ctime = ctime if offset == ctime else offset
+
+    def modified(self, mtime_ns: int, ctime_ns: int) -> None:
+        """A seal's or publish's times: mtime as given, ctime moved to `ctime_ns` unless it is
+        later already (ctime never goes back); equal times share one int, as the setters do."""
+        mtime, old_ctime = mtime_ns - BASE_NS, self._ctime
+        self._mtime = mtime = old_ctime if mtime == old_ctime else mtime
+        ctime = ctime_ns - BASE_NS
+        if ctime >= old_ctime:
+            self._ctime = mtime if ctime == mtime else ctime
+        elif old_ctime == mtime:
+            self._ctime = mtime
+
     def access(self, now_ns: int) -> int:
         """Sets atime; returns it as kept (a version read now keeps the same int)."""
         self.atime_ns = now_ns
@@ -351,12 +368,12 @@ class Namespace:
         inode.entry_id = entry_id
         self.next_entry_id = entry_id + 1
         inode.parent, inode.name = parent.ino, name
-        if inode.is_dir:
+        if inode.children is not None:
             parent.children.subdirs += 1
-        parent.mtime_ns = parent.ctime_ns = now_ns
+        parent.entries_changed(now_ns)
         self.dirty.update((parent.ino, inode.ino))
-        if parent.watchers:
-            self.changes.append((parent.watchers, parent.ino, name, True))
+        if parent.children.watchers:
+            self.changes.append((parent.children.watchers, parent.ino, name, True))
 
     def unlink(self, inode: Inode, now_ns: int) -> None:
         """Removes the inode's entry; the inode goes too unless the kernel still references it."""
@@ -367,9 +384,9 @@ class Namespace:
         """Removes the inode's entry but keeps the inode (for rename)."""
         parent = self.inodes[inode.parent]
         parent.children.remove(inode.name, inode.entry_id)  # type: ignore[union-attr]
-        if inode.is_dir:
+        if inode.children is not None:
             parent.children.subdirs -= 1  # type: ignore[union-attr]
-        parent.mtime_ns = parent.ctime_ns = now_ns
+        parent.entries_changed(now_ns)
         if parent.watchers:
             self.changes.append((parent.watchers, parent.ino, inode.name, False))
         inode.parent = 0

@@ -40,7 +40,16 @@ _READERS_SHIFT = _COUNT_BITS
 _WRITERS_SHIFT = 2 * _COUNT_BITS
 
 
+Fields = tuple[int, int, bool, bool, bool]  # node, size, sealed, current, on_disk
 _places: dict[int, int] = {}
+# The shared ints' fields, decoded once: reading them is then one dict lookup, not a dozen
+# operations on a three-digit int (a request's hot path reads several). As bounded as `_places`.
+_decoded: dict[int, Fields] = {}
+
+
+def _decode(place: int) -> Fields:
+    return (place >> _NODE_SHIFT & _NODE_MAX, place >> _SIZE_SHIFT, place & _SEALED != 0, place & _CURRENT != 0,
+            place & _ON_DISK != 0)
 
 
 def _shared(place: int) -> int:
@@ -49,12 +58,13 @@ def _shared(place: int) -> int:
         return found
     if len(_places) < _SHARED_PLACES:
         _places[place] = place
+        _decoded[place] = _decode(place)
     return place
 
 
 def _flag(bit: int, doc: str) -> property:
     def get(self: FileVersion) -> bool:
-        return bool(self._place & bit)
+        return self._place & bit != 0  # (no call of bool(): this runs on every request)
 
     def put(self: FileVersion, value: bool) -> None:
         self._place = _shared(self._place | bit if value else self._place & ~bit)
@@ -98,7 +108,9 @@ class FileVersion:
         self._place = _place(node, size, (_SEALED if sealed else 0) | (_CURRENT if current else 0)
                              | (_ON_DISK if on_disk else 0) | (_HELD if held else 0))
         self._use = 0
-        if readers or writers or hits:
+        if writers == 1 and not readers and not hits:  # (a create's: no property calls)
+            self._use = 1 << _WRITERS_SHIFT
+        elif readers or writers or hits:
             self.readers, self.writers, self.hits = readers, writers, hits
         self._sums = _pack(checksums)
         # Its last open for reading, since BASE_NS (kvfs.cluster.times; None: never): the int
@@ -133,6 +145,12 @@ class FileVersion:
     readers = _count(_READERS_SHIFT, "handles open for reading")
     writers = _count(_WRITERS_SHIFT, "handles open for writing")
 
+    def fields(self) -> Fields:
+        """(node, size, sealed, current, on_disk) from one read of the packed int: a request
+        that needs several of them calls this once instead of a property each."""
+        found = _decoded.get(self._place)
+        return found if found is not None else _decode(self._place)
+
     def seal(self, size: int, checksums: Sequence[int]) -> None:
         """Its bytes are final: sealed, size and checksums in one go (one shared int looked up)."""
         place = self._place
@@ -153,6 +171,12 @@ class FileVersion:
     @checksums.setter
     def checksums(self, value: Sequence[int]) -> None:
         self._sums = _pack(value)
+
+    def closed(self, writer: bool) -> None:
+        """One open handle fewer, for writing or reading (never below none)."""
+        shift = _WRITERS_SHIFT if writer else _READERS_SHIFT
+        if self._use >> shift & _COUNT_MAX:
+            self._use -= 1 << shift
 
     @property
     def in_use(self) -> bool:
@@ -246,11 +270,11 @@ class ObjectDirectory:
             raise MetadataError(errno.ESTALE, f"file version {version} is gone")
         return found
 
-    def create(self, ino: int, node: int) -> FileVersion:
+    def create(self, ino: int, node: int, writers: int = 0) -> FileVersion:
         # A file's first version takes its inode's number when no version id reached it yet
         # (the master numbers new inodes past the version ids): one int object for both.
         number = ino if ino >= self.next_version else self.next_version
-        version = FileVersion(number, ino, node)
+        version = FileVersion(number, ino, node, writers=writers)
         self.next_version = number + 1
         self._add(version)
         self.dirty.add(version.version)
@@ -317,10 +341,7 @@ class ObjectDirectory:
         self._drop_if_unused(version, dropped)
 
     def release(self, version: FileVersion, writer: bool, dropped: list[int]) -> None:
-        if writer:
-            version.writers = max(0, version.writers - 1)
-        else:
-            version.readers = max(0, version.readers - 1)
+        version.closed(writer)
         self._drop_if_unused(version, dropped)
 
     def _drop_if_unused(self, version: FileVersion, dropped: list[int]) -> None:

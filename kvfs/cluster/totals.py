@@ -46,15 +46,15 @@ class CountedObjects(ObjectDirectory):
         self.tier_changed: Callable[[FileVersion], None] = lambda version: None
 
     def _count(self, version: FileVersion, sign: int) -> None:
-        if not version.current:
+        node, size, _, current, on_disk = version.fields()  # (one read: this runs on every create)
+        if not current:
             return
-        node = version.node
         entry = self.node_totals.get(node)
         if entry is None:
             entry = self.node_totals[node] = [0, 0, 0, 0]
         entry[FILES] += sign
-        entry[SSD if version.on_disk else DRAM_ONLY] += sign
-        entry[BYTES] += sign * version.size
+        entry[SSD if on_disk else DRAM_ONLY] += sign
+        entry[BYTES] += sign * size
         if not entry[FILES]:
             del self.node_totals[node]
 
@@ -84,10 +84,10 @@ class CountedObjects(ObjectDirectory):
             self._count(version, 1)
 
     def seal(self, version: FileVersion, size: int, checksums: list[int]) -> None:
-        before = version.size
-        super().seal(version, size, checksums)
-        if version.current and version.size != before:  # (only its bytes change: one add, on every create)
-            self.node_totals[version.node][BYTES] += version.size - before
+        node, before, _, current, _ = version.fields()
+        super().seal(version, size, checksums)  # (sets the size to `size`, nothing else that counts)
+        if current and size != before:  # (only its bytes change: one add, on every create)
+            self.node_totals[node][BYTES] += size - before
 
     def retire(self, version: FileVersion, dropped: list[int]) -> None:
         self._count(version, -1)

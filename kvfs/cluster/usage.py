@@ -183,8 +183,9 @@ class DirTotals:
     def _file(self, ns: Namespace, parent: int, version: FileVersion, sign: int) -> None:
         """Adds (or, with sign -1, takes away) a sealed file in directory `parent` to the totals
         it counts in (as `_chain` says; written out: this runs on every seal)."""
-        size, hits = sign * version.size, sign * version.hits
-        tier = SSD_BYTES if version.on_disk else DRAM_ONLY_BYTES
+        _, size, _, _, on_disk = version.fields()  # (one read of the packed fields)
+        size, hits = sign * size, sign * version.hits
+        tier = SSD_BYTES if on_disk else DRAM_ONLY_BYTES
         by_dir, inodes = self.by_dir, ns.inodes
         while True:
             into = by_dir.get(parent)
