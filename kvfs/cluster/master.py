@@ -355,7 +355,7 @@ class MetadataService:
     # Helpers ---------------------------------------------------------------------------
 
     def attr(self, inode: Inode) -> m.Attr:
-        if inode.children is None and not stat.S_ISLNK(inode.meta[0]):
+        if inode.is_file:
             return self.file_attr(inode, self.objects.versions.get(inode.version))
         mode, uid, gid, _ = inode.meta
         atime, mtime, ctime = inode.times()
@@ -410,12 +410,7 @@ class MetadataService:
     def _visible(self, inode: Inode | None) -> Inode | None:
         """None for a file whose only copy is on a node that is down (it reappears when
         the node registers again); lookups, listings and opens treat it as absent."""
-        if inode is None or inode.children is not None:
-            return inode
-        version = self.objects.versions.get(inode.version)
-        if version is not None and not self.available(version):
-            return None
-        return inode
+        return self._shown(inode)[0]
 
     def _shown(self, inode: Inode | None) -> tuple[Inode | None, FileVersion | None, bool]:
         """`_visible` with what it read: (the inode or None, a file's current version or None,
@@ -489,9 +484,9 @@ class MetadataService:
         self.ns.link(directory, name, inode, now)
         if counted:  # (False: a rename within its directory, whose totals stay as they are)
             self.dir_totals.enter(self.ns, inode)
-        if inode.children is not None or stat.S_ISLNK(inode.meta[0]):  # (not a file: `is_file`)
+        if not inode.is_file:
             return
-        if name.endswith(self.settings.temp_suffix):
+        if self._is_temp(name):
             self._temp_files.add(inode.ino)
         else:
             self._temp_files.discard(inode.ino)
@@ -555,21 +550,20 @@ class MetadataService:
         # (the name was checked with the request: kvfs.cluster.validate)
         named = self.ns.lookup(req.parent, req.name)
         inode, version, available = self._shown(named)
-        if not req.name.endswith(self.settings.temp_suffix):  # a writer's check for its temp file is no miss
+        if not self._is_temp(req.name):  # a writer's check for its temp file is no miss
             self.usage.looked_up(self.ns, req.parent, req.name, inode)
         if inode is None:  # (a hidden file is no miss to remember: it shows again when its node is back)
             return m.Entry(None, no_temps=named is None and self._no_temps(req.parent, req.temp_suffix))
         self.ns.reference(inode, self._caller)
-        if inode.children is not None or stat.S_ISLNK(inode.meta[0]):
+        if not inode.is_file:
             return m.Entry(self.attr(inode))
         if version is None:
             if inode.version:  # (a current version that is gone: as `ObjectDirectory.get` says)
                 self.objects.get(inode.version)
             return m.Entry(self.file_attr(inode, None))
         entry = m.Entry(self.file_attr(inode, version))
-        node, _, sealed, _, _ = version.fields()
-        if sealed and available and node != self._caller:  # (the caller's own: it reads them itself)
-            entry.node, entry.address, entry.checksums = node, self.registry.nodes[node].address, version.checksums
+        if available and version.sealed:
+            entry.node, entry.address, entry.checksums = self._remote_location(version)
         return entry
 
     def _no_temps(self, parent: int, suffix: bytes) -> bool:
