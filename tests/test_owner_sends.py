@@ -209,9 +209,7 @@ def test_the_hop_returns_raises_bounds_its_threads_and_outlives_a_cancel() -> No
         async with trio.open_nursery() as nursery:
             for value in range(5):
                 nursery.start_soon(one, value)
-            with trio.fail_after(10):  # until two threads run (threads are not tasks trio can wait on)
-                while running < 2:
-                    await trio.sleep(0.01)
+            await until(lambda: running >= 2, 10)  # two threads run (threads are not tasks trio can wait on)
             assert limiter.borrowed_tokens == 2  # two threads at once; three tasks wait their turn
             release.set()
         assert sorted(results) == [0, 2, 4, 6, 8] and most == 2 and limiter.borrowed_tokens == 0
