@@ -140,6 +140,28 @@ def test_unreachable_master_in_the_foreground_is_reported_every_few_seconds(tmp_
     assert "Traceback" not in rest
 
 
+def test_a_node_started_with_sigint_ignored_stops_on_it_while_it_registers(tmp_path: Path) -> None:
+    # `trap '' INT` then exec: what a shell's `&` gives its jobs (the suite run that way once
+    # left the test above waiting on a node that kept retrying).
+    process = subprocess.Popen(["bash", "-c", "trap '' INT; exec \"$@\"", "kvfs", *KVFS, "node", "--master",
+                                "127.0.0.1:1", "--mount", str(tmp_path / "mnt"), "-f", "--dram", "64M"],
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "KVFS_TLS_DIR": NODE_TLS})
+    try:
+        deadline = time.monotonic() + 30
+        line = ""
+        while "cannot register" not in line and time.monotonic() < deadline and process.poll() is None:
+            line = process.stderr.readline()  # type: ignore[union-attr]
+        assert "cannot register" in line, line
+        process.send_signal(signal.SIGINT)
+        rest = process.communicate(timeout=BOUND_S)[1]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130 and rest.splitlines()[-1] == "kvfs: error: node: interrupted", rest
+    assert "Traceback" not in rest
+
+
 def test_a_certificate_of_another_ca_for_status(tmp_path: Path) -> None:
     master = MasterDaemon(tmp_path)
     master.start()

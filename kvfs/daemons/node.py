@@ -319,6 +319,10 @@ def mount(config: MountConfig, foreground: bool, log_file: str | None = None, st
     stopped (a KvfsError says why).
     """
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` dumps the stacks of a hung daemon
+    # SIGINT stops a start too (a node waiting for its master, recovering its SSD files), as it
+    # stops a serving node. A shell's `&` starts its jobs with SIGINT ignored, and Python and
+    # trio then leave it ignored: such a node would wait out its start deaf to SIGINT.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if foreground:
         return Daemon(config).run()
     read_end, write_end = os.pipe()
