@@ -162,6 +162,28 @@ def test_a_node_started_with_sigint_ignored_stops_on_it_while_it_registers(tmp_p
     assert "Traceback" not in rest
 
 
+def test_a_background_daemon_interrupted_while_it_registers(tmp_path: Path) -> None:
+    mountpoint, log = tmp_path / "mnt", tmp_path / "log"
+    process = subprocess.Popen([*KVFS, "node", "--master", "127.0.0.1:1", "--mount", str(mountpoint), "--dram", "64M",
+                                "--log-file", str(log)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "KVFS_TLS_DIR": NODE_TLS})
+    try:
+        deadline = time.monotonic() + 30
+        while not (log.exists() and "cannot register" in log.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        daemons = [pid for pid in daemons_of(mountpoint) if pid != process.pid]
+        assert len(daemons) == 1, daemons
+        os.kill(daemons[0], signal.SIGINT)
+        rest = process.communicate(timeout=BOUND_S)[1]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 1 and rest.splitlines() == [
+        f"kvfs: error: {mountpoint}: the daemon was interrupted (SIGINT) before the mount came up"], rest
+    assert "Traceback" not in log.read_text() and not daemons_of(mountpoint)
+
+
 def test_a_certificate_of_another_ca_for_status(tmp_path: Path) -> None:
     master = MasterDaemon(tmp_path)
     master.start()

@@ -431,6 +431,9 @@ def _run_daemon(config: MountConfig, status_fd: int, log_file: str | None) -> No
     except (KvfsError, OSError) as error:
         log.error("%s", error)
         send(f"error {error}")
+    except KeyboardInterrupt:  # `kill -INT` of the daemon itself (its own session: no terminal's ^C)
+        log.info("interrupted (SIGINT); stopped")
+        send(f"error {config.mountpoint}: the daemon was interrupted (SIGINT) before the mount came up")
     except BaseException as error:  # a bug: the command still hears why; the fork never returns
         log.exception("the daemon failed")
         send(f"error {type(error).__name__}: {error}")
