@@ -48,7 +48,8 @@ REPLIES_QUEUED = 256  # a connection's replies waiting for their commit; then it
 async def acquire(lock: trio.Lock) -> None:
     """Takes `lock`; when nobody holds it, without yielding to other tasks (trio's `acquire`
     always does): for a caller whose step before or after is a checkpoint anyway, a turn of
-    the event loop less. A caller already cancelled is cancelled here, as by `acquire`."""
+    the event loop less. Unlike `kvfs.net.answers.take`, a caller already cancelled (a
+    request whose deadline passed) is cancelled here, as by `acquire`: its frame is not sent."""
     if lock.locked():
         await lock.acquire()
     else:
