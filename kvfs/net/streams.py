@@ -113,9 +113,9 @@ class TlsStream(trio.abc.Stream):
         return await self._retry(lambda: self.socket.recv(min(max_bytes or READ_SIZE, READ_SIZE)))
 
     async def send_all(self, data: bytes | bytearray | memoryview, checkpoint: bool = True) -> None:
-        """Sends everything. `checkpoint=False`: a send that did not have to wait does not yield
-        to other tasks either (for a caller whose next step is a wait: one turn of the event
-        loop less per request)."""
+        """Sends everything. `checkpoint=False`: a TLS send that did not have to wait does not
+        yield to other tasks either (for a caller whose next step is a wait: one turn of the
+        event loop less per request); after `unwrap()` the flag changes nothing."""
         view = memoryview(data)
         if not len(view):
             return await trio.lowlevel.checkpoint()
