@@ -45,6 +45,18 @@ ANSWERS_TOGETHER = 64  # requests of one connection already received, answered i
 REPLIES_QUEUED = 256  # a connection's replies waiting for their commit; then its next request waits
 
 
+async def acquire(lock: trio.Lock) -> None:
+    """Takes `lock`; when nobody holds it, without yielding to other tasks (trio's `acquire`
+    always does): for a caller whose step before or after is a checkpoint anyway, a turn of
+    the event loop less. Unlike `kvfs.net.answers.take`, a caller already cancelled (a
+    request whose deadline passed) is cancelled here, as by `acquire`: its frame is not sent."""
+    if lock.locked():
+        await lock.acquire()
+    else:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        lock.acquire_nowait()
+
+
 def push_batches(changes: list[m.NameChange]) -> list[list[m.NameChange]]:
     """Name changes in order, cut into frames that fit a header."""
     return batches(changes, lambda change: m.entry_bytes(change[1], change[3]), PUSH_BYTES)
@@ -218,7 +230,8 @@ class MetadataServer:
                 hostile: ProtocolError | None = None
                 # Handled and sent under the send lock: the answer may carry the node's waiting
                 # name changes, and no push of later ones may pass it (`_push_forever`).
-                async with send_lock:
+                await acquire(send_lock)  # (its checkpoint is the send below, or the deferred reply's queueing)
+                try:
                     answers: list[bytes] = []
                     received: tuple[int, m.Request] | None = (request_id, request)
                     while received is not None:
@@ -240,6 +253,8 @@ class MetadataServer:
                     self.save()  # (no checkpoint since the first request: nothing else saw the changes)
                     if answers:
                         await frames.send_encoded(answers[0] if len(answers) == 1 else b"".join(answers))
+                finally:
+                    send_lock.release()
                 if hostile is not None:
                     raise hostile
                 if deferred is not None:
@@ -536,15 +551,23 @@ class RemoteMaster:
         together, `MetadataServer`). The caller's frame is on its way (or the connection
         failed) when this returns."""
         self._outgoing.append(frame)
+        lock = self._send_lock
         try:
-            async with self._send_lock:  # (ours may have left with the holder's before we get it)
+            # Uncontended, the lock is taken without yielding, and the send does not yield
+            # either: the caller's wait for the answer is its checkpoint (two turns of the
+            # event loop less per request).
+            await acquire(lock)  # (ours may have left with the holder's before we get it)
+            try:
                 while self._outgoing:
                     frames, self._outgoing = self._outgoing, []
                     try:
-                        await self._frames.send_encoded(frames[0] if len(frames) == 1 else b"".join(frames))
+                        await self._frames.send_encoded(frames[0] if len(frames) == 1 else b"".join(frames),
+                                                        checkpoint=False)
                     except trio.Cancelled:  # (a caller's deadline) the stream may hold part of a frame now
                         self._fail(EOFError("a request was cut off while being sent"))
                         raise
+            finally:
+                lock.release()
         except trio.Cancelled:  # while waiting: a frame not sent yet is not sent at all
             self._outgoing = [waiting for waiting in self._outgoing if waiting is not frame]
             raise
