@@ -19,6 +19,7 @@ from kvfs.net.handshake import PEER_CLIENTS, Gate, connect
 from kvfs.net.streams import serve_tcp
 from kvfs.net.transport import PEER_SILENCE_S, ChunkData, FetchChunks, PeerServer, TcpTransport
 from kvfs.errors import StorageError
+from kvfs.notices import Notices
 from kvfs.store.buffers import ReadBufferPool
 from kvfs.store.dram import DramTier
 from kvfs.store.tiered import TieredStore
@@ -258,6 +259,31 @@ def test_each_piece_is_handed_on_verified_before_its_chunk_is_whole() -> None:
                               lambda: events.append("answer"), lambda index, verified: events.append((index, verified)))
         assert events == ["answer", (0, PIECE_SIZE), (0, 2 * PIECE_SIZE), (0, 3 * PIECE_SIZE), 0,
                           (1, PIECE_SIZE), 1]
+        assert bytes(targets[0]) + bytes(targets[1][: chunk_lengths[1]]) == data
+        await transport.aclose()
+
+    serve_big(big_store(data), test)
+
+
+def test_reports_left_in_notices_come_once_each_in_order_the_last_chunk_after_its_pieces() -> None:
+    """The node's way: the thread's reports wait in a Notices (no reader waits), the last
+    chunk is reported by the fetch itself once the thread has returned; each report comes
+    once, in the order of the bytes, by the time the fetch returns."""
+    data = os.urandom(BIG + PIECE_SIZE + 4321)
+    chunk_lengths = [BIG, len(data) - BIG]
+    checksums = [chunk_checksum(data[:BIG]), chunk_checksum(data[BIG:])]
+
+    async def test(address: str) -> None:
+        transport = TcpTransport(READER)
+        notices = Notices()
+        targets = [memoryview(bytearray(BIG)) for _ in chunk_lengths]
+        events: list[object] = []
+        await transport.fetch(address, VERSION, 0, targets, chunk_lengths, checksums, events.append,
+                              lambda: events.append("answer"), lambda index, verified: events.append((index, verified)),
+                              notices=notices)
+        assert events == ["answer", (0, PIECE_SIZE), (0, 2 * PIECE_SIZE), (0, 3 * PIECE_SIZE), 0,
+                          (1, PIECE_SIZE), 1]
+        assert notices.wakeups == 0  # nobody waited: no report woke the loop on its own
         assert bytes(targets[0]) + bytes(targets[1][: chunk_lengths[1]]) == data
         await transport.aclose()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, TypeVar
 
+import outcome
 import trio
 
 T = TypeVar("T")
@@ -23,9 +24,19 @@ def _no_abort(_: Any) -> trio.lowlevel.Abort:
     return trio.lowlevel.Abort.FAILED
 
 
-async def in_thread(limiter: trio.CapacityLimiter, fn: Callable[..., T], *args: Any) -> T:
+def _resume(task: trio.lowlevel.Task, result: Any, returned: Callable[[], None] | None) -> None:
+    if returned is not None and isinstance(result, outcome.Value):
+        returned()
+    trio.lowlevel.reschedule(task, result)
+
+
+async def in_thread(limiter: trio.CapacityLimiter, fn: Callable[..., T], *args: Any,
+                    returned: Callable[[], None] | None = None) -> T:
     """`fn(*args)` in a cached worker thread, with one of `limiter`'s tokens held meanwhile;
-    returns its result or raises its exception. A cancel takes effect after it returns."""
+    returns its result or raises its exception. A cancel takes effect after it returns.
+    `returned()`, if given, runs in the event loop as soon as `fn` has returned (not raised),
+    on the same wake-up that reschedules the caller: a report that would otherwise wake the
+    loop on its own, or wait for the caller's next step."""
     try:
         limiter.acquire_nowait()
     except trio.WouldBlock:
@@ -35,7 +46,7 @@ async def in_thread(limiter: trio.CapacityLimiter, fn: Callable[..., T], *args: 
         token = trio.lowlevel.current_trio_token()
 
         def deliver(result: Any) -> None:  # (an `outcome.Outcome`: trio hands it back as is)
-            token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+            token.run_sync_soon(_resume, task, result, returned)
 
         trio.lowlevel.start_thread_soon(lambda: fn(*args), deliver)
         return await trio.lowlevel.wait_task_rescheduled(_no_abort)  # type: ignore[no-any-return]

@@ -437,7 +437,12 @@ class TcpTransport(MeasuredTransport):
             self._exchange(connection, request_id, address, version, first, targets, lengths, checksums, arrived,
                            answered, piece)
 
-        await self._request(address, f"version {version}", exchange)
+        def last() -> None:  # the last chunk, on the thread's return (what it reported before, first)
+            if notices is not None:
+                notices.deliver()
+            on_chunk(first + len(targets) - 1)
+
+        await self._request(address, f"version {version}", exchange, last if targets else None)
 
     async def fetch_batch(self, address: str, runs: list[FetchRun]) -> list[StorageError | None]:
         """Fetches runs of several versions stored at `address` in one request and one worker-
@@ -452,17 +457,19 @@ class TcpTransport(MeasuredTransport):
 
         return await self.fetches.measure("batch", self._request(address, what, exchange))
 
-    async def _request(self, address: str, what: str, exchange: Callable[[BlockingFrames, int], T]) -> T:
+    async def _request(self, address: str, what: str, exchange: Callable[[BlockingFrames, int], T],
+                       returned: Callable[[], None] | None = None) -> T:
         """`exchange(connection, request_id)` in a worker thread on a pooled connection (once
-        more on a new one if the pooled one turns out stale)."""
+        more on a new one if the pooled one turns out stale); `returned()` in the event loop
+        once it has returned (`in_thread`)."""
         try:
-            return await self._request_once(address, what, exchange)
+            return await self._request_once(address, what, exchange, returned)
         except _Unanswered:  # a pooled connection the peer had dropped (a restart): once more on a new one
             log.debug("%s: the pooled connection to %s was stale; reconnecting", what, address)
-            return await self._request_once(address, what, exchange, pooled=False)
+            return await self._request_once(address, what, exchange, returned, pooled=False)
 
     async def _request_once(self, address: str, what: str, exchange: Callable[[BlockingFrames, int], T],
-                            pooled: bool = True) -> T:
+                            returned: Callable[[], None] | None = None, pooled: bool = True) -> T:
         try:
             connection, reused = await self._connect(address, pooled)
         except TimeoutError as error:  # slow is not absent: the peer may be alive and loaded
@@ -477,7 +484,7 @@ class TcpTransport(MeasuredTransport):
             # thread fills the caller's buffers). The light hop: no thread naming per call.
             await trio.lowlevel.checkpoint_if_cancelled()
             result = await in_thread(trio.to_thread.current_default_thread_limiter(), exchange, connection,
-                                     request_id)
+                                     request_id, returned=returned)
             reusable = True
             return result
         except _RemoteError:
@@ -514,7 +521,10 @@ class TcpTransport(MeasuredTransport):
                   targets: list[memoryview], lengths: list[int], checksums: list[int],
                   arrived: Callable[[int], None], answered: Callable[[], None],
                   piece: Callable[[int, int], None]) -> None:
-        """One fetch, in a worker thread: the request, then a frame per chunk into its target."""
+        """One fetch, in a worker thread: the request, then a frame per chunk into its target.
+        Each chunk but the last is reported as it arrives (`arrived`); the last one is the
+        caller's to report, on the thread's return (`in_thread`'s `returned`): a report of its
+        own would wake the event loop once more, just before the thread's return wakes it."""
         try:
             connection.send(FrameKind.REQUEST, request_id, FetchChunks(version, first, len(targets)))
             head = self._answer(connection, request_id)
@@ -528,7 +538,8 @@ class TcpTransport(MeasuredTransport):
             if not offset:
                 answered()
             self._receive_chunk(connection, reply, target[:length], checksums, index, version, address, piece)
-            arrived(index)
+            if offset < len(targets) - 1:
+                arrived(index)
 
     def _exchange_batch(self, connection: BlockingFrames, request_id: int, address: str, runs: list[FetchRun],
                         token: trio.lowlevel.TrioToken) -> list[StorageError | None]:
