@@ -61,6 +61,11 @@ class Counted(MutableMapping):
     def values(self) -> Any:
         return [self[key] for key in list(self.inner)]
 
+    def scan(self, start: int, end: int, slots: int) -> Any:
+        found, after = self.inner.scan(start, end, slots)
+        self.touched += len(found)
+        return found, after
+
     def items(self) -> Any:
         return [(key, self[key]) for key in list(self.inner)]
 

@@ -1,7 +1,8 @@
 """The master's metadata at scale, in the pure service: work counted, never timed.
 
 A listing page walks O(page) index slots wherever it starts; a node's death, its
-registration and the forgetting of a long-dead node touch that node's files only,
+registration and the forgetting of a long-dead node touch that node's files only
+(and the kernel references a dead node held are found by a walk of the inode table),
 in slices the daemon runs between requests; what the master keeps per file is
 bounded (tracemalloc, deterministic for a given Python).
 """
@@ -103,7 +104,7 @@ def test_tombstones_are_compacted_once_they_dominate() -> None:
     assert entries.page(950, 1000) == [(1000 + i, i) for i in range(951, 1001)]
 
 
-def test_a_nodes_death_touches_its_own_files_in_slices() -> None:
+def test_a_nodes_death_touches_its_own_files_and_walks_the_inodes_in_slices() -> None:
     service, a, b = cluster()
     directory = service.handle(m.MkDir(ROOT_INO, b"d", 0o755, 0, 0), a).ino
     service.handle(m.WatchNames(directory, 1 << 20), b)  # b keeps a copy: a's files must be pushed as hidden
@@ -120,9 +121,10 @@ def test_a_nodes_death_touches_its_own_files_in_slices() -> None:
     assert len(service.backlog) > 0  # the rest waits for the daemon's slices
     while service.pending_work(0.0):  # one step per call: the smallest slice
         pass
-    # Two jobs (references, hiding), each a step per STEP_ITEMS of a's files and a last one: b's
-    # files (three steps' worth) were not walked.
-    assert service.backlog.steps - steps <= 2 * (len(theirs) // STEP_ITEMS + 2)
+    # Two jobs: hiding, a step per STEP_ITEMS of a's files and a last one (b's files, three
+    # steps' worth, were not walked); the kernel references, a step per STEP_ITEMS numbers.
+    assert service.backlog.steps - steps <= (len(theirs) // STEP_ITEMS + 2) + (service.ns.next_ino // STEP_ITEMS + 1)
+    assert not service.ns.walking  # the walk is over: nothing listed for it any more
     hidden = [change for change in service.take_notifications(b) if change[3] is None]
     assert len(hidden) == len(theirs)  # each of a's files: "ask the master"
     assert not any(service.ns.inodes[ino].refs & (1 << a) for ino in theirs)
@@ -185,6 +187,48 @@ def test_a_reference_taken_again_survives_the_slices_of_the_previous_incarnation
     assert last in service.ns.inodes  # unlinked, but kept while the kernel references it
 
 
+def test_a_node_down_again_midway_has_its_references_walked_anew() -> None:
+    service, a, b = cluster()
+    inos = [store(service, ROOT_INO, b"f%05d" % i, a, forget=False) for i in range(3 * STEP_ITEMS)]
+    shared = inos[-1]
+    service.handle(m.Lookup(ROOT_INO, b"f%05d" % (len(inos) - 1)), b)  # b's kernel holds one of them too
+    service.handle(m.Register("a", "a:1"), 0)  # a restarts, holding its files: the walk begins
+    held = [m.Held(v.version, v.size, True, False, 0, v.checksums) for v in service.objects.of_node(a)]
+    service.handle(m.Report(held), a)
+    service.handle(m.FinishRegistration(), a)
+    assert len(service.backlog) == 1 and a in service.ns.walking
+    first = inos[0]
+    assert not service.ns.inodes[first].refs & (1 << a)  # (walked by the first slice)
+    service.handle(m.Lookup(ROOT_INO, b"f00000"), a)  # the new kernel takes one the walk has passed...
+    service.handle(m.Lookup(ROOT_INO, b"f%05d" % (len(inos) - 2)), a)  # ...and one it has not reached
+    service.handle(m.Register("a", "a:1"), 0)  # then a restarts again: a new walk, from the start
+    while service.pending_work(0.0):
+        pass
+    assert not service.ns.walking
+    assert not any(service.ns.inodes[ino].refs & (1 << a) for ino in inos)
+    assert service.ns.inodes[shared].refs == 1 << b  # b's reference is b's own
+
+
+def test_a_dead_nodes_walk_ends_once_its_references_are_found() -> None:
+    service, a, _ = cluster()
+    low = store(service, ROOT_INO, b"low", a, forget=False)
+    for i in range(4 * STEP_ITEMS):
+        store(service, ROOT_INO, b"f%05d" % i, a)  # forgotten by a's kernel
+    assert service.ns.held[a] == 1
+    service.handle(m.Register("a", "a:1"), 0)  # a restarts: its one reference is in the first slice
+    assert not service.ns.inodes[low].refs & (1 << a) and service.ns.held[a] == 0
+    assert not service.ns.walking  # the walk ended there, not at the last number
+    held = [m.Held(v.version, v.size, True, False, 0, v.checksums) for v in service.objects.of_node(a)]
+    service.handle(m.Report(held), a)
+    service.handle(m.FinishRegistration(), a)
+    service.handle(m.Lookup(ROOT_INO, b"low"), a)
+    assert service.ns.held[a] == 1
+    service.handle(m.Forget([low]), a)
+    assert service.ns.held[a] == 0
+    service.handle(m.Register("a", "a:1"), 0)  # nothing referenced: no walk at all
+    assert not service.ns.walking
+
+
 def test_a_node_dead_past_its_time_is_forgotten_in_slices() -> None:
     service, a, b = cluster(forget_dead_after_s=60.0)
     directory = service.handle(m.MkDir(ROOT_INO, b"d", 0o755, 0, 0), a).ino
@@ -204,7 +248,9 @@ def test_a_node_dead_past_its_time_is_forgotten_in_slices() -> None:
     calls = 0
     while service.pending_work(0.0):
         calls += 1
-    assert calls <= count // STEP_ITEMS + 1
+    # The forgetting, a step per STEP_ITEMS of a's files, and the walk for the kernel
+    # references a held when it died (the directory), a step per STEP_ITEMS numbers.
+    assert calls <= count // STEP_ITEMS + 1 + service.ns.next_ino // STEP_ITEMS + 1
     assert service.ns.files == 1 and service.ns.inodes[kept].linked
     assert list_all(service, directory, b, 4096) == [b"kept"]
     assert a not in service.objects.by_node

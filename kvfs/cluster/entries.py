@@ -9,8 +9,11 @@ When tombstones outnumber live entries the arrays are compacted, so a whole
 listing walks at most about twice its entries: a page costs O(log n + page)
 amortized, never a scan of the directory from its start.
 
-Per entry this costs 16 bytes of arrays and one dict slot (name -> ino); the
-entry id itself lives on the inode.
+Per entry this costs 16 bytes of arrays and one dict slot (key -> ino); the
+entry id itself lives on the inode. The dict's keys are the names as kept in memory
+(kvfs.cluster.names: hex names packed). Lookups take and listings give names; an
+entry is added and removed by its key, the inode's own (`Inode.key`), so that one
+object serves the two.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from array import array
 from bisect import bisect_left, bisect_right
 from itertools import compress
 from typing import Iterator
+
+from kvfs.cluster.names import pack, unpack
 
 COMPACT_MIN = 64  # tombstones a directory keeps before it bothers to compact
 
@@ -29,7 +34,7 @@ class Entries:
     __slots__ = ("names", "_ids", "_inos", "_dead", "subdirs", "watchers", "steps")
 
     def __init__(self) -> None:
-        self.names: dict[bytes, int] = {}
+        self.names: dict[bytes, int] = {}  # key (kvfs.cluster.names) -> ino
         self._ids = array("Q")
         self._inos = array("Q")  # 0: the entry was removed (a tombstone)
         self._dead = 0
@@ -45,26 +50,27 @@ class Entries:
         return bool(self.names)
 
     def __contains__(self, name: object) -> bool:
-        return name in self.names
+        return isinstance(name, bytes) and pack(name) in self.names
 
     def __iter__(self) -> Iterator[bytes]:
-        return iter(self.names)
+        return map(unpack, self.names)
 
     def get(self, name: bytes) -> int | None:
-        return self.names.get(name)
+        return self.names.get(pack(name))
 
     def inos(self) -> Iterator[int]:
         return iter(self.names.values())
 
-    def add(self, name: bytes, ino: int, entry_id: int) -> None:
-        """A new entry; its id is larger than every id the directory holds."""
+    def add(self, key: bytes, ino: int, entry_id: int) -> None:
+        """A new entry under its key (kvfs.cluster.names.pack); its id is larger than every
+        id the directory holds."""
         assert not self._ids or entry_id > self._ids[-1], "entry ids only grow"
-        self.names[name] = ino
+        self.names[key] = ino
         self._ids.append(entry_id)
         self._inos.append(ino)
 
-    def remove(self, name: bytes, entry_id: int) -> None:
-        del self.names[name]
+    def remove(self, key: bytes, entry_id: int) -> None:
+        del self.names[key]
         at = bisect_left(self._ids, entry_id)
         if at < len(self._ids) and self._ids[at] == entry_id:
             self._inos[at] = 0

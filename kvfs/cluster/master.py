@@ -259,12 +259,12 @@ class MetadataService:
         moved: dict[int, Inode] = {}
         for ino in [*gone_inodes, *given]:  # every entry that moves or goes first: a new one may take its name
             old, new = ns.inodes.get(ino), given.get(ino)
-            if new is not None and (old is None or (old.parent, old.name, old.entry_id) != (new.parent, new.name,
+            if new is not None and (old is None or (old.parent, old.key, old.entry_id) != (new.parent, new.key,
                                                                                            new.entry_id)):
                 moved[ino] = new
             if old is not None and old.parent and (new is None or ino in moved):
                 entries = ns.inodes[old.parent].children
-                entries.remove(old.name, old.entry_id)  # type: ignore[union-attr]
+                entries.remove(old.key, old.entry_id)  # type: ignore[union-attr]
                 entries.subdirs -= old.is_dir  # type: ignore[union-attr]
         for ino in gone_inodes:
             old = ns.inodes.pop(ino, None)
@@ -284,7 +284,7 @@ class MetadataService:
         for inode in sorted(moved.values(), key=lambda i: i.entry_id):
             if inode.parent:
                 entries = ns.inodes[inode.parent].children
-                entries.add(inode.name, inode.ino, inode.entry_id)  # type: ignore[union-attr]
+                entries.add(inode.key, inode.ino, inode.entry_id)  # type: ignore[union-attr]
                 entries.subdirs += inode.is_dir  # type: ignore[union-attr]
         ns.next_ino, ns.next_entry_id = max(ns.next_ino, counters[0]), max(ns.next_entry_id, counters[1])
         for version_id in [*gone_versions, *(version.version for version in versions)]:
@@ -494,8 +494,10 @@ class MetadataService:
 
     def _identify(self, inode: Inode) -> None:
         """A file published under its name: the policy knows the block by it, across re-creations."""
-        if inode.linked and not self._is_temp(inode.name):
-            self.policy.identify(inode.ino, name_identity(inode.parent, inode.name))
+        if inode.linked:
+            name = inode.name  # (unpacked once: kvfs.cluster.names)
+            if not self._is_temp(name):
+                self.policy.identify(inode.ino, name_identity(inode.parent, name))
 
     def admit(self, inode: Inode, size: int, version: FileVersion | None = None) -> None:
         """A sealed, current file becomes evictable (VERSION: its current one, if at hand)."""

@@ -24,7 +24,7 @@ from kvfs.clock import Clock
 from kvfs.wire import messages as m
 from kvfs.cluster.backlog import STEP_ITEMS, Backlog
 from kvfs.cluster.liveness import Liveness
-from kvfs.cluster.namespace import Inode, Namespace
+from kvfs.cluster.namespace import ROOT_INO, Inode, Namespace
 from kvfs.cluster.objects import FileVersion
 from kvfs.cluster.opens import OpenHandles
 from kvfs.cluster.registry import NodeRecord, Registry
@@ -308,27 +308,36 @@ class Membership:
             if directory is not None:
                 directory.watchers &= ~bit
         # The rest is in proportion to the node's files: in slices (kvfs.cluster.backlog).
-        referenced = self.ns.referenced_by.pop(node.node_id, set())
-        if referenced:
-            self.backlog.add(self._unreference_job(node.node_id, list(referenced)))
+        if self.ns.held.get(node.node_id):  # (a walk of every inode: see `_unreference_job`)
+            again = self.ns.walking[node.node_id] = set()  # (a walk still running stops: this one covers it)
+            self.backlog.add(self._unreference_job(node.node_id, again, self.ns.next_ino))
         if any(self.ns.watched_by.values()):
             self.backlog.add(self._hide_job(node.node_id, self.objects.by_node.get(node.node_id, array("Q"))[:]))
 
-    def _unreference_job(self, node_id: int, inos: list[int]) -> Iterator[None]:
+    def _unreference_job(self, node_id: int, again: set[int], end: int) -> Iterator[None]:
         """The kernel references of a node that went down go (those its next incarnation
-        took meanwhile stay)."""
-        bit = 1 << node_id
-        for start in range(0, len(inos), STEP_ITEMS):
+        took meanwhile, listed in `again`, stay). They are known only by the inodes' bits,
+        not in a set per node (42-84 B per referenced inode, docs/cluster.md): the inode table is walked, STEP_ITEMS numbers per step, up to
+        the first number not handed out at the death (later inodes' bits are the next
+        incarnation's), or until no bit of the dead incarnation is left: the node's count
+        of set bits (`Namespace.held`) less those of its next incarnation (`again`, each
+        with its bit set)."""
+        bit, ns, start = 1 << node_id, self.ns, 0
+        while start < end and ns.held.get(node_id, 0) > len(again):
+            if ns.walking.get(node_id) is not again:
+                return  # the node went down again: a new walk covers this one's
+            inodes, start = ns.inodes.scan(start, end, STEP_ITEMS)
             dropped: list[int] = []
-            again = self.ns.referenced_by.get(node_id, ())
-            for ino in inos[start:start + STEP_ITEMS]:
-                inode = self.ns.inodes.get(ino)
-                if inode is not None and inode.refs & bit and ino not in again:
-                    inode.refs &= ~bit
-                    self.files.unhold(ino, node_id, dropped)
-                    self.ns.collect(inode)
+            for inode in inodes:
+                if inode.refs & bit and inode.ino != ROOT_INO and inode.ino not in again:
+                    ns.walked(inode, node_id)
+                    self.files.unhold(inode.ino, node_id, dropped)
+                    ns.collect(inode)
             self.files.route_outcomes(0)
-            yield
+            if start < end and ns.held.get(node_id, 0) > len(again):
+                yield
+        if ns.walking.get(node_id) is again:
+            del ns.walking[node_id]
 
     def _hide_job(self, node_id: int, version_ids: array[int]) -> Iterator[None]:
         """The files of a node that went down are hidden: copies of their directories on

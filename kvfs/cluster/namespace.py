@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import errno
 import stat
-from itertools import chain
-from typing import Iterator
 
 from kvfs.cluster.entries import Entries
+from kvfs.cluster.names import pack, unpack
 from kvfs.cluster.table import NumberTable
 from kvfs.cluster.times import BASE_NS
 from kvfs.errors import MetadataError
@@ -45,7 +44,7 @@ class Inode:
     (`meta`, read-only) until the first attribute is set. Build one from saved fields with
     `make_inode`, which picks the class."""
 
-    __slots__ = ("ino", "meta", "_atime", "_mtime", "_ctime", "parent", "name", "version", "entry_id", "refs")
+    __slots__ = ("ino", "meta", "_atime", "_mtime", "_ctime", "parent", "key", "version", "entry_id", "refs")
     children: Entries | None = None  # a directory's entries (a slot of `Directory`)
     target: bytes = b""  # a symbolic link's target, fixed at creation (a slot of `Symlink`)
 
@@ -60,7 +59,7 @@ class Inode:
         self._mtime = mtime = atime if mtime_ns == atime_ns else mtime_ns - BASE_NS
         self._ctime = mtime if ctime_ns == mtime_ns else atime if ctime_ns == atime_ns else ctime_ns - BASE_NS
         self.parent = parent  # 0 once unlinked
-        self.name = name
+        self.key = pack(name) if name else name  # the name as its directory keeps it (kvfs.cluster.names)
         if children is not None:  # ({} from a saved state: its entries are linked as they load)
             self.children = children if isinstance(children, Entries) else Entries()
         self.version = version  # the file's current version
@@ -68,6 +67,14 @@ class Inode:
         self.refs = refs  # bit n set: node n's kernel holds a lookup reference
         if target:
             self.target = target
+
+    @property
+    def name(self) -> bytes:
+        return unpack(self.key)
+
+    @name.setter
+    def name(self, value: bytes) -> None:
+        self.key = pack(value)
 
     @property
     def mode(self) -> int:
@@ -251,38 +258,6 @@ def check_target(target: bytes) -> None:
         raise MetadataError(errno.EINVAL, f"symbolic link target {target[:64]!r} holds a NUL byte")
 
 
-SHARD_BITS = 6
-SHARD_MASK = (1 << SHARD_BITS) - 1
-
-
-class InoSet:
-    """A set of inode numbers in 64 sets by their low bits: a set grows by copying itself
-    whole (about 120 ms at 1.26M numbers, on one insert), a shard at 1/64 of the size,
-    and the shards cross their sizes on different inserts. What a node's kernel
-    references (one per node, up to every file) is kept in one."""
-
-    __slots__ = ("shards",)
-
-    def __init__(self) -> None:
-        # (Public: the hot path, `Namespace.reference`, adds to a shard without a method call.)
-        self.shards: list[set[int]] = [set() for _ in range(1 << SHARD_BITS)]
-
-    def add(self, ino: int) -> None:
-        self.shards[ino & SHARD_MASK].add(ino)
-
-    def discard(self, ino: int) -> None:
-        self.shards[ino & SHARD_MASK].discard(ino)
-
-    def __contains__(self, ino: object) -> bool:
-        return isinstance(ino, int) and ino in self.shards[ino & SHARD_MASK]
-
-    def __iter__(self) -> Iterator[int]:
-        return chain.from_iterable(self.shards)
-
-    def __len__(self) -> int:
-        return sum(map(len, self.shards))
-
-
 class Namespace:
     """Directories and their entries; every inode knows its one parent and name."""
 
@@ -298,10 +273,14 @@ class Namespace:
         self.dirty: set[int] = {ROOT_INO}
         # Entries added or removed in watched directories: (watchers, directory, name, added).
         self.changes: list[tuple[int, int, bytes, bool]] = []
-        # Per node: the inodes its kernel references, the directories it watches. A node that
-        # goes down gives these back without a walk of every inode.
-        self.referenced_by: dict[int, InoSet] = {}
+        # Per node: the directories it watches (a node that goes down gives them back without
+        # a walk). The inodes its kernel references are known only by their bits (`refs`)
+        # and counted (`held`: no walk for a node that held none); a node that goes down has
+        # them walked for in slices (kvfs.cluster.membership), and while that walk runs,
+        # what its next incarnation references is listed in `walking`, for the walk to leave alone.
         self.watched_by: dict[int, set[int]] = {}
+        self.held: dict[int, int] = {}
+        self.walking: dict[int, set[int]] = {}
 
     def get(self, ino: int) -> Inode:
         inode = self.inodes.get(ino)
@@ -364,10 +343,10 @@ class Namespace:
         entry_id = self.next_entry_id
         if inode.ino >= entry_id:
             entry_id = inode.ino
-        parent.children.add(name, inode.ino, entry_id)
+        inode.parent, inode.key = parent.ino, pack(name)
+        parent.children.add(inode.key, inode.ino, entry_id)  # (one key object for the two)
         inode.entry_id = entry_id
         self.next_entry_id = entry_id + 1
-        inode.parent, inode.name = parent.ino, name
         if inode.children is not None:
             parent.children.subdirs += 1
         parent.entries_changed(now_ns)
@@ -383,7 +362,7 @@ class Namespace:
     def detach(self, inode: Inode, now_ns: int) -> None:
         """Removes the inode's entry but keeps the inode (for rename)."""
         parent = self.inodes[inode.parent]
-        parent.children.remove(inode.name, inode.entry_id)  # type: ignore[union-attr]
+        parent.children.remove(inode.key, inode.entry_id)  # type: ignore[union-attr]
         if inode.children is not None:
             parent.children.subdirs -= 1  # type: ignore[union-attr]
         parent.entries_changed(now_ns)
@@ -406,20 +385,30 @@ class Namespace:
     def reference(self, inode: Inode, node: int) -> None:
         """Node `node`'s kernel holds a lookup reference to the inode."""
         if inode.ino != ROOT_INO:
-            inode.refs |= 1 << node
-            # Added even when the bit is set: a previous incarnation's bit may still wait for
-            # its slice (kvfs.cluster.membership), which leaves inodes in this set alone.
-            held = self.referenced_by.get(node)
-            if held is None:
-                held = self.referenced_by[node] = InoSet()
-            held.shards[inode.ino & SHARD_MASK].add(inode.ino)  # (InoSet.add, written out)
+            bit = 1 << node
+            if not inode.refs & bit:
+                inode.refs |= bit
+                self.held[node] = self.held.get(node, 0) + 1
+            if self.walking:
+                # Listed even when the bit is set: a previous incarnation's bit may still wait
+                # for the walk, which leaves the inodes listed alone.
+                again = self.walking.get(node)
+                if again is not None:
+                    again.add(inode.ino)
 
     def unreference(self, inode: Inode, node: int) -> None:
         if inode.ino != ROOT_INO and inode.refs & (1 << node):
             inode.refs &= ~(1 << node)
-            held = self.referenced_by.get(node)
-            if held is not None:
-                held.discard(inode.ino)
+            self.held[node] -= 1
+            if self.walking:
+                again = self.walking.get(node)
+                if again is not None:
+                    again.discard(inode.ino)
+
+    def walked(self, inode: Inode, node: int) -> None:
+        """A walk found a dead incarnation's reference (kvfs.cluster.membership): it goes."""
+        inode.refs &= ~(1 << node)
+        self.held[node] -= 1
 
     def watch(self, directory: Inode, node: int) -> None:
         directory.watchers |= 1 << node
@@ -443,7 +432,7 @@ class Namespace:
         for inode in sorted(inodes, key=lambda i: i.entry_id):
             if inode.parent:
                 entries = self.inodes[inode.parent].children
-                entries.add(inode.name, inode.ino, inode.entry_id)  # type: ignore[union-attr]
+                entries.add(inode.key, inode.ino, inode.entry_id)  # type: ignore[union-attr]
                 entries.subdirs += inode.is_dir  # type: ignore[union-attr]
         self.dirty.clear()
 

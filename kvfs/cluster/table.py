@@ -106,6 +106,23 @@ class NumberTable(MutableMapping[int, T], Generic[T]):
         for number in sorted(self._pages):
             yield from filter(partial(is_not, None), self._pages[number])  # type: ignore[misc]
 
+    def scan(self, start: int, end: int, slots: int) -> tuple[list[T], int]:
+        """The objects numbered from `start`, looking at up to `slots` numbers below `end`
+        (pages not in use are passed over free), and the number to go on from: `end`
+        once past it. For walks in slices, which may add and remove objects between them."""
+        pages = self._pages
+        while start < end:
+            number = start >> PAGE_BITS
+            page = pages.get(number)
+            if page is None:  # the next page in use, if any below `end`
+                start = min((n for n in pages if n > number), default=end >> PAGE_BITS) << PAGE_BITS
+                start = min(max(start, (number + 1) << PAGE_BITS), end)
+                continue
+            stop = min(start + slots, (number + 1) << PAGE_BITS, end)
+            found = list(filter(partial(is_not, None), page[start & _MASK:((stop - 1) & _MASK) + 1]))
+            return found, stop  # type: ignore[return-value]
+        return [], end
+
     def clear(self) -> None:
         self._pages, self._live, self._len = {}, {}, 0
 
