@@ -524,6 +524,8 @@ class Cluster:
         self._running.set()
         self._pushes = trio.Event()
         self.hub.wake = lambda: self._pushes.set()  # a push follows the reply, as over the network
+        self.pushing = trio.Event()  # cleared: pushes wait (a slow push connection, a busy pusher)
+        self.pushing.set()
         nursery.start_soon(self._push_forever)
         nursery.start_soon(self._expire_forever)
 
@@ -564,6 +566,7 @@ class Cluster:
     async def _push_forever(self) -> None:
         while True:
             await self._pushes.wait()
+            await self.pushing.wait()
             self._pushes = trio.Event()
             self.hub.push()
 

@@ -102,6 +102,30 @@ def test_a_node_that_stops_heartbeating_is_declared_dead_after_dead_after_and_co
     run_cluster(tmp_path, scenario)
 
 
+def test_a_dead_owners_file_is_absent_to_the_kernels_retry_before_the_push_arrives(tmp_path: Path) -> None:
+    async def scenario(cluster: Cluster) -> None:
+        a, b = cluster.members
+        ino = await write_file(a, b"owned", content(5, CHUNK))
+        await write_file(a, b"other", content(6, CHUNK))
+        assert await lookup(b, b"other") and await lookup(b, b"owned") == ino  # the second copies the root
+        assert b.node.dircache is not None and ROOT_INO in b.node.dircache
+        cluster.pushing = trio.Event()  # the master's push of the death reaches b late
+        a.heartbeating = False
+        while cluster.is_live(a):
+            await trio.sleep(0.05)
+        with pytest.raises(pyfuse3.FUSEError) as failed:  # the kernel's inode is gone: it looks the name up again
+            await b.ops.open(ino, os.O_RDONLY, ROOT)
+        assert failed.value.errno == errno.ESTALE
+        assert await lookup(b, b"owned") == 0  # and gets ENOENT, not the gone inode from b's copy
+        cluster.pushing.set()
+        a.heartbeating = True
+        while not cluster.is_live(a):
+            await trio.sleep(0.05)
+        assert await lookup(b, b"owned") == ino and await read_file(b, ino) == content(5, CHUNK)
+
+    run_cluster(tmp_path, scenario)
+
+
 def test_a_master_stall_longer_than_dead_after_convicts_nobody(tmp_path: Path) -> None:
     async def scenario(cluster: Cluster) -> None:
         a, b = cluster.members

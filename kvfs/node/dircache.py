@@ -33,6 +33,9 @@ from kvfs.wire.messages import Attr, Entry
 # node adds there then waits for its acknowledgement (docs/cluster.md); a reader that looks up one name
 # in each of vLLM's ~1M small directories would watch them all (measured: other nodes' stores 20-30% slower).
 LOOKUPS_BEFORE_COPY = 2
+# Inodes the master said are gone whose names a copy may still hold, until the push of their removal
+# arrives (a handful at a time: a dead node's files as its readers open them).
+GONE_KEPT = 4096
 
 
 class DirectoryCache:
@@ -41,6 +44,7 @@ class DirectoryCache:
         self._names: OrderedDict[int, dict[bytes, Entry | None]] = OrderedDict()
         self._asked: dict[int, int] = {}
         self._uncachable: set[int] = set()  # directories too large to copy
+        self._gone: set[int] = set()  # inodes the master no longer has (see `gone`)
         self.total = 0
         self.answered = 0  # misses answered without the master
         self.found = 0  # present names answered without the master
@@ -58,10 +62,21 @@ class DirectoryCache:
         """The entry of a name the copy can answer for, or None (ask the master)."""
         names = self._names.get(parent)
         entry = names.get(name) if names is not None else None
+        if entry is not None and self._gone and entry.attr is not None and entry.attr.ino in self._gone:
+            return None
         if entry is not None:
             self._names.move_to_end(parent)
             self.found += 1
         return entry
+
+    def gone(self, ino: int) -> None:
+        """The master answered that inode `ino` no longer exists (an open or a getattr of it)
+        while a copy may still name it: the push of its removal is a moment behind the answer.
+        Until then a lookup of that name asks the master, so the kernel's retry of a stale
+        open finds the name absent instead of the same gone inode (ESTALE to the caller)."""
+        if len(self._gone) >= GONE_KEPT:
+            self._gone.clear()
+        self._gone.add(ino)
 
     def asked(self, parent: int) -> bool:
         """Records a lookup the master answered; True when the directory should be copied now."""
@@ -109,12 +124,16 @@ class DirectoryCache:
             if name not in names:
                 self.total += 1
             names[name] = entry
+        if self._gone and entry is not None and entry.attr is not None:
+            self._gone.discard(entry.attr.ino)  # (back: its node registered again)
 
     def removed(self, parent: int, name: bytes) -> None:
         names = self._names.get(parent)
         if names is not None and name in names:
-            del names[name]
+            entry = names.pop(name)
             self.total -= 1
+            if self._gone and entry is not None and entry.attr is not None:
+                self._gone.discard(entry.attr.ino)
 
     def forget_directory(self, ino: int) -> None:
         names = self._names.pop(ino, None)
@@ -123,6 +142,7 @@ class DirectoryCache:
 
     def clear(self) -> None:
         self._names.clear()
+        self._gone.clear()
         self._asked.clear()
         self._uncachable.clear()
         self.total = 0

@@ -94,16 +94,20 @@ OWN_CHANGE_ATTRS_S = 1.0  # directory attributes fetched with a change answer ge
 
 
 @contextlib.contextmanager
-def _stale_if_gone(ino: int) -> Iterator[None]:
+def _stale_if_gone(ino: int, dircache: DirectoryCache | None) -> Iterator[None]:
     """An inode the kernel holds that the master no longer has at all is a stale name, not
     an absent one: the master forgets this node's kernel references when it registers again
     (after a partition, say), and an inode removed meanwhile is then gone for good. ESTALE
-    makes the kernel look the name up again and retry (ENOENT only if the name is gone too)."""
+    makes the kernel look the name up again and retry (ENOENT only if the name is gone too:
+    the node's directory copy, which may not have the push of the removal yet, no longer
+    answers with that inode)."""
     try:
         yield
     except MetadataError as error:
         if error.errno != errno.ENOENT:
             raise
+        if dircache is not None:
+            dircache.gone(ino)
         raise MetadataError(errno.ESTALE, f"inode {ino} no longer exists: {error}") from None
 
 
@@ -275,7 +279,7 @@ class Node:
         if cached is None and ino in self._local:
             cached = self._local[ino][1]
         try:
-            with _stale_if_gone(ino):
+            with _stale_if_gone(ino, self.dircache):
                 attr = await self.master.call(m.GetAttr(ino), wait_s=0 if cached is not None else None)
         except MasterUnavailable:
             if cached is None:
@@ -663,7 +667,7 @@ class Node:
             opened = await self._open_private(ino, flags)
             if opened is not None:
                 return opened
-        with _stale_if_gone(ino):
+        with _stale_if_gone(ino, self.dircache):
             return await self._open(ino, flags, uid)
 
     async def _open(self, ino: int, flags: int, uid: int) -> tuple[OpenFile, bool]:
