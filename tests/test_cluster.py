@@ -398,7 +398,12 @@ def test_a_lookup_prefetches_and_the_open_adopts_only_the_same_version(cluster: 
     for i, data in enumerate(contents):
         assert (reader.path / "kv" / f"{i}.bin").read_bytes() == data, f"{i}.bin"
     after = stats(reader)
-    assert after["prefetches_claimed"] == 15, after  # all but the rewritten file's old version
+    # Each of the first 16 names' opens adopts its prefetch, but 5.bin's (its old version), unless the
+    # prefetch outlived its TTL first (a slow run): then it is dropped and counted wasted. A name whose
+    # kernel entry timed out meanwhile is looked up again and may start (and adopt) a newer prefetch,
+    # so the counts are bounds; the exact ones, in virtual time: test_inprocess_cluster.py.
+    claimed, started, wasted = after["prefetches_claimed"], after["prefetches_started"], after["prefetches_wasted"]
+    assert 1 <= claimed <= started - 1 and claimed + wasted >= 15, after
     assert after["remote_reads"] == count
 
 
