@@ -251,6 +251,29 @@ def test_a_prefetch_started_by_a_lookup_is_claimed_within_its_ttl_and_dropped_af
     run_cluster(tmp_path, scenario)
 
 
+def test_a_file_rewritten_between_the_lookup_and_the_open_is_read_new_and_its_old_prefetch_not_adopted(
+        tmp_path: Path) -> None:
+    async def scenario(cluster: Cluster) -> None:
+        a, b = cluster.members
+        ino = await write_file(a, b"f", content(7, 2 * CHUNK))
+        old = version_of(cluster, ino)
+        assert b.transport is not None and b.node.prefetches is not None
+        prefetches, transport = b.node.prefetches, b.transport
+        assert await lookup(b, b"f") == ino and prefetches.started == 1  # fetching the old version
+        info = await a.ops.open(ino, os.O_WRONLY | os.O_TRUNC, ROOT)  # rewritten on A, same size
+        for start in range(0, 2 * CHUNK, CHUNK):
+            await a.ops.write(info.fh, start, content(8, 2 * CHUNK)[start:start + CHUNK])
+        await a.ops.release(info.fh)
+        assert version_of(cluster, ino) != old
+        assert await read_file(b, ino) == content(8, 2 * CHUNK)  # the kernel's entry is the old one: open by inode
+        assert prefetches.claimed == 0 and transport.versions_fetched().count(version_of(cluster, ino)) == 1
+        await trio.sleep(TTL_S + 0.5)
+        assert await lookup(b, b"f") == ino  # a lookup after the TTL drops the old prefetch
+        assert prefetches.wasted == 1
+
+    run_cluster(tmp_path, scenario)
+
+
 def test_names_looked_up_and_never_opened_shut_the_prefetch_gate_for_its_pause(tmp_path: Path) -> None:
     async def scenario(cluster: Cluster) -> None:
         a, b = cluster.members
