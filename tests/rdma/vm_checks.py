@@ -57,8 +57,10 @@ class Daemon:
             found = re.search(pattern, self.text())
             if found:
                 return found
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"{self.name}: no {pattern!r}:\n{self.text()[-3000:]}")
+            code = self.process.poll()
+            if code is not None or time.monotonic() > deadline:
+                why = f"it exited with {code}" if code is not None else f"not within {timeout:.0f} s"
+                raise AssertionError(f"{self.name}: no {pattern!r} ({why}):\n{self.text()[-3000:]}")
             time.sleep(0.1)
 
     def metrics(self) -> dict[str, float]:
@@ -107,7 +109,7 @@ def check(name: str):
             print(f"PASS {name} ({time.monotonic() - started:.1f} s)", flush=True)
         except Exception as error:
             RESULTS.append((name, False, str(error)))
-            print(f"FAIL {name}: {error}", flush=True)
+            print(f"FAIL {name} ({time.monotonic() - started:.1f} s): {error}", flush=True)
             traceback.print_exc()
         return function
     return run
