@@ -155,7 +155,7 @@ def pure_service(count: int, base: Path, results: Results, traced: bool) -> None
     started = time.perf_counter()
     for name in names:
         opened = service.handle(m.Create(directory, name, 0o644, 0, 0, node, True), node)
-        service.handle(m.Seal(opened.version, 4096, 1, [0], release=True), node)  # a node's close
+        service.handle(m.Seal(opened.version, 4096, time.time_ns(), [0], release=True), node)  # a node's close (its mtime)
     elapsed = time.perf_counter() - started
     if traced:
         results.record(layer, "bytes_per_file", (tracemalloc.get_traced_memory()[0] - traced_before) / count)
@@ -267,7 +267,7 @@ def remote_master(count: int, base: Path, bundles: dict[str, Path], results: Res
             async def create(remote: RemoteMaster, node: int, share: list[bytes]) -> None:
                 for name in share:
                     opened = await remote.call(m.Create(directory, name, 0o644, 0, 0, node, True))
-                    await remote.call(m.Seal(opened.version, 4096, 1, [0], release=True))  # a node's close
+                    await remote.call(m.Seal(opened.version, 4096, time.time_ns(), [0], release=True))  # a node's close (its mtime)
 
             async def lookup(remote: RemoteMaster, node: int, share: list[bytes]) -> None:
                 for name in share:

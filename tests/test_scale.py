@@ -358,16 +358,16 @@ def test_fields_kept_together_read_back_what_was_set() -> None:
     first.mode, first.uid, first.gid = 0o100644, 7, 8
     assert first.meta is second.meta
 
-    # Times: the ns given, from 1970 on, equal ones one int.
+    # Times: the ns given, from 1970 on, the three in one int (tests/test_packed_times.py).
     now = 1_790_000_000_123_456_789
     inode = Inode(22, 0o100644, 0, 0, now, now, now)
-    assert inode.times() == (now, now, now) and inode._mtime is inode._atime and inode._ctime is inode._atime
+    assert inode.times() == (now, now, now) and type(inode._times) is int
     inode.mtime_ns = inode.ctime_ns = now + 1
-    assert inode.times() == (now, now + 1, now + 1) and inode._ctime is inode._mtime
+    assert inode.times() == (now, now + 1, now + 1)
     inode.atime_ns, inode.mtime_ns = 0, -1
     assert (inode.atime_ns, inode.mtime_ns, inode.ctime_ns) == (0, -1, now + 1)
-    version.last_access = inode.access(now + 5)
-    assert inode.atime_ns == version.last_access_ns == now + 5
+    version.last_access = inode.access(now + 5)  # the inode's object, shared
+    assert inode.atime_ns == version.last_access_ns == now + 5 and version.last_access is inode._times
 
 
 def test_fields_read_in_one_call_are_those_the_properties_read() -> None:
@@ -386,21 +386,21 @@ def test_fields_read_in_one_call_are_those_the_properties_read() -> None:
     version.closed(False)
     assert (version.readers, version.writers, version.hits, version.in_use) == (1, 0, 3, True)
 
-    # A seal's times: mtime as given; ctime never goes back; equal ones one int.
+    # A seal's times: mtime as given; ctime never goes back.
     now = 1_790_000_000_123_456_789
     inode = Inode(23, 0o100644, 0, 0, now, now, now)
     inode.modified(now + 10, now + 10)
-    assert inode.times() == (now, now + 10, now + 10) and inode._ctime is inode._mtime
+    assert inode.times() == (now, now + 10, now + 10)
     inode.ctime_ns = now + 50  # a chmod while the file was written
     inode.modified(now + 20, now + 20)
     assert inode.times() == (now, now + 20, now + 50)
-    inode.modified(now + 50, now + 30)  # ctime stays later, mtime caught up with it: one int
-    assert inode.times() == (now, now + 50, now + 50) and inode._ctime is inode._mtime
+    inode.modified(now + 50, now + 30)  # ctime stays later, mtime caught up with it
+    assert inode.times() == (now, now + 50, now + 50)
     inode.modified(now + 60, now + 70)
     assert inode.times() == (now, now + 60, now + 70)
-    # A directory's entries changed: mtime and ctime now, one int.
+    # A directory's entries changed: mtime and ctime now.
     inode.entries_changed(now + 80)
-    assert inode.times() == (now, now + 80, now + 80) and inode._ctime is inode._mtime
+    assert inode.times() == (now, now + 80, now + 80)
 
 def test_a_number_table_frees_the_pages_of_numbers_gone() -> None:
     table: NumberTable[str] = NumberTable()

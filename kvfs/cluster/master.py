@@ -882,7 +882,7 @@ class MetadataService:
         self._unpublished.pop(inode.ino, None)  # read: published
         self.usage.opened(self.ns, inode.parent, inode.name, version.size)
         now = self.clock.wall_ns()
-        version.last_access = inode.access(now)  # (one int for both)
+        version.last_access = inode.access(now)  # (the inode's times object, shared)
         self.policy.touch(inode.ino, self.clock.monotonic())
         opened = m.Opened(self.attr(inode), version.version)
         opened.node, opened.address, opened.checksums = self._remote_location(version)
@@ -960,7 +960,7 @@ class MetadataService:
             return m.Attr(version.ino, stat.S_IFREG, 0, 0, 0, req.size, 0, 0, 0, version.version, True)
         # ctime never goes back: a chmod or utimensat while the file was written already moved
         # it (`Inode.modified`). A node sends ctime 0 or equal to mtime unless a utimensat came
-        # between: the inode then keeps one int for both (32 B per file).
+        # between.
         inode.modified(req.mtime_ns, req.ctime_ns or req.mtime_ns)
         self.ns.dirty.add(inode.ino)
         if newly and current:

@@ -8,7 +8,8 @@ import stat
 from kvfs.cluster.entries import Entries
 from kvfs.cluster.names import pack, unpack
 from kvfs.cluster.table import NumberTable
-from kvfs.cluster.times import BASE_NS
+from kvfs.cluster.times import BASE_NS, CTIME_SHIFT, FIELD_BITS, FIELD_MASK, MTIME_SHIFT, Times
+from kvfs.cluster.times import atime_of, ctime_of, mtime_of, pack as pack_times, unpack as unpack_times
 from kvfs.errors import MetadataError
 
 ROOT_INO = 1
@@ -44,7 +45,7 @@ class Inode:
     (`meta`, read-only) until the first attribute is set. Build one from saved fields with
     `make_inode`, which picks the class."""
 
-    __slots__ = ("ino", "meta", "_atime", "_mtime", "_ctime", "parent", "key", "version", "entry_id", "refs")
+    __slots__ = ("ino", "meta", "_times", "parent", "key", "version", "entry_id", "refs")
     children: Entries | None = None  # a directory's entries (a slot of `Directory`)
     target: bytes = b""  # a symbolic link's target, fixed at creation (a slot of `Symlink`)
 
@@ -54,10 +55,11 @@ class Inode:
                  refs: int = 0, target: bytes = b"") -> None:
         self.ino = ino
         self.meta = _meta(mode, uid, gid, dict(xattrs) if xattrs else None)
-        # Equal times share one int (a new inode's three, a seal's mtime and ctime).
-        self._atime = atime = atime_ns - BASE_NS
-        self._mtime = mtime = atime if mtime_ns == atime_ns else mtime_ns - BASE_NS
-        self._ctime = mtime if ctime_ns == mtime_ns else atime if ctime_ns == atime_ns else ctime_ns - BASE_NS
+        # The three times as one packed int (kvfs.cluster.times: the narrow form packed here,
+        # as `pack` does, without its call; out of its range, `pack` picks another form).
+        atime, mtime, ctime = atime_ns - BASE_NS, mtime_ns - BASE_NS, ctime_ns - BASE_NS
+        self._times: Times = (atime | mtime << MTIME_SHIFT | ctime << CTIME_SHIFT
+                              if not (atime | mtime | ctime) >> FIELD_BITS else pack_times(atime, mtime, ctime))
         self.parent = parent  # 0 once unlinked
         self.key = pack(name) if name else name  # the name as its directory keeps it (kvfs.cluster.names)
         if children is not None:  # ({} from a saved state: its entries are linked as they load)
@@ -103,59 +105,71 @@ class Inode:
         mode, uid, _, xattrs = self.meta
         self.meta = _meta(mode, uid, value, xattrs)
 
-    # Times are kept as offsets from BASE_NS (kvfs.cluster.times); read back, the same ns.
+    # Times are kept as offsets from BASE_NS, the three in one object (kvfs.cluster.times);
+    # read back, the same ns.
     @property
     def atime_ns(self) -> int:
-        return self._atime + BASE_NS
+        return atime_of(self._times) + BASE_NS
 
     @atime_ns.setter
     def atime_ns(self, value: int) -> None:
-        offset = value - BASE_NS
-        self._atime = self._mtime if offset == self._mtime else offset
+        _, mtime, ctime = unpack_times(self._times)
+        self._times = pack_times(value - BASE_NS, mtime, ctime)
 
     @property
     def mtime_ns(self) -> int:
-        return self._mtime + BASE_NS
+        return mtime_of(self._times) + BASE_NS
 
     @mtime_ns.setter
     def mtime_ns(self, value: int) -> None:
-        offset = value - BASE_NS
-        self._mtime = self._ctime if offset == self._ctime else offset
+        atime, _, ctime = unpack_times(self._times)
+        self._times = pack_times(atime, value - BASE_NS, ctime)
 
     @property
     def ctime_ns(self) -> int:
-        return self._ctime + BASE_NS
+        return ctime_of(self._times) + BASE_NS
 
     @ctime_ns.setter
     def ctime_ns(self, value: int) -> None:
-        offset = value - BASE_NS
-        self._ctime = self._mtime if offset == self._mtime else offset
+        atime, mtime, _ = unpack_times(self._times)
+        self._times = pack_times(atime, mtime, value - BASE_NS)
 
     def entries_changed(self, now_ns: int) -> None:
-        """mtime and ctime both `now_ns` (a directory's entries changed): one int for the two,
-        as the two setters would leave them, without their calls."""
-        offset, ctime = now_ns - BASE_NS, self._ctime
-        self._mtime = self._ctime = ctime if offset == ctime else offset
+        """mtime and ctime both `now_ns` (a directory's entries changed), in one repacking."""
+        offset = now_ns - BASE_NS
+        self._times = pack_times(atime_of(self._times), offset, offset)
 
     def modified(self, mtime_ns: int, ctime_ns: int) -> None:
         """A seal's or publish's times: mtime as given, ctime moved to `ctime_ns` unless it is
-        later already (ctime never goes back); equal times share one int, as the setters do."""
-        mtime, old_ctime = mtime_ns - BASE_NS, self._ctime
-        self._mtime = mtime = old_ctime if mtime == old_ctime else mtime
-        ctime = ctime_ns - BASE_NS
-        if ctime >= old_ctime:
-            self._ctime = mtime if ctime == mtime else ctime
-        elif old_ctime == mtime:
-            self._ctime = mtime
+        later already (ctime never goes back)."""
+        times, mtime, ctime = self._times, mtime_ns - BASE_NS, ctime_ns - BASE_NS
+        if type(times) is int and times >= 0 and not (mtime | ctime) >> FIELD_BITS:  # (narrow to narrow, inline)
+            old_ctime = times >> CTIME_SHIFT
+            self._times = (times & FIELD_MASK | mtime << MTIME_SHIFT
+                           | (ctime if ctime >= old_ctime else old_ctime) << CTIME_SHIFT)
+            return
+        atime, _, old_ctime = unpack_times(times)
+        self._times = pack_times(atime, mtime, ctime if ctime >= old_ctime else old_ctime)
 
-    def access(self, now_ns: int) -> int:
-        """Sets atime; returns it as kept (a version read now keeps the same int)."""
-        self.atime_ns = now_ns
-        return self._atime
+    def access(self, now_ns: int) -> Times:
+        """Sets atime; returns the times as now kept, immutable (a version read now keeps the
+        same object: `FileVersion.last_access` reads its atime, no object of its own)."""
+        times, atime = self._times, now_ns - BASE_NS
+        if type(times) is int and times >= 0 and not atime >> FIELD_BITS:  # (narrow to narrow, inline)
+            self._times = times = times >> MTIME_SHIFT << MTIME_SHIFT | atime
+            return times
+        _, mtime, ctime = unpack_times(times)
+        self._times = times = pack_times(atime, mtime, ctime)
+        return times
 
     def times(self) -> tuple[int, int, int]:
         """atime, mtime and ctime in ns (one call for an attribute reply's three)."""
-        return self._atime + BASE_NS, self._mtime + BASE_NS, self._ctime + BASE_NS
+        times = self._times
+        if type(times) is int and times >= 0:  # (the narrow form, decoded inline)
+            return ((times & FIELD_MASK) + BASE_NS, (times >> MTIME_SHIFT & FIELD_MASK) + BASE_NS,
+                    (times >> CTIME_SHIFT) + BASE_NS)
+        atime, mtime, ctime = unpack_times(times)
+        return atime + BASE_NS, mtime + BASE_NS, ctime + BASE_NS
 
     @property
     def xattrs(self) -> dict[bytes, bytes]:

@@ -13,7 +13,8 @@ from itertools import compress
 from typing import Callable, Iterator, Sequence
 
 from kvfs.cluster.table import NumberTable
-from kvfs.cluster.times import BASE_NS
+from kvfs.cluster.times import BASE_NS, Times, atime_of
+from kvfs.cluster.times import pack as pack_times
 from kvfs.errors import MetadataError
 
 
@@ -113,9 +114,9 @@ class FileVersion:
         elif readers or writers or hits:
             self.readers, self.writers, self.hits = readers, writers, hits
         self._sums = _pack(checksums)
-        # Its last open for reading, since BASE_NS (kvfs.cluster.times; None: never): the int
-        # its inode keeps as atime then (`Inode.access`).
-        self.last_access: int | None = last_access_ns - BASE_NS if last_access_ns else None
+        # Its last open for reading (None: never) as the atime of packed times (kvfs.cluster.times):
+        # the object its inode keeps then (`Inode.access`), shared, or one of its own when loaded.
+        self.last_access: Times | None = pack_times(last_access_ns - BASE_NS, 0, 0) if last_access_ns else None
 
     @property
     def node(self) -> int:
@@ -159,7 +160,7 @@ class FileVersion:
 
     @property
     def last_access_ns(self) -> int:
-        return 0 if self.last_access is None else self.last_access + BASE_NS
+        return 0 if self.last_access is None else atime_of(self.last_access) + BASE_NS
 
     @property
     def checksums(self) -> list[int]:

@@ -221,14 +221,13 @@ class Loaded:
 
 def decode_inode(ino: int, value: bytes) -> Inode:
     saved = _decode_inode(value)
-    # Equal numbers and times as one int object each, as the live master keeps them (32-40 B
-    # per file for each: docs/cluster.md, "Memory per file").
-    ctime = saved.mtime_ns if saved.ctime_ns == saved.mtime_ns else saved.ctime_ns
+    # Equal numbers as one int object, as the live master keeps them (32 B per file for each:
+    # docs/cluster.md, "Memory per file"); the times are packed into one by the inode.
     version = ino if saved.version == ino else saved.version
     entry_id = ino if saved.entry_id == ino else saved.entry_id
-    return make_inode(ino, saved.mode, saved.uid, saved.gid, saved.atime_ns, saved.mtime_ns, ctime, saved.parent,
-                      saved.name, {} if saved.is_dir else None, dict(saved.xattrs), version, entry_id,
-                      target=saved.target)
+    return make_inode(ino, saved.mode, saved.uid, saved.gid, saved.atime_ns, saved.mtime_ns, saved.ctime_ns,
+                      saved.parent, saved.name, {} if saved.is_dir else None, dict(saved.xattrs), version,
+                      entry_id, target=saved.target)
 
 
 def decode_version(version_id: int, value: bytes) -> FileVersion:
