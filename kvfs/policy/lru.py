@@ -8,6 +8,12 @@ from typing import Any, Hashable, Iterator, MutableMapping
 from kvfs.policy.base import ALL
 from kvfs.policy.order import StampOrder
 
+# A key's record, one int: its last use (the clock then) and the number of its group's list,
+# `stamp << 20 | number`. Its list finds the key by that stamp. One int object per key (32 B
+# up to 2**40 uses), as the float stamp it replaces was.
+_NUMBER_BITS = 20
+_NUMBER_MASK = (1 << _NUMBER_BITS) - 1
+
 
 class LruPolicy:
     """Keys in the order of their last use, in one list per group (see `EvictionPolicy`):
@@ -16,45 +22,61 @@ class LruPolicy:
     name = "lru"
 
     def __init__(self) -> None:
-        self._clock = 0.0  # uses so far: a key's stamp is the clock at its last use (a float: 8 B less than an int)
+        self._clock = 0  # uses so far: a key's stamp is the clock at its last use
         self._groups: dict[Hashable, StampOrder] = {}
-        self._where: MutableMapping[int, StampOrder] = {}  # key -> its group's list
+        self._orders: list[StampOrder] = []  # list number -> list
+        self._records: MutableMapping[int, int] = {}  # key -> its record (above)
 
     def keep_keys_in(self, table: MutableMapping[int, Any]) -> None:
-        if self._where or table:
+        if self._records or table:
             raise ValueError("keep_keys_in() on a policy that holds keys, or with a table that does")
-        self._where = table
+        self._records = table
 
     def _list(self, group: Hashable) -> StampOrder:
         order = self._groups.get(group)
         if order is None:
-            order = self._groups[group] = StampOrder(group)
+            if len(self._orders) > _NUMBER_MASK:
+                raise OverflowError(f"more than {_NUMBER_MASK + 1} eviction lists")
+            order = self._groups[group] = StampOrder(group, number=len(self._orders))
+            self._orders.append(order)
         return order
 
+    def _take(self, key: int, record: int) -> tuple[StampOrder, int]:
+        """Takes the key (its record given) out of its list: (the list, its stamp)."""
+        order = self._orders[record & _NUMBER_MASK]
+        stamp = record >> _NUMBER_BITS
+        order.discard(key, stamp)
+        return order, stamp
+
     def insert(self, key: int, size: int, now: float, group: Hashable = None) -> None:
-        self._clock += 1.0
-        old = self._where.get(key)
-        if old is not None:
-            old.discard(key)
-        order = self._where[key] = self._list(group)
+        self._clock += 1
+        record = self._records.get(key)
+        if record is not None:
+            self._take(key, record)
+        order = self._list(group)
+        self._records[key] = self._clock << _NUMBER_BITS | order.number
         order.add(key, self._clock)
 
     def touch(self, key: int, now: float) -> None:
-        order = self._where.get(key)
-        if order is not None:
-            self._clock += 1.0
-            order.renew(key, self._clock)
+        record = self._records.get(key)
+        if record is not None:
+            order = self._orders[record & _NUMBER_MASK]
+            order.discard(key, record >> _NUMBER_BITS)
+            self._clock += 1
+            self._records[key] = self._clock << _NUMBER_BITS | order.number
+            order.add(key, self._clock)
 
     def remove(self, key: int) -> None:
-        order = self._where.pop(key, None)
-        if order is not None:
-            order.discard(key)
+        record = self._records.pop(key, None)
+        if record is not None:
+            self._take(key, record)
 
     def regroup(self, key: int, group: Hashable) -> None:
-        order = self._where.get(key)
-        if order is not None and order.group != group:
-            stamp = order.discard(key)
-            order = self._where[key] = self._list(group)
+        record = self._records.get(key)
+        if record is not None and self._orders[record & _NUMBER_MASK].group != group:
+            _, stamp = self._take(key, record)
+            order = self._list(group)
+            self._records[key] = stamp << _NUMBER_BITS | order.number
             order.add(key, stamp)
 
     def identify(self, key: int, identity: int) -> None:
@@ -70,4 +92,4 @@ class LruPolicy:
         return (key for _, key in heapq.merge(*(order.items() for order in orders)))
 
     def __len__(self) -> int:
-        return len(self._where)
+        return len(self._records)

@@ -6,130 +6,189 @@ can also join a list with an older stamp: a file whose copy moved to another tie
 joins that tier's list where its last use puts it, so that the list of one node's
 files on one tier ranks them as the policy's whole order does. Those go to a small
 sorted side list; readers merge the two.
+
+The keys are in parts of at most PART_KEYS, each two parallel arrays, stamps ('d') and
+keys ('Q'): 16 bytes a key, no object per key (a dict entry and its share of the table
+cost about 39). A key is found by bisection on the stamp the caller gives (the policy
+keeps every key's stamp anyway): of the parts' first stamps, then in its part. A key that
+leaves becomes a tombstone (key DEAD), skipped by readers; when a part's tombstones
+outnumber its live keys it is compacted, a C pass amortized over the removals that made it
+due and bounded by the part's size (one array of a million keys takes ~140 ms), and an
+empty part goes. A key costs at most ~32 bytes, usually ~17.
 """
 
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left, bisect_right, insort
-from itertools import chain
-from typing import Any, Callable, Hashable, Iterator
+from array import array
+from bisect import bisect_left, bisect_right
+from itertools import chain, compress
+from typing import Hashable, Iterator
 
-PART_KEYS = 1 << 16  # keys per part of a list (below)
+DEAD = (1 << 64) - 1  # the key of a tombstone (no key may be this)
+PART_KEYS = 1 << 13  # entries per part: a part's compaction is a pass over at most this many
+COMPACT_MIN = 64  # tombstones a part keeps before it bothers to compact
+
+
+class _Part:
+    """Entries in stamp order, arrival order among equal stamps, tombstones included."""
+
+    __slots__ = ("stamps", "keys", "head", "live")
+
+    def __init__(self) -> None:
+        self.stamps = array("d")
+        self.keys = array("Q")
+        self.head = 0  # entries before it are all tombstones: readers start here
+        self.live = 0
+
+    def find(self, key: int, stamp: float) -> int:
+        """The key's index (-1: not here)."""
+        stamps, keys = self.stamps, self.keys
+        end = len(keys)
+        at = bisect_left(stamps, stamp, self.head, end)
+        while at < end and keys[at] != key:  # (equal stamps: arrival order, a short walk)
+            if stamps[at] != stamp:
+                return -1
+            at += 1
+        return at if at < end and stamps[at] == stamp else -1
+
+    def kill(self, at: int) -> None:
+        """The live entry at `at` becomes a tombstone (the part keeps a live key)."""
+        keys = self.keys
+        keys[at] = DEAD
+        self.live -= 1
+        if at == len(keys) - 1:
+            self.trim()
+        elif at == self.head:  # each tombstone is stepped over once
+            at += 1
+            while keys[at] == DEAD:
+                at += 1
+            self.head = at
+        if len(keys) > 2 * self.live and len(keys) - self.live > COMPACT_MIN:
+            # In C (compress): up to ~2.5 ms of CPU for a full part, amortized over the more
+            # than as many removals that made it due.
+            self.stamps = array("d", compress(self.stamps, map(DEAD.__ne__, keys)))
+            self.keys = array("Q", filter(DEAD.__ne__, keys))
+            self.head = 0
+
+    def trim(self) -> None:
+        """Drops the tombstones at the end (the part keeps a live key): the last part's end
+        stays live, so a new key's place is one comparison."""
+        keys, stamps = self.keys, self.stamps
+        while keys[-1] == DEAD:
+            keys.pop()
+            stamps.pop()
+
+    def pairs(self) -> Iterator[tuple[float, int]]:
+        keys, head = self.keys, self.head
+        return compress(zip(_from(self.stamps, head), _from(keys, head)), map(DEAD.__ne__, _from(keys, head)))
+
+    def live_keys(self) -> Iterator[int]:
+        return filter(DEAD.__ne__, _from(self.keys, self.head))
+
+
+def _from(values: array, start: int) -> Iterator:
+    """An iterator of `values` from `start` on, started there at once (the iterator's
+    pickle state is its index): half the CPU per entry of a walk of indices."""
+    walk = iter(values)
+    walk.__setstate__(start)  # type: ignore[attr-defined]
+    return walk
 
 
 class StampOrder:
-    """Keys by (stamp, then arrival): O(1) for a key stamped with the newest stamp (the
-    usual case), O(log n) search and a C memmove for one that arrives with an older one.
+    """Keys by (stamp, then arrival): an append for a key stamped with the newest stamp
+    (the usual case), a bisection and a C memmove of the side list for one that arrives
+    with an older one; a key leaves by two bisections (a part's: a tombstone; the side
+    list's: a memmove).
 
-    A key's value in the parts is its stamp, or, given `stamp_of`, something the stamp is
-    read from: the owner's record of the key (kvfs.policy.reuse), one int object for both.
+    Stamps must be exact in a double (integers below 2**53: the policies' clocks count
+    accesses); keys are ints in [0, DEAD)."""
 
-    The keys in stamp order are in dicts of at most `part_keys` keys each (`parts`, oldest
-    first; appends go to the last): a dict grows by copying itself whole, about 70 ms at
-    1.4M keys, so one list of every file would stall the master's loop that long on one
-    insert as the namespace grows; a part's copy is bounded (~3 ms). A key is found in its
-    part by its stamp (`firsts`: each part's first stamp), given by the caller, or by
-    asking the parts in turn."""
+    __slots__ = ("parts", "firsts", "size", "late_stamps", "late_keys", "group", "cls", "number")
 
-    __slots__ = ("parts", "firsts", "size", "part_keys", "late", "late_stamps", "group", "cls", "number",
-                 "stamp_of")
-
-    def __init__(self, group: Hashable = None, cls: int = 0, number: int = 0,
-                 stamp_of: Callable[[Any], float] | None = None, part_keys: int | None = None) -> None:
-        # Appended with stamps that never go down: a plain dict keeps that order (and takes
-        # about 60 B less per key than an OrderedDict: a master ranks millions).
-        self.parts: list[dict[int, Any]] = [{}]  # never an empty one but a lone one
-        self.firsts: list[float] = [0.0]  # the stamp each part started with (of the first part: when it last did)
-        self.size = 0  # keys in the parts
-        self.part_keys = PART_KEYS if part_keys is None else part_keys
-        self.late: list[tuple[float, int]] = []  # (stamp, key), sorted: keys that came with an older stamp
-        self.late_stamps: dict[int, float] = {}
+    def __init__(self, group: Hashable = None, cls: int = 0, number: int = 0) -> None:
+        # Oldest first, appends to the last; a part's keys all have stamps between its first
+        # stamp and the next part's. Never an empty part but a lone one, and the last part's
+        # last entry is live, so a new key's place is one comparison.
+        self.parts = [_Part()]
+        self.firsts: list[float] = [0.0]  # the stamp each part started with (even if that key left)
+        self.size = 0  # live keys in the parts
+        # Keys that came with an older stamp, sorted by (stamp, key): what a merge of
+        # (stamp, key) pairs with the parts puts in order.
+        self.late_stamps = array("d")
+        self.late_keys = array("Q")
         self.group, self.cls = group, cls  # (what the owning policy files it under)
         self.number = number  # (how the owning policy's records name it)
-        self.stamp_of = stamp_of
 
-    def _last_stamp(self) -> float:
+    def add(self, key: int, stamp: float) -> None:
+        """`key` (not in the list) joins with `stamp`."""
+        if not 0 <= key < DEAD:
+            raise ValueError(f"key {key} out of range for a StampOrder")
         last = self.parts[-1]
-        value = last[next(reversed(last))]
-        return value if self.stamp_of is None else self.stamp_of(value)
-
-    def _part(self, key: int, stamp: float | None) -> dict[int, Any] | None:
-        """The part that holds `key` (None: not in the parts)."""
-        parts = self.parts
-        if len(parts) > 1 and stamp is not None:
-            part = parts[max(0, bisect_right(self.firsts, stamp) - 1)]
-            if key in part:
-                return part
-        for part in parts:  # (one part; no stamp; or a stamp shared across a part's edge)
-            if key in part:
-                return part
-        return None
-
-    def _took(self, part: dict[int, Any]) -> None:
-        """A key left `part`: an empty part goes, unless it is the only one."""
-        self.size -= 1
-        if not part and len(self.parts) > 1:
-            at = next(i for i, p in enumerate(self.parts) if p is part)
-            del self.parts[at], self.firsts[at]
-
-    def add(self, key: int, stamp: float, value: Any = None) -> None:
-        """`key` must not be in the list. `value`: what the parts keep (with `stamp_of`)."""
-        if self.size and stamp < self._last_stamp():
-            insort(self.late, (stamp, key))
-            self.late_stamps[key] = stamp
+        if self.size and stamp < last.stamps[-1]:
+            at = self._late_at(key, stamp)
+            self.late_stamps.insert(at, stamp)
+            self.late_keys.insert(at, key)
             return
-        last = self.parts[-1]
-        if not self.size:
-            self.firsts[0] = stamp
-        elif len(last) >= self.part_keys:
-            last = {}
+        if len(last.keys) >= PART_KEYS:
+            last = _Part()
             self.parts.append(last)
             self.firsts.append(stamp)
-        last[key] = stamp if value is None else value
+        elif not last.keys:
+            self.firsts[-1] = stamp
+        last.stamps.append(stamp)
+        last.keys.append(key)
+        last.live += 1
         self.size += 1
 
-    def update(self, key: int, value: Any) -> None:
-        """The key's value changed, not its stamp (`key` must be in the list)."""
-        part = self._part(key, None if self.stamp_of is None else self.stamp_of(value))
-        if part is not None:
-            part[key] = value
+    def _late_at(self, key: int, stamp: float) -> int:
+        """Where (stamp, key) is, or goes, in the side list."""
+        stamps = self.late_stamps
+        low = bisect_left(stamps, stamp)
+        return bisect_left(self.late_keys, key, low, bisect_right(stamps, stamp, low))
 
-    def renew(self, key: int, stamp: float) -> None:
-        """The key (in the list) was used now: `stamp` is the newest (lists without `stamp_of`)."""
-        self.discard(key)
-        self.add(key, stamp)
-
-    def discard(self, key: int, stamp: float | None = None) -> float:
-        """Takes the key out; returns its stamp. `key` must be in the list; `stamp`, when the
-        caller knows it, finds its part at once."""
-        if key in self.late_stamps:
-            stamp = self.late_stamps.pop(key)
-            del self.late[bisect_left(self.late, (stamp, key))]
+    def discard(self, key: int, stamp: float) -> float:
+        """Takes the key, in the list with `stamp`, out; returns its stamp (KeyError: not
+        there)."""
+        stamp = float(stamp)  # (a bisection compares floats faster with a float)
+        parts, firsts = self.parts, self.firsts
+        index = max(0, bisect_left(firsts, stamp) - 1)  # (a stamp shared across parts' edges: the next too)
+        while index < len(parts) and firsts[index] <= stamp:
+            part = parts[index]
+            at = part.find(key, stamp)
+            if at >= 0:
+                self.size -= 1
+                if part.live > 1:
+                    part.kill(at)
+                elif len(parts) == 1:  # nothing live: start again (the memory goes at once)
+                    self.parts, self.firsts = [_Part()], [0.0]
+                else:
+                    del parts[index], firsts[index]
+                    if index == len(parts):  # the new last part's end
+                        parts[-1].trim()
+                return stamp
+            index += 1
+        at = self._late_at(key, stamp)
+        if at < len(self.late_keys) and self.late_keys[at] == key and self.late_stamps[at] == stamp:
+            del self.late_stamps[at], self.late_keys[at]
             return stamp
-        part = self._part(key, stamp)
-        if part is None:
-            raise KeyError(key)
-        value = part.pop(key)
-        self._took(part)
-        return value if self.stamp_of is None else self.stamp_of(value)
+        raise KeyError(key)
 
     def __len__(self) -> int:
-        return self.size + len(self.late)
+        return self.size + len(self.late_keys)
 
     def keys(self) -> Iterator[int]:
-        if not self.late:
-            return chain.from_iterable(self.parts)
+        if not self.late_keys:
+            return chain.from_iterable(map(_Part.live_keys, self.parts))
         return (key for _, key in self.items())
 
     def items(self, shift: float = 0.0) -> Iterator[tuple[float, int]]:
-        """(stamp + shift, key), lowest first."""
-        if self.stamp_of is None:
-            ordered = ((stamp + shift, key) for part in self.parts for key, stamp in part.items())
-        else:
-            stamp_of = self.stamp_of
-            ordered = ((stamp_of(value) + shift, key) for part in self.parts for key, value in part.items())
-        if not self.late:
+        """(stamp + shift, key), lowest first. The list must not change while it is read."""
+        ordered: Iterator[tuple[float, int]] = chain.from_iterable(map(_Part.pairs, self.parts))
+        late: Iterator[tuple[float, int]] = zip(self.late_stamps, self.late_keys)
+        if shift:
+            ordered = ((stamp + shift, key) for stamp, key in ordered)
+            late = ((stamp + shift, key) for stamp, key in late)
+        if not self.late_keys:
             return ordered
-        late = ((stamp + shift, key) for stamp, key in self.late)
         return heapq.merge(ordered, late)

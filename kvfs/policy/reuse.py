@@ -49,13 +49,13 @@ HISTORY = 1 << 20  # use counts remembered, including for evicted blocks
 # A key's record, one int: its identity (when it was given one), its last use (the policy's
 # clock then), its uses while resident (up to the last class: more rank no differently), the
 # number of the list it is filed in (0: not resident) and a flag:
-# `identity << 83 | stamp << 33 | uses << 30 | number << 1 | named`. The same int object is
-# the key's value in the policy's map and in its list (`StampOrder.stamp_of` reads the stamp
-# from it): one int per key (5 digits, 44 B, with a 60-bit identity) instead of a float
-# stamp, an entry in a key -> list map, one in a key -> identity map with its int, and one
-# in the history (an OrderedDict entry, ~105 B). The history keeps the uses of keys that
-# left, bounded with the resident ones (docs/cluster.md, "Memory per file"). 50 bits of
-# stamp are 350 years of 100,000 uses a second (the clock starts at 0 with each master).
+# `identity << 83 | stamp << 33 | uses << 30 | number << 1 | named`: one int per key (5
+# digits, 44 B, with a 60-bit identity) instead of a float stamp, an entry in a key -> list
+# map, one in a key -> identity map with its int, and one in the history (an OrderedDict
+# entry, ~105 B). Its list keeps the stamp too (16 B with the key), and is given it to find
+# the key. The history keeps the uses of keys that left, bounded with the resident ones
+# (docs/cluster.md, "Memory per file"). 50 bits of stamp are 350 years of 100,000 uses a
+# second (the clock starts at 0 with each master), exact in the list's doubles.
 _NUMBER_BITS = 29
 _NUMBER_MASK = (1 << _NUMBER_BITS) - 1
 _USES_SHIFT = _NUMBER_BITS + 1
@@ -108,7 +108,7 @@ class ReusePolicy:
             first = len(self._orders)
             if first + _MAX_USES > _NUMBER_MASK:
                 raise OverflowError(f"more than {_NUMBER_MASK} eviction lists")
-            lists = self._groups[group] = [StampOrder(group, cls, first + cls, _stamp) for cls in range(_MAX_USES)]
+            lists = self._groups[group] = [StampOrder(group, cls, first + cls) for cls in range(_MAX_USES)]
             self._orders += lists
         return lists
 
@@ -138,9 +138,9 @@ class ReusePolicy:
         uses = min(uses, _MAX_USES)
         order = self._lists(group)[uses - 1]
         named = record is not None and record & 1
-        record = self._keys[key] = _record(record >> _IDENTITY_SHIFT if named else None,  # type: ignore[operator]
-                                           stamp, uses, order.number)
-        order.add(key, stamp, record)
+        self._keys[key] = _record(record >> _IDENTITY_SHIFT if named else None,  # type: ignore[operator]
+                                  stamp, uses, order.number)
+        order.add(key, stamp)
 
     def _uses(self, key: int, record: int | None) -> int:
         """Uses so far: a resident key's own, or those remembered under its identity."""
@@ -176,8 +176,8 @@ class ReusePolicy:
         if order is not None and order.group != group:
             stamp = order.discard(key, _stamp(record))  # type: ignore[arg-type]
             order = self._lists(group)[order.cls]
-            record = self._keys[key] = record & ~(_NUMBER_MASK << 1) | order.number << 1  # type: ignore[operator]
-            order.add(key, stamp, record)
+            self._keys[key] = record & ~(_NUMBER_MASK << 1) | order.number << 1  # type: ignore[operator]
+            order.add(key, stamp)
 
     def identify(self, key: int, identity: int) -> None:
         """Uses counted under the key so far join the identity's history (a block stored
@@ -194,8 +194,7 @@ class ReusePolicy:
                 self._left[identity] = min(uses, _MAX_USES)
             return
         uses = (record >> _USES_SHIFT & 7) + self._left.pop(identity, 0)  # type: ignore[operator]
-        record = self._keys[key] = _record(identity, _stamp(record), min(uses, _MAX_USES), order.number)  # type: ignore[arg-type]
-        order.update(key, record)
+        self._keys[key] = _record(identity, _stamp(record), min(uses, _MAX_USES), order.number)  # type: ignore[arg-type]
         if uses > 1:  # named right after it was stored: as recent as it was
             self._place(key, uses, order.group, renamed=True)
 
