@@ -55,11 +55,8 @@ class Inode:
                  refs: int = 0, target: bytes = b"") -> None:
         self.ino = ino
         self.meta = _meta(mode, uid, gid, dict(xattrs) if xattrs else None)
-        # The three times as one packed int (kvfs.cluster.times: the narrow form packed here,
-        # as `pack` does, without its call; out of its range, `pack` picks another form).
-        atime, mtime, ctime = atime_ns - BASE_NS, mtime_ns - BASE_NS, ctime_ns - BASE_NS
-        self._times: Times = (atime | mtime << MTIME_SHIFT | ctime << CTIME_SHIFT
-                              if not (atime | mtime | ctime) >> FIELD_BITS else pack_times(atime, mtime, ctime))
+        # The three times as one packed int (kvfs.cluster.times).
+        self._times: Times = pack_times(atime_ns - BASE_NS, mtime_ns - BASE_NS, ctime_ns - BASE_NS)
         self.parent = parent  # 0 once unlinked
         self.key = pack(name) if name else name  # the name as its directory keeps it (kvfs.cluster.names)
         if children is not None:  # ({} from a saved state: its entries are linked as they load)

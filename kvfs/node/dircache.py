@@ -124,16 +124,18 @@ class DirectoryCache:
             if name not in names:
                 self.total += 1
             names[name] = entry
-        if self._gone and entry is not None and entry.attr is not None:
-            self._gone.discard(entry.attr.ino)  # (back: its node registered again)
+        self._not_gone(entry)  # (back: its node registered again)
 
     def removed(self, parent: int, name: bytes) -> None:
         names = self._names.get(parent)
         if names is not None and name in names:
-            entry = names.pop(name)
+            self._not_gone(names.pop(name))
             self.total -= 1
-            if self._gone and entry is not None and entry.attr is not None:
-                self._gone.discard(entry.attr.ino)
+
+    def _not_gone(self, entry: Entry | None) -> None:
+        """A push named the entry's inode: `gone` no longer needs to hold it."""
+        if self._gone and entry is not None and entry.attr is not None:
+            self._gone.discard(entry.attr.ino)
 
     def forget_directory(self, ino: int) -> None:
         names = self._names.pop(ino, None)

@@ -48,23 +48,24 @@ class LruPolicy:
         order.discard(key, stamp)
         return order, stamp
 
+    def _file(self, key: int, order: StampOrder, stamp: int) -> None:
+        """Files the key (in no list) in `order` with `stamp`, and records where."""
+        self._records[key] = stamp << _NUMBER_BITS | order.number
+        order.add(key, stamp)
+
     def insert(self, key: int, size: int, now: float, group: Hashable = None) -> None:
         self._clock += 1
         record = self._records.get(key)
         if record is not None:
             self._take(key, record)
-        order = self._list(group)
-        self._records[key] = self._clock << _NUMBER_BITS | order.number
-        order.add(key, self._clock)
+        self._file(key, self._list(group), self._clock)
 
     def touch(self, key: int, now: float) -> None:
         record = self._records.get(key)
         if record is not None:
-            order = self._orders[record & _NUMBER_MASK]
-            order.discard(key, record >> _NUMBER_BITS)
+            order, _ = self._take(key, record)
             self._clock += 1
-            self._records[key] = self._clock << _NUMBER_BITS | order.number
-            order.add(key, self._clock)
+            self._file(key, order, self._clock)
 
     def remove(self, key: int) -> None:
         record = self._records.pop(key, None)
@@ -75,9 +76,7 @@ class LruPolicy:
         record = self._records.get(key)
         if record is not None and self._orders[record & _NUMBER_MASK].group != group:
             _, stamp = self._take(key, record)
-            order = self._list(group)
-            self._records[key] = stamp << _NUMBER_BITS | order.number
-            order.add(key, stamp)
+            self._file(key, self._list(group), stamp)
 
     def identify(self, key: int, identity: int) -> None:
         pass  # LRU has no memory of evicted blocks
