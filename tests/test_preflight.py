@@ -18,7 +18,7 @@ from typing import Iterator
 
 import pytest
 
-from conftest import KvfsMount, MasterDaemon, foreign_tls, small_tmpfs, tls_dir
+from conftest import KvfsMount, MasterDaemon, foreign_tls, small_tmpfs, tls_dir, wait_until
 from kvfs.fuse.mount import find_mount
 from kvfs.preflight import FAIL, OK, available_memory, check_memory
 
@@ -175,9 +175,8 @@ def test_a_background_daemon_interrupted_while_it_registers(tmp_path: Path) -> N
                                 "--log-file", str(log)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "KVFS_TLS_DIR": NODE_TLS})
     try:
-        deadline = time.monotonic() + 30
-        while not (log.exists() and "cannot register" in log.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: log.exists() and "cannot register" in log.read_text(), "the daemon's first retry",
+                   timeout=30)
         daemons = [pid for pid in daemons_of(mountpoint) if pid != process.pid]
         assert len(daemons) == 1, daemons
         os.kill(daemons[0], signal.SIGINT)
