@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import stat
 
-from kvfs.node.kernelattrs import KernelDirAttrs
+from kvfs.node.kernelattrs import KEPT, KernelDirAttrs
 from kvfs.wire import messages as m
 
 
@@ -53,3 +53,29 @@ def test_a_directory_never_handed_is_not_answered() -> None:
     kept = KernelDirAttrs()
     kept.private_change(9)
     assert kept.answer(9, now=0.0, timeout_s=60.0) is None
+
+
+def test_attributes_that_came_with_a_change_answer_once_within_the_timeout_from_the_answer() -> None:
+    kept = KernelDirAttrs()
+    kept.change_answered([directory(5, mtime_ns=9)], now=100.0)  # a mkdir in 5 answered at 100 s
+    attr, left = kept.answer(5, now=130.0, timeout_s=60.0)  # the store's walk, 30 s later
+    assert (attr.ino, attr.mtime_ns, left) == (5, 9, 30.0)
+    assert kept.answer(5, now=130.0, timeout_s=60.0) is None  # the kernel holds them now
+    kept.private_change(5)  # a temp file there: the same attributes, from the same answer
+    assert kept.answer(5, now=140.0, timeout_s=60.0)[1] == 20.0
+    kept.change_answered([directory(6)], now=100.0)
+    assert kept.answer(6, now=160.0, timeout_s=60.0) is None  # as old as the kernel would keep them
+    kept.change_answered([directory(7)], now=100.0)
+    kept.changed_request(m.Unlink(7, b"x"))  # a later change of this node there
+    assert kept.answer(7, now=101.0, timeout_s=60.0) is None
+    kept.change_answered([directory(7)], now=100.0)
+    kept.changed_request(m.RmDir(8, b"x"))  # one that may have moved any directory
+    assert kept.answer(7, now=101.0, timeout_s=60.0) is None
+
+
+def test_attributes_dropped_with_the_oldest_handed_past_the_bound() -> None:
+    kept = KernelDirAttrs()
+    kept.change_answered([directory(ino) for ino in range(1, KEPT + 2)], now=0.0)
+    assert len(kept._armed) == KEPT
+    assert kept.answer(1, now=1.0, timeout_s=60.0) is None  # pushed out with the oldest
+    assert kept.answer(KEPT + 1, now=1.0, timeout_s=60.0) is not None

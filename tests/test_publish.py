@@ -165,6 +165,45 @@ def test_vllm_store_into_directories_it_makes(two_nodes) -> None:
         assert (b.path / path.relative_to(a.path)).read_bytes() == data
 
 
+def test_vllm_store_into_parents_made_earlier_asks_no_getattr(cluster: Cluster) -> None:
+    """Parents made well before the store (the benchmark's warm-up; a vLLM instance that has
+    stored for a while): each leaf's mkdir left its `<hhh>` directory's attributes stale in the
+    kernel, and the mkdir's answer carried them: they answer the kernel's getattr on the
+    store's walk, seconds later, for what is left of the attribute timeout (kvfs.node.kernelattrs).
+    Another node's change there shows once that timeout, counted from the mkdir's answer, ran
+    out (node c, whose timeout is 2 s)."""
+    a, b = cluster.add_node("256M"), cluster.add_node("256M")
+    c = cluster.add_node("256M", "--entry-timeout", "2")
+    (a.path / "warm").mkdir()
+    store_like_vllm(a.path / "warm", "warm.bin", b"w" * 4096)  # (numbers granted)
+    model = a.path / "m_0123456789ab_r0"
+    model.mkdir()
+    leaves = [model / f"{i:03x}" / f"{i:02x}_g0" for i in range(8)]
+    for leaf in leaves:  # the warm-up: every parent made before the store
+        leaf.mkdir(parents=True)
+    before = master_requests(a)
+    for i, leaf in enumerate(leaves):
+        name = f"{i:064x}.bin"
+        assert not os.access(leaf / name, os.F_OK)
+        assert os.path.isdir(leaf)
+        store_like_vllm(leaf, name, bytes([i]) * 4096)
+    spent = spent_since(a, before)
+    assert spent.get("Publish") == len(leaves), spent
+    assert spent.get("GetAttr", 0) == 0, spent  # the <hhh> directories' came with the warm-up's mkdirs
+    for i, leaf in enumerate(leaves):
+        assert (b.path / leaf.relative_to(a.path) / f"{i:064x}.bin").read_bytes() == bytes([i]) * 4096
+
+    shared = c.path / "shared"
+    (shared / "leaf").mkdir(parents=True)  # c's kernel drops `shared`'s attributes; the answer has them
+    before_c = master_requests(c)
+    assert os.path.isdir(shared / "leaf")  # the walk's getattr of `shared`, answered by c
+    assert spent_since(c, before_c).get("GetAttr", 0) == 0
+    (b.path / "shared" / "other").mkdir()  # another node's change: `shared` gains a link
+    assert os.stat(b.path / "shared").st_nlink == 4
+    wait_until(lambda: os.stat(shared).st_nlink == 4, timeout=10.0,
+               what="c to show b's mkdir once its 2 s attribute timeout ran out")
+
+
 def test_after_a_miss_the_master_still_decides_what_exists(two_nodes) -> None:
     """The names a miss answers without asking (kvfs.node.misses) are only for what follows
     the store's access(): a temp name the master knows is found as before, and an exclusive

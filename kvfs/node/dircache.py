@@ -189,12 +189,15 @@ class OwnChanges:
         self.generation += 1
         self._attrs.clear()
 
-    def end(self, token: int | None, attrs: list[Attr], now: float) -> None:
-        """The change was answered, with the attributes asked behind it (kept if `token` still holds)."""
+    def end(self, token: int | None, attrs: list[Attr], now: float) -> bool:
+        """The change was answered, with the attributes asked behind it: kept (True) if `token`
+        still holds."""
         self.in_flight -= 1
-        if token is not None and token == self.generation:
-            for attr in attrs:
-                self._attrs[attr.ino] = (attr, token, now)
+        if token is None or token != self.generation:
+            return False
+        for attr in attrs:
+            self._attrs[attr.ino] = (attr, token, now)
+        return True
 
     def get(self, ino: int, now: float) -> Attr | None:
         kept = self._attrs.get(ino)

@@ -9,6 +9,14 @@ attr_timeout is what was left). In vLLM's hashed layout, where each file is stor
 another directory, that is one master round trip less per file: the getattr between
 the temp file's create and its rename.
 
+The same holds after a change of this node that the master answered with the directory's
+attributes after it (a mkdir's parent, a publish's directory): the kernel dropped its copy
+for that change, and those attributes are what it would have got by asking at once. They
+answer its next getattr, however late, for what is left of its timeout counted from the
+master's answer: no attributes are shown longer after the master gave them than the
+kernel's own cache would show them (in vLLM's hashed layout, the `<hhh>` directory whose
+leaf a store made earlier is not asked for again on the next walk through it).
+
 A copy is kept only while no change of this node can have moved the directory since
 the kernel got it: a change sent to the master that names the directory drops it, one
 whose effect on directories is not named by the request (a rename, an rmdir) drops all,
@@ -33,8 +41,18 @@ class KernelDirAttrs:
     def handed(self, attr: m.Attr, now: float) -> None:
         """The kernel was given these directory attributes now (valid for its attr timeout)."""
         if len(self._handed) >= KEPT and attr.ino not in self._handed:
-            self._handed.pop(next(iter(self._handed)))
+            oldest = next(iter(self._handed))
+            self._handed.pop(oldest)
+            self._armed.pop(oldest, None)
         self._handed[attr.ino] = (copy.copy(attr), now)
+
+    def change_answered(self, attrs: list[m.Attr], now: float) -> None:
+        """A change of this node was answered now with these directories' attributes after it,
+        and no other change of the node can have moved them (kvfs.node.dircache.OwnChanges'
+        rule): the kernel dropped its copies for the change and would get these by asking."""
+        for attr in attrs:
+            self.handed(attr, now)
+            self._armed[attr.ino] = self._handed[attr.ino]
 
     def private_change(self, ino: int) -> None:
         """A private temp file was created, renamed or unlinked in directory `ino`: the
@@ -63,7 +81,7 @@ class KernelDirAttrs:
 
     def answer(self, ino: int, now: float, timeout_s: float) -> tuple[m.Attr, float] | None:
         """(attributes, seconds the kernel may still keep them) for a getattr after a private
-        change, once; None: ask as usual."""
+        change or an answered change, once; None: ask as usual."""
         kept = self._armed.pop(ino, None)
         if kept is None:
             return None

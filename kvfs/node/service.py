@@ -430,8 +430,11 @@ class Node:
             for attr in directories:
                 self._remember_dir(attr)
         finally:
-            self.own_changes.end(token, directories, self.clock.monotonic())
+            now = self.clock.monotonic()
+            kept = self.own_changes.end(token, directories, now)
             self.kernel_dirs.changed_request(request)  # (a getattr answered while it was in flight)
+            if kept:  # (and the kernel's getattr after that second: kvfs.node.kernelattrs)
+                self.kernel_dirs.change_answered(directories, now)
             if self.dircache is not None:
                 self.misses.changed_request(request)
         if self.dircache is not None and adds_temp_name(request, self.temp_suffix):
