@@ -29,6 +29,7 @@ from kvfs.wire.protocol import ErrorReply, FrameKind, HeaderDecoder, ProtocolErr
 from kvfs.wire.text import printable
 from kvfs.cluster.authority import MASTER_CLIENTS, MASTER_ROLE, Caller, Refused, check_request
 from kvfs.net.commit import GroupCommit
+from kvfs.net.deadlines import Watchdog
 from kvfs.net.handshake import HANDSHAKE_TIMEOUT_S, Gate, LogBudget, connect
 from kvfs.net.pushes import ACK_WAIT_S, Watcher, reply_waits
 from kvfs.net.streams import FrameStream, peer_name, serve_tcp
@@ -414,6 +415,8 @@ class MasterUnavailable(MetadataError):
 @dataclass(eq=False)
 class _Pending:
     request: m.Request
+    timeout: float | None  # what the caller allowed, seconds
+    deadline: float  # trio time; inf: none (kvfs.net.deadlines)
     done: trio.Event = field(default_factory=trio.Event)
     response: Any = None
     error: Exception | None = None
@@ -444,6 +447,8 @@ class RemoteMaster:
         self._outgoing: list[bytes] = []  # frames waiting for the sender before them (`_send`)
         self._next_id = 1
         self._pending: dict[int, _Pending] = {}
+        self._watchdog = Watchdog()  # the pending requests' deadlines
+        self._watching = trio.CancelScope()  # its task's, cancelled when the connection ends
         self._decoders = {request: HeaderDecoder(response) for request, response in m.RESPONSE_TYPES.items()}
         self._errors = HeaderDecoder(ErrorReply)
         self.broken: Exception | None = None
@@ -458,6 +463,7 @@ class RemoteMaster:
         frames = await connect(host, port, tls, MASTER_ROLE)
         master = cls(frames, on_notify, request_timeout_s)
         nursery.start_soon(master._receive_forever)
+        nursery.start_soon(master._watch_deadlines)
         return master
 
     @property
@@ -506,10 +512,43 @@ class RemoteMaster:
             pending.done.set()
         self._pending.clear()
         self.closed.set()
+        self._watching.cancel()
+
+    async def _watch_deadlines(self) -> None:
+        with self._watching:
+            await self._watchdog.run(self._earliest, self._expire)
+
+    def _earliest(self) -> float:
+        return min((pending.deadline for pending in self._pending.values()), default=math.inf)
+
+    async def _expire(self, now: float) -> None:
+        """Fails the requests whose deadline passed; gives the connection up when the master
+        has been silent for a whole `request_timeout_s`, not when a caller's shorter
+        remainder ran out."""
+        for request_id, pending in list(self._pending.items()):
+            if pending.deadline > now:
+                continue
+            del self._pending[request_id]
+            pending.error, silent = self._timed_out(pending, now)
+            pending.done.set()
+            if silent:
+                await self._give_up(pending.error)
+                return
+
+    def _timed_out(self, pending: _Pending, now: float) -> tuple[MasterUnavailable, bool]:
+        """The error of a request not answered in time, and whether the master is silent."""
+        timeout = pending.timeout or 0.0
+        name = type(pending.request).__name__
+        silent = now - self.heard_at
+        if silent < (self.request_timeout_s or timeout):
+            return MasterUnavailable(f"{name}: no answer from the master within {timeout:.1f} s"), False
+        return MasterSilent(f"{name}: no answer from the master within {timeout:.1f} s (silent for "
+                            f"{silent:.1f} s); giving up the connection"), True
 
     async def call(self, request: m.Request, timeout_s: float | None = None) -> Any:
-        """The master's answer; `timeout_s` (else `request_timeout_s`) bounds the send and the
-        wait for it together. The connection is given up only when the master has been silent
+        """The master's answer; `timeout_s` (else `request_timeout_s`) bounds the wait for it
+        (the connection's watchdog; a send the master does not take ends when the connection is
+        given up). The connection is given up only when the master has been silent
         for a whole `request_timeout_s`, not when a caller's shorter remainder ran out."""
         if self.broken is not None:
             raise MasterUnavailable(f"no connection to the master: {self.broken}")
@@ -521,25 +560,29 @@ class RemoteMaster:
         except (OverflowError, TypeError, ValueError, msgspec.EncodeError, ProtocolError) as error:
             raise MetadataError(errno.EINVAL, f"{type(request).__name__}: a field the protocol cannot carry "
                                               f"({error})") from None
-        pending = self._pending[request_id] = _Pending(request)
-        with trio.move_on_after(math.inf if timeout is None else max(0.0, timeout)) as scope:
-            try:
-                await self._send(frame)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
-                self._pending.pop(request_id, None)
-                self._fail(error)
-                raise MasterUnavailable(f"cannot reach the master: {error}") from None
-            await pending.done.wait()
-        if scope.cancelled_caught and not pending.done.is_set():
-            self._pending.pop(request_id, None)
-            silent = trio.current_time() - self.heard_at
-            if silent < (self.request_timeout_s or timeout):  # only the rest of a caller's wait ran out
-                raise MasterUnavailable(f"{type(request).__name__}: no answer from the master within "
-                                        f"{timeout:.1f} s")
-            error = MasterSilent(f"{type(request).__name__}: no answer from the master within {timeout:.1f} s "
-                                 f"(silent for {silent:.1f} s); giving up the connection")
-            await self._give_up(error)
+        now = trio.current_time()
+        pending = _Pending(request, timeout, math.inf if timeout is None else now + max(0.0, timeout))
+        if pending.deadline <= now:  # no time left at all: not sent
+            error, silent = self._timed_out(pending, now)
+            if silent:
+                await self._give_up(error)
+            else:
+                await trio.lowlevel.checkpoint()
             raise error
+        # The deadline is the connection's watchdog's to keep (kvfs.net.deadlines): no
+        # cancel scope of the caller's own.
+        self._pending[request_id] = pending
+        self._watchdog.watch(pending.deadline)
+        try:
+            await self._send(frame)
+            await pending.done.wait()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+            self._pending.pop(request_id, None)
+            self._fail(error)
+            raise MasterUnavailable(f"cannot reach the master: {error}") from None
+        except trio.Cancelled:  # the caller gave up (as before, its answer, if any, is read and dropped)
+            pending.deadline = math.inf
+            raise
         if pending.error is not None:
             raise pending.error
         return pending.response
