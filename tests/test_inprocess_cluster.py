@@ -477,3 +477,38 @@ def test_a_stall_before_the_masters_first_expiry_pass_convicts_nobody(tmp_path: 
 
     run_cluster(tmp_path, scenario)
     assert convicted == [], f"declared dead: nodes {convicted}"
+
+
+def test_a_directorys_attributes_from_a_change_answer_the_kernel_within_its_timeout_from_the_answer(
+        tmp_path: Path) -> None:
+    """The attributes a mkdir's answer carried for its parent answer the kernel's getattr of
+    the parent once, seconds later (beyond the 1 s of kvfs.node.dircache.OwnChanges), valid for
+    what is left of the attribute timeout counted from the answer; another node's change there
+    shows at the next getattr the kernel sends after that. A directory removed by another node
+    is not answered from what this node kept of it."""
+
+    async def scenario(cluster: Cluster) -> None:
+        a, b = cluster.members
+        timeout = a.ops.entry_timeout
+        d = (await a.ops.mkdir(ROOT_INO, b"d", 0o755, ROOT)).st_ino
+        await a.ops.mkdir(d, b"e", 0o755, ROOT)  # the kernel drops d's attributes; the answer has them
+        made = trio.current_time()
+        await b.ops.mkdir(d, b"f", 0o755, ROOT)  # another node's change: d gains a link
+        await trio.sleep(timeout / 2)
+        kept = await a.ops.getattr(d, ROOT)
+        assert kept.st_nlink == 3  # as the mkdir's answer had it: b's change not shown yet
+        assert kept.attr_timeout == pytest.approx(timeout - (trio.current_time() - made))
+        assert (await a.ops.getattr(d, ROOT)).st_nlink == 4  # the kernel's next getattr asks the master
+
+        g = (await a.ops.mkdir(d, b"g", 0o755, ROOT)).st_ino
+        await write_file(a, b"x.tmp", content(1, 100), parent=g, rename_to=b"x")
+        await a.ops.rename(g, b"x", d, b"x", 0, ROOT)  # its answer: g's attributes, empty again
+        kept = cluster.service.handle(m.GetAttr(g), a.node_id).ctime_ns
+        await trio.sleep(2)
+        await b.ops.rmdir(d, b"g", ROOT)
+        await trio.sleep(HEARTBEAT_S * 2)  # the removal pushed to a
+        removed = cluster.service.handle(m.GetAttr(g), a.node_id).ctime_ns  # (a's kernel still holds g)
+        assert removed != kept
+        assert (await a.ops.getattr(g, ROOT)).st_ctime_ns == removed  # the master's, not what a kept
+
+    run_cluster(tmp_path, scenario)

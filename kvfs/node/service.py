@@ -179,8 +179,9 @@ class Node:
         """Names removed behind the kernel's back (eviction, collection, another node): their
         directories changed, so attributes fetched with a change of this node no longer answer."""
         self.own_changes.invalidate()
-        for parent, _, _ in entries:
+        for parent, _, ino in entries:
             self.kernel_dirs.changed(parent)
+            self.kernel_dirs.changed(ino)  # (a removed directory's own attributes are gone too)
         self._forget_entries(entries)
 
     def use_master(self, master: MasterClient) -> None:
