@@ -18,7 +18,7 @@ from kvfs.cluster.table import PAGE_SLOTS
 from kvfs.policy import LruPolicy, ReusePolicy
 from kvfs.wire import messages as m
 
-LAST_IN_SLOT = (1 << 8 * WIDTH) - 3  # the largest value a slot holds (it keeps value + 2)
+LAST_IN_SLOT = (1 << 8 * WIDTH) - 1  # the largest value a slot holds
 VALUES = [0, 1, 2, 255, 1 << 64, (1 << 143) - 1, LAST_IN_SLOT, LAST_IN_SLOT + 1, 1 << 200, -1, -(1 << 70)]
 
 
@@ -59,6 +59,23 @@ def test_refusals_are_a_dicts_or_a_number_tables() -> None:
     with pytest.raises(ValueError):
         table[1] = 1.5  # type: ignore[assignment]  (a record is an int)
     assert "3" not in table and -1 not in table  # type: ignore[operator]
+    assert table.get(-1) is None and table.get(-1, 7) == 7
+
+
+def test_the_value_last_read_is_never_stale() -> None:
+    """Reads after every kind of change of the number last read or written."""
+    table = IntTable()
+    for value in (5, LAST_IN_SLOT + 1, 6, -2, 0):
+        table[9] = value
+        assert table.get(9) == value and table[9] == value
+    assert table.pop(9) == 0 and table.get(9) is None and 9 not in table
+    table[9] = 1 << 300
+    table[10] = 4
+    assert table.get(9) == 1 << 300 and table.get(10) == 4
+    del table[10]
+    assert table.get(10, "none") == "none"
+    table.clear()
+    assert table.get(9) is None and len(table) == 0
 
 
 def _run(policy, seed: int) -> list[list[int]]:

@@ -14,8 +14,8 @@ instead: the digits' 256 bits and one for the suffix, 64 B instead of the packed
 (docs/cluster.md, "Memory per file"). An int is never equal to a bytes key, so the two
 forms share a dict. An int's hash is its value modulo 2^61 - 1 in every process (no seed,
 unlike a bytes' hash): names chosen to collide would slow every lookup in their directory.
-So the int is multiplied by an odd number drawn at start, modulo 2^257 (a bijection,
-undone by the inverse), and its hash is not the name's to choose.
+So the int is multiplied by an odd number of 257 bits drawn at start, modulo 2^257 (a
+bijection, undone by the inverse), and its hash is not the name's to choose.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ BLOCK_DIGITS = 64
 _BLOCK_SUFFIXES = (b"", b".bin")
 _INT_BITS = 4 * BLOCK_DIGITS + 1  # < 2^270: an int of 9 digits, 64 B
 _INT_MASK = (1 << _INT_BITS) - 1
-_SCATTER = secrets.randbits(_INT_BITS) | 1  # odd: invertible modulo 2^_INT_BITS
+# Odd (invertible modulo 2^_INT_BITS) and as wide as the key: a narrow one leaves the product
+# of digits chosen k * (2^61 - 1) apart below 2^257, hashing alike (tests/test_block_names.py).
+_SCATTER = secrets.randbits(_INT_BITS) | 1
 _GATHER = pow(_SCATTER, -1, 1 << _INT_BITS)
 
 Key = bytes | int
@@ -65,10 +67,10 @@ def pack(name: Key) -> Key:
         return name
     try:
         if end == BLOCK_DIGITS and (len(name) == end or name[end:] == b".bin"):
-            key: Key = (int.from_bytes(a2b_hex(digits), "big") << 1 | (len(name) != end)) * _SCATTER & _INT_MASK
+            key: Key = (int(digits, 16) << 1 | (len(name) != end)) * _SCATTER & _INT_MASK
         else:
             key = _PREFIXES[end >> 1] + a2b_hex(digits) + name[end:]
-    except Error:  # (other letters than a-f)
+    except (Error, ValueError):  # (other letters than a-f)
         key = name
     _last = (name, key)
     return key
