@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from kvfs.cluster.inttable import IntTable
 from kvfs.cluster.table import NumberTable
 from kvfs.policy import LruPolicy, ReusePolicy, order as order_module
 from kvfs.policy.order import StampOrder
@@ -80,18 +81,20 @@ def _run_grouped(policy, seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("make", [LruPolicy, lambda: ReusePolicy(bonus=30), ReusePolicy], ids=["lru", "reuse", "auto"])
 def test_keys_in_a_number_table_and_lists_in_parts_rank_as_one_dict(make, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The master's layout (kvfs.cluster.master): keys in pages of slots, and here lists in
-    # parts of 3 keys that compact at 2 tombstones (16,384 and 64 in the master), against a
-    # policy with a dict whose lists are one part that never compacts in this run.
+    # The master's layout (kvfs.cluster.master): records in pages of bytes (or keys in pages
+    # of slots), and here lists in parts of 3 keys that compact at 2 tombstones (16,384 and
+    # 64 in the master), against a policy with a dict whose lists are one part that never
+    # compacts in this run.
     for seed in range(4):
         plain = make()
         expected = _run_grouped(plain, seed)
-        monkeypatch.setattr(order_module, "PART_KEYS", 3)
-        monkeypatch.setattr(order_module, "COMPACT_MIN", 2)
-        compacted = make()
-        compacted.keep_keys_in(NumberTable())
-        assert _run_grouped(compacted, seed) == expected, seed
-        monkeypatch.undo()
+        for table in (NumberTable, IntTable):
+            monkeypatch.setattr(order_module, "PART_KEYS", 3)
+            monkeypatch.setattr(order_module, "COMPACT_MIN", 2)
+            compacted = make()
+            compacted.keep_keys_in(table())
+            assert _run_grouped(compacted, seed) == expected, (seed, table)
+            monkeypatch.undo()
     with pytest.raises(ValueError):
         compacted.keep_keys_in(NumberTable())  # it holds keys: its map cannot change now
 

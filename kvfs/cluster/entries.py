@@ -23,7 +23,7 @@ from bisect import bisect_left, bisect_right
 from itertools import compress
 from typing import Iterator
 
-from kvfs.cluster.names import pack, unpack
+from kvfs.cluster.names import Key, pack, unpack
 
 COMPACT_MIN = 64  # tombstones a directory keeps before it bothers to compact
 
@@ -34,7 +34,7 @@ class Entries:
     __slots__ = ("names", "_ids", "_inos", "_dead", "subdirs", "watchers", "steps")
 
     def __init__(self) -> None:
-        self.names: dict[bytes, int] = {}  # key (kvfs.cluster.names) -> ino
+        self.names: dict[Key, int] = {}  # key (kvfs.cluster.names: bytes or int) -> ino
         self._ids = array("Q")
         self._inos = array("Q")  # 0: the entry was removed (a tombstone)
         self._dead = 0
@@ -61,7 +61,7 @@ class Entries:
     def inos(self) -> Iterator[int]:
         return iter(self.names.values())
 
-    def add(self, key: bytes, ino: int, entry_id: int) -> None:
+    def add(self, key: Key, ino: int, entry_id: int) -> None:
         """A new entry under its key (kvfs.cluster.names.pack); its id is larger than every
         id the directory holds."""
         assert not self._ids or entry_id > self._ids[-1], "entry ids only grow"
@@ -69,7 +69,7 @@ class Entries:
         self._ids.append(entry_id)
         self._inos.append(ino)
 
-    def remove(self, key: bytes, entry_id: int) -> None:
+    def remove(self, key: Key, entry_id: int) -> None:
         del self.names[key]
         at = bisect_left(self._ids, entry_id)
         if at < len(self._ids) and self._ids[at] == entry_id:

@@ -26,7 +26,7 @@ from kvfs.cluster.objects import FileVersion
 from kvfs.cluster.opens import OpenHandles
 from kvfs.cluster.registry import LOCAL_NODE, Grant, Registry
 from kvfs.cluster.relocations import Relocations
-from kvfs.cluster.table import NumberTable
+from kvfs.cluster.inttable import IntTable
 from kvfs.cluster.tempfiles import TempFiles
 from kvfs.cluster.totals import CountedObjects
 from kvfs.cluster.usage import DirectoryUsage, DirTotals
@@ -106,7 +106,7 @@ class MetadataService:
     def __init__(self, clock: Clock, policy: EvictionPolicy, settings: MasterSettings = MasterSettings()) -> None:
         self.clock = clock
         self.policy = policy
-        policy.keep_keys_in(NumberTable())  # its keys are inode numbers (kvfs.policy.base)
+        policy.keep_keys_in(IntTable())  # its keys are inode numbers, its records ints (kvfs.policy.base)
         self.settings = settings
         self.ns = Namespace(clock.wall_ns(), settings.root_mode, settings.root_uid, settings.root_gid)
         self.objects = CountedObjects()  # an ObjectDirectory with per-node running totals

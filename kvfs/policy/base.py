@@ -36,9 +36,10 @@ class EvictionPolicy(Protocol):
 
     def keep_keys_in(self, table: MutableMapping[int, Any]) -> None:
         """The policy's key map is `table` (empty) from now on, not a dict. The master's keys
-        are inode numbers, which only grow: it passes pages of slots (kvfs.cluster.table), 8 B
-        per key instead of a dict entry's 42-52, and no dict of every key that resizes at
-        once. Called while the policy holds no key."""
+        are inode numbers, which only grow, and its records ints: it passes pages of packed
+        ints (kvfs.cluster.inttable), 18 B per key and record instead of a dict entry's 42-52
+        and an int object, and no dict of every key that resizes at once. Called while the
+        policy holds no key."""
 
     def candidates(self, group: Hashable = ALL) -> Iterator[int]:
         """Keys in eviction order, of one group or of all. The caller must not change the

@@ -49,8 +49,9 @@ HISTORY = 1 << 20  # use counts remembered, including for evicted blocks
 # A key's record, one int: its identity (when it was given one), its last use (the policy's
 # clock then), its uses while resident (up to the last class: more rank no differently), the
 # number of the list it is filed in (0: not resident) and a flag:
-# `identity << 83 | stamp << 33 | uses << 30 | number << 1 | named`: one int per key (5
-# digits, 44 B, with a 60-bit identity) instead of a float stamp, an entry in a key -> list
+# `identity << 83 | stamp << 33 | uses << 30 | number << 1 | named`: one int per key (143
+# bits with a 60-bit identity: 18 B in the master's table, kvfs.cluster.inttable; 44 B as an
+# object in a dict's) instead of a float stamp, an entry in a key -> list
 # map, one in a key -> identity map with its int, and one in the history (an OrderedDict
 # entry, ~105 B). Its list keeps the stamp too (16 B with the key), and is given it to find
 # the key. The history keeps the uses of keys that left, bounded with the resident ones
