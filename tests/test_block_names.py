@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from kvfs.clock import ManualClock
 from kvfs.cluster import names as names_module
-from kvfs.cluster.master import MasterSettings, MetadataService
+from kvfs.cluster.master import MetadataService
 from kvfs.cluster.names import pack, unpack
 from kvfs.cluster.namespace import ROOT_INO
 from kvfs.cluster.persist import MasterState
 from kvfs.errors import MetadataError
 from kvfs.policy import LruPolicy
 from kvfs.wire import messages as m
+from test_packed_names import listing, service, store
 
 DIGITS = bytes(range(0xA0, 0xC0)).hex().encode()
 BLOCKS = [
@@ -64,40 +64,17 @@ def test_names_made_to_collide_in_an_ints_hash_do_not() -> None:
     assert len({hash(pack(name)) for name in chosen}) == len(chosen)
 
 
-def _service() -> tuple[MetadataService, int, int]:
-    svc = MetadataService(ManualClock(), LruPolicy(), MasterSettings(cluster=True))
-    node = svc.handle(m.Register("a", "a:1"), 0).node
-    svc.handle(m.FinishRegistration(), node)
-    directory = svc.handle(m.MkDir(ROOT_INO, b"d", 0o755, 0, 0), node).ino
-    return svc, node, directory
-
-
-def _store(svc: MetadataService, parent: int, name: bytes, node: int) -> int:
-    opened = svc.handle(m.Create(parent, name, 0o644, 0, 0, node, True), node)
-    svc.handle(m.Seal(opened.version, 4096, svc.clock.wall_ns(), [1], release=True), node)
-    return opened.attr.ino
-
-
-def _listing(svc: MetadataService, directory: int, node: int, page: int) -> list[bytes]:
-    names: list[bytes] = []
-    start = 0
-    while entries := svc.handle(m.ReadDir(directory, start, page), node).entries:
-        names += [entry.name for entry in entries]
-        start = entries[-1].next_id
-    return names
-
-
 def test_through_the_service_renamed_saved_and_loaded_by_another_process(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    svc, node, directory = _service()
-    inos = {name: _store(svc, directory, name, node) for name in NAMES}
+    svc, node, directory = service()
+    inos = {name: store(svc, directory, name, node) for name in NAMES}
     for name, ino in inos.items():
         assert svc.handle(m.Lookup(directory, name), node).attr.ino == ino
         with pytest.raises(MetadataError) as raised:
             svc.handle(m.Create(directory, name, 0o644, 0, 0, node, True), node)
         assert raised.value.errno == errno.EEXIST
     for page in (1, 4, 1000):
-        assert _listing(svc, directory, node, page) == NAMES
+        assert listing(svc, directory, node, page) == NAMES
     # Publish (temp over block), block -> plain, plain -> block, across directories.
     other = svc.handle(m.MkDir(ROOT_INO, b"e", 0o755, 0, 0), node).ino
     svc.handle(m.Rename(directory, NOT_BLOCKS[0], directory, BLOCKS[0]), node)
@@ -115,7 +92,7 @@ def test_through_the_service_renamed_saved_and_loaded_by_another_process(tmp_pat
     expected[directory].remove(BLOCKS[0])
     expected[directory].append(BLOCKS[0])  # (a rename's entry is new: listed last)
     for parent, listed in expected.items():
-        assert _listing(svc, parent, node, 3) == listed
+        assert listing(svc, parent, node, 3) == listed
     found = {parent: [svc.ns.existing(parent, name).ino for name in listed] for parent, listed in expected.items()}
     state = MasterState(tmp_path / "state")
     try:
