@@ -16,7 +16,9 @@ next to the same lookups on the single-node mount once its kernel dropped its
 entries (every lookup reaching the daemon). Transfers run with one reader and
 with PARALLEL readers at once (and as many raw TCP connections). For scale, the
 same cold load from a single-node mount's own DRAM (the FUSE path with no
-network) is shown too.
+network) is shown too, and the same load from the smallest pyfuse3 file system
+(scripts/trivialfs.py, its files in its own memory): the ceiling of any load served
+through pyfuse3 on this machine, against which Mooncake's get is set too.
 
 Mooncake Store (its PyPI package in a venv of its own, scripts/mooncake_peer.py) is
 measured in the same run: its master, a writer client and reader clients in a network
@@ -359,12 +361,17 @@ def main() -> None:
                              base / "b")
             single = start_daemon("single", [sys.executable, "-m", "kvfs", "mount", str(base / "single"), "-f",
                                              "--dram", "256M", "--log-level", "warning"], base / "single")
-            processes += [a.process, b.process, single.process]
+            # The smallest pyfuse3 file system, its files in its own memory: the ceiling of a
+            # load through this stack on this machine, with no network and no metadata at all.
+            floor = start_daemon("trivial", [sys.executable, "scripts/trivialfs.py", str(base / "trivial")],
+                                 base / "trivial")
+            processes += [a.process, b.process, single.process, floor.process]
             with mooncake as side:
                 for round_ in range(args.rounds):
                     print(f"round {round_ + 1}/{args.rounds}", file=sys.stderr, flush=True)
                     for size in sizes:
-                        transfers(record, round_, size, total, a.path, b.path, single.path, bundles, side, loads)
+                        transfers(record, round_, size, total, a.path, b.path, single.path, floor.path, bundles,
+                                  side, loads)
                     if not args.transfers_only:
                         lookups(record, round_, a.path, b.path, single.path, args.lookups)
                     if args.json:  # after every round: a run cut short keeps what it measured
@@ -377,9 +384,10 @@ def main() -> None:
     report(results, sizes, venv is not None, args.hog, args.transfers_only)
 
 
-def transfers(record: Record, round_: int, size: int, total: int, a: Path, b: Path, single: Path,
+def transfers(record: Record, round_: int, size: int, total: int, a: Path, b: Path, single: Path, floor: Path,
               bundles: dict[str, Path], mooncake: mooncake_peer.MooncakeSide | None, loads: list[str]) -> None:
-    """One round of one size: raw TCP and TLS, kvfs B<-A beside Mooncake (alternating), local."""
+    """One round of one size: raw TCP and TLS, kvfs B<-A beside Mooncake (alternating), local,
+    and the smallest pyfuse3 file system's local load."""
     count = max(PARALLEL, total // size)
     label = f"{size // MiB}MiB"
     buffer = mmap.mmap(-1, size)
@@ -388,6 +396,7 @@ def transfers(record: Record, round_: int, size: int, total: int, a: Path, b: Pa
     store_files(a, prefix, count, buffer)
     local_count = min(count, 96 * MiB // size)
     store_files(single, prefix, local_count, buffer)
+    store_files(floor, prefix, local_count, buffer)
     if mooncake is not None:
         mooncake.put(prefix, count, size)
         if round_ == 0:
@@ -412,10 +421,12 @@ def transfers(record: Record, round_: int, size: int, total: int, a: Path, b: Pa
                 for metric, measure in steps:
                     record(metric + load, measure())
         record(f"local {cell}", cold_load(single, prefix, local_count, size, streams))
+        record(f"pyfuse3 floor {cell}", cold_load(floor, prefix, local_count, size, streams))
     for i in range(count):
         os.unlink(a / f"{prefix}{i}.bin")
     for i in range(local_count):
         os.unlink(single / f"{prefix}{i}.bin")
+        os.unlink(floor / f"{prefix}{i}.bin")
     if mooncake is not None:
         mooncake.remove(prefix, count)
 
@@ -478,6 +489,21 @@ def report(results: dict[str, list[float]], sizes: list[int], mooncake: bool, ho
         print("(Mooncake xN: N reader processes; kvfs xN: N reader threads on node B's mount. Bytes on the "
               "namespace's loopback per byte got: "
               + ", ".join(f"{median(f'mooncake loopback share {s // MiB}MiB'):.2f}" for s in sizes) + ")")
+        print()
+        print("the ceiling of a load through pyfuse3 here: the smallest pyfuse3 file system (scripts/trivialfs.py) "
+              "loading the same files from its own memory, no network; kvfs's own local load beside it")
+        print(f"{'cell':<12}{'pyfuse3 floor':>18}{'kvfs local':>18}{'MC get':>18}{'floor/get':>14}{'local/get':>14}")
+        for size in sizes:
+            for streams in (1, PARALLEL):
+                cell = f"{size // MiB}MiB x{streams}"
+                names = (f"pyfuse3 floor {cell}", f"local {cell}", f"mooncake get {cell}")
+                shown = "".join(f"{f'{median(n):.2f} ({spread(results[n])})':>18}" for n in names)
+                get = names[2]
+                ratios = "".join(f"{f'{median(k) / median(get):.2f} [{paired(results[k], results[get]):.2f}]':>14}"
+                                 for k in names[:2])
+                print(f"{cell:<12}{shown}{ratios}")
+        print("(where floor/get is below 1, no file system served through pyfuse3 on this machine, with or without "
+              "a network, loads as fast as Mooncake's get in that cell)")
         print()
     if hog:
         print(f"beside a competing load of {HOG_SHARE:g} core: medians quiet -> loaded (GB/s), the change, "

@@ -44,6 +44,7 @@ _ANY_REQUEST = typing.Union[tuple(m.Request.__subclasses__())]  # type: ignore[m
 PUSH_BYTES = 640 << 10  # name changes per pushed frame (a frame header holds 1 MiB)
 ANSWERS_TOGETHER = 64  # requests of one connection already received, answered in one write
 REPLIES_QUEUED = 256  # a connection's replies waiting for their commit; then its next request waits
+LATE_ANSWERS_KEPT = 4096  # ids of requests given up at their deadline whose answers may still come
 
 
 async def acquire(lock: trio.Lock) -> None:
@@ -447,6 +448,11 @@ class RemoteMaster:
         self._outgoing: list[bytes] = []  # frames waiting for the sender before them (`_send`)
         self._next_id = 1
         self._pending: dict[int, _Pending] = {}
+        # Requests given up at their deadline, oldest first: id -> the request's type. The
+        # master still answers them (in order, after the ones before): such an answer is
+        # dropped, not taken for a peer out of step, which would fail every request in flight.
+        self._expired: dict[int, type] = {}
+        self.late_answers = 0
         self._watchdog = Watchdog()  # the pending requests' deadlines
         self._watching = trio.CancelScope()  # its task's, cancelled when the connection ends
         self._decoders = {request: HeaderDecoder(response) for request, response in m.RESPONSE_TYPES.items()}
@@ -485,15 +491,13 @@ class RemoteMaster:
                     continue
                 pending = self._pending.pop(prefix.request_id, None)
                 if pending is None:
-                    raise ProtocolError(f"response to unknown request {prefix.request_id}")
+                    self._late_answer(prefix.request_id, prefix.kind, header)
+                    continue
                 if prefix.kind == FrameKind.ERROR:
                     reply = self._errors.decode(header)
                     pending.error = MetadataError(reply.errno or errno.EIO, reply.message)
                 elif prefix.kind == FrameKind.RESPONSE:
-                    pending.response = response = self._decoders[type(pending.request)].decode(header)
-                    changes = getattr(response, "changes", None)
-                    if changes and self._on_notify is not None:  # as if pushed just before the answer
-                        self._on_notify(m.NameChanges(changes))
+                    pending.response = self._response(type(pending.request), header)
                 else:
                     raise ProtocolError(f"unexpected {prefix.kind.name} frame")
                 pending.done.set()
@@ -503,6 +507,27 @@ class RemoteMaster:
             self._fail(EOFError("connection closed"))
             with trio.CancelScope(shield=True):
                 await self._frames.aclose()
+
+    def _response(self, request: type, header: bytes) -> Any:
+        """A response decoded, its name changes applied (as if pushed just before it)."""
+        response = self._decoders[request].decode(header)
+        changes = getattr(response, "changes", None)
+        if changes and self._on_notify is not None:
+            self._on_notify(m.NameChanges(changes))
+        return response
+
+    def _late_answer(self, request_id: int, kind: FrameKind, header: bytes) -> None:
+        """The answer to a request given up at its deadline: dropped, but the name changes
+        it carries are applied, as those of any answer (they are not sent again). An id
+        never given out, or answered already, is a peer out of step."""
+        request = self._expired.pop(request_id, None)
+        if request is None:
+            raise ProtocolError(f"response to unknown request {request_id}")
+        if kind == FrameKind.RESPONSE:
+            self._response(request, header)
+        elif kind != FrameKind.ERROR:
+            raise ProtocolError(f"unexpected {kind.name} frame")
+        self.late_answers += 1
 
     def _fail(self, error: Exception) -> None:
         if self.broken is None:
@@ -529,6 +554,9 @@ class RemoteMaster:
             if pending.deadline > now:
                 continue
             del self._pending[request_id]
+            self._expired[request_id] = type(pending.request)
+            if len(self._expired) > LATE_ANSWERS_KEPT:
+                del self._expired[next(iter(self._expired))]
             pending.error, silent = self._timed_out(pending, now)
             pending.done.set()
             if silent:
