@@ -353,3 +353,31 @@ def test_a_stop_with_files_held_open_is_bounded_and_keeps_every_sealed_file(make
                 handle.close()
     mount.start()
     assert tree(root) == {"sealed.bin": content("sealed.bin", 3 * MiB)}
+
+
+def test_fsync_of_a_file_removed_while_open_names_the_removal_not_a_full_tier(make_mount, tmp_path: Path) -> None:
+    """fsync never succeeds for a file a crash would lose; when it fails because the file was
+    unlinked or replaced while open, its log line says so (not that the SSD tier is full)."""
+    mount = make_mount("64M", "--disk", str(tmp_path / "disk"), "--disk-size", "256M", "--offload", "watermark")
+    root = mount.path
+    (root / "gone.bin").write_bytes(content("gone.bin", 2 * MiB))
+    (root / "old.bin").write_bytes(content("old.bin", 2 * MiB))
+    gone, old = os.open(root / "gone.bin", os.O_RDONLY), os.open(root / "old.bin", os.O_RDONLY)
+    try:
+        os.unlink(root / "gone.bin")
+        (root / "old.bin.tmp").write_bytes(content("new.bin", 2 * MiB))
+        os.rename(root / "old.bin.tmp", root / "old.bin")
+        for fd in (gone, old):
+            with pytest.raises(OSError) as raised:
+                os.fsync(fd)
+            assert raised.value.errno == errno.EIO
+            assert os.pread(fd, 16, 0) == content("gone.bin" if fd == gone else "old.bin", 16)  # still readable
+    finally:
+        os.close(gone)
+        os.close(old)
+    failures = [line for line in mount.log_text().splitlines() if "fsync(" in line and " failed" in line]
+    assert len(failures) == 2 and all("it has no name to be saved under" in line for line in failures), failures
+    assert "SSD tier is full" not in mount.log_text()
+    with open(root / "old.bin", "rb") as f:  # the file under the name now: saved by fsync
+        os.fsync(f.fileno())
+    assert tier(root / "old.bin") == "dram+ssd"
