@@ -12,12 +12,17 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 from conftest import KvfsMount, drop_page_cache, is_stored, small_tmpfs
+
+from kvfs.disk.index import DiskIndex
+from kvfs.disk.records import LayoutMeta
+from kvfs.disk.tier import index_map_size
 
 KiB, MiB = 1 << 10, 1 << 20
 SEGMENT_SIZE = 256 * MiB
@@ -381,3 +386,87 @@ def test_fsync_of_a_file_removed_while_open_names_the_removal_not_a_full_tier(ma
     with open(root / "old.bin", "rb") as f:  # the file under the name now: saved by fsync
         os.fsync(f.fileno())
     assert tier(root / "old.bin") == "dram+ssd"
+
+
+def test_readers_waiting_on_a_promotion_that_meets_a_corrupt_chunk_all_get_eio(make_mount, tmp_path: Path) -> None:
+    """ssd-tier.md: a promotion pins its file and other readers wait for it; a chunk that fails
+    its checksum fails the read with EIO and quarantines the file. Eight readers open a file at
+    its second touch, while its third chunk was damaged on disk: every one gets an answer (EIO,
+    or ENOENT once it is quarantined), none a byte of it, and the daemon goes on."""
+    disk = tmp_path / "disk"
+    mount = make_mount("64M", "--disk", str(disk), "--disk-size", "256M")
+    mount.allowed_errors.extend(("failed its checksum", "quarantined"))
+    root = mount.path
+    for name in ("bad.bin", "good.bin"):
+        (root / name).write_bytes(content(name, 16 * MiB))
+    sync(root)
+    os.setxattr(root, "user.kvfs.control", b"drop-dram")
+    drop_page_cache()
+    assert (root / "bad.bin").read_bytes() == content("bad.bin", 16 * MiB)  # first touch: from SSD
+    assert tier(root / "bad.bin") == "ssd"
+    offset = extents(root / "bad.bin")[2]
+    fd = os.open(disk / "segments" / f"segment-{offset // SEGMENT_SIZE:05d}.dat", os.O_RDWR)
+    try:
+        os.pwrite(fd, b"\xde\xad\xbe\xef", offset % SEGMENT_SIZE + 777)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    drop_page_cache()
+    outcomes: list[object] = []
+
+    def reader() -> None:
+        try:
+            with open(root / "bad.bin", "rb", buffering=0) as f:
+                outcomes.append(f.read(16 * MiB))
+        except OSError as error:
+            outcomes.append(error.errno)
+
+    threads = [threading.Thread(target=reader, daemon=True) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not [thread for thread in threads if thread.is_alive()], "a reader still waits"
+    assert len(outcomes) == 8 and set(outcomes) <= {errno.EIO, errno.ENOENT} and errno.EIO in outcomes, outcomes
+    assert not is_stored(root / "bad.bin")
+    assert stats(root)["quarantined_files"] == 1
+    assert (root / "good.bin").read_bytes() == content("good.bin", 16 * MiB)
+
+
+def set_layout(disk: Path, meta: LayoutMeta) -> None:
+    index = DiskIndex(disk / "index", map_size=index_map_size(256 * MiB))
+    try:
+        index.set_layout(meta)
+    finally:
+        index.close()
+
+
+@pytest.mark.parametrize("other", ["chunk size", "segment size", "newer layout"])
+def test_a_tier_of_another_layout_is_refused_and_left_as_it_was(make_mount, tmp_path: Path, other: str) -> None:
+    """ssd-tier.md: 'A tier with another chunk size or segment size is refused the same way'
+    (as an older layout); so is one written by a newer kvfs (a downgrade). The refusal changes
+    nothing on disk: with its layout back, every file is there."""
+    disk = tmp_path / "disk"
+    mount = make_mount("64M", "--disk", str(disk), "--disk-size", "256M")
+    root = mount.path
+    (root / "a.bin").write_bytes(content("a.bin", 5 * MiB))
+    mount.stop()
+    ours = DiskIndex(disk / "index", map_size=index_map_size(256 * MiB))
+    try:
+        layout = ours.layout()
+    finally:
+        ours.close()
+    assert layout is not None
+    changed = {"chunk size": LayoutMeta(layout.layout, layout.chunk_size * 2, layout.segment_size),
+               "segment size": LayoutMeta(layout.layout, layout.chunk_size, layout.segment_size * 2),
+               "newer layout": LayoutMeta(layout.layout + 1, layout.chunk_size, layout.segment_size)}[other]
+    set_layout(disk, changed)
+    before = {p: p.stat().st_size for p in disk.rglob("*") if p.is_file() and p.name != "lock"}
+    result = subprocess.run(mount.args, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "holds an SSD tier of another layout" in result.stderr and "Traceback" not in result.stderr
+    assert {p: p.stat().st_size for p in disk.rglob("*") if p.is_file() and p.name != "lock"} == before
+    assert not (disk / "index.damaged").exists()
+    set_layout(disk, layout)
+    mount.start()
+    assert tree(root) == {"a.bin": content("a.bin", 5 * MiB)}
