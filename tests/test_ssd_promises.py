@@ -384,7 +384,7 @@ def test_fsync_of_a_file_removed_while_open_names_the_removal_not_a_full_tier(ma
         os.close(gone)
         os.close(old)
     failures = [line for line in mount.log_text().splitlines() if "fsync(" in line and " failed" in line]
-    assert len(failures) == 2 and all("it has no name to be saved under" in line for line in failures), failures
+    assert len(failures) == 2 and all("no name to save it under was found" in line for line in failures), failures
     assert "SSD tier is full" not in mount.log_text()
     with open(root / "old.bin", "rb") as f:  # the file under the name now: saved by fsync
         os.fsync(f.fileno())

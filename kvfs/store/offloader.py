@@ -36,8 +36,9 @@ OFFLOAD_BATCH_BYTES = 128 << 20
 # until writes pause for OFFLOAD_QUIET_S, but never for longer than OFFLOAD_MAX_DEFER_S
 # per batch, and not at all once DRAM passes the high watermark.
 OFFLOAD_MAX_DEFER_S = 0.5
-# Why an fsync found nothing to save: the file has no name a restart could bring back.
-NAMELESS = "it has no name to be saved under (unlinked or replaced while open, or a temp file private to this node)"
+# Why an fsync found nothing to save: the owner found no name a restart could bring it back under.
+NAMELESS = ("no name to save it under was found (unlinked or replaced while open, a temp file private to "
+            "this node, or the master did not answer)")
 
 
 class Offloader:
