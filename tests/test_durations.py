@@ -1,8 +1,8 @@
 """Every option that is a duration takes a finite number of seconds, 0 or more (the gc
 interval: above 0), from the command line, the configuration file and the environment alike.
 NaN, infinity or a negative number once started a daemon whose bounds were none: a
-`--temp-grace nan` mount failed its orphan collection with a traceback every interval, and a
-`--backpressure-timeout -3` one gave writers ENOSPC without waiting."""
+`--temp-grace nan` mount failed its orphan collection with a traceback every interval, and
+one with `--backpressure-timeout -3` started too, its writers' wait over before it began."""
 
 from __future__ import annotations
 
