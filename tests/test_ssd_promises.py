@@ -309,7 +309,8 @@ def start_and_kill_at(mount: KvfsMount, *markers: str, timeout: float = 120) -> 
 
 def test_a_rebuild_killed_midway_runs_again_and_loses_nothing(make_mount, tmp_path: Path) -> None:
     """ssd-tier.md: 'a rebuild that is interrupted reads as damage and runs again at the next
-    start'. Killed first as the scan begins, then as it reports progress."""
+    start'. Killed first as the scan begins, then as it reports progress; the damaged index it
+    rebuilds from stays aside for a post-mortem, not replaced by a rebuild's remains."""
     disk = tmp_path / "disk"
     mount = make_mount("64M", "--disk", str(disk), "--disk-size", "4G")
     root = mount.path
@@ -321,7 +322,9 @@ def test_a_rebuild_killed_midway_runs_again_and_loses_nothing(make_mount, tmp_pa
         expected[name] = data
     sync(root)
     mount.stop()
-    shutil.rmtree(disk / "index")
+    data = disk / "index" / "data.mdb"
+    damaged = bytes(data.stat().st_size)
+    data.write_bytes(damaged)  # zeroed
     first = start_and_kill_at(mount, "rebuilding it from the segments")
     assert "rebuilt the SSD index" not in first
     # Killed again as the scan reports progress (a machine that scans 4 GiB within its
@@ -333,6 +336,7 @@ def test_a_rebuild_killed_midway_runs_again_and_loses_nothing(make_mount, tmp_pa
     assert f"rebuilt the SSD index from {disk / 'segments'}: {len(expected)} files" in log
     assert tree(root) == expected
     rebuilds = log.count("rebuilt the SSD index")
+    assert (disk / "index.damaged" / "data.mdb").read_bytes() == damaged
     mount.stop()
     mount.start()  # the rebuilt index is whole: no further rebuild
     assert mount.log_text().count("rebuilt the SSD index") == rebuilds
