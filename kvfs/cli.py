@@ -6,6 +6,7 @@ import argparse
 import errno
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -77,6 +78,23 @@ DEFAULT_MASTER_DATA = "/var/lib/kvfs/master"
 ENTRY_TIMEOUT_S = {"mount": 3600.0, "node": 60.0}
 
 
+def seconds(text: str) -> float:
+    """A duration option: a finite number of seconds, 0 or more. NaN or infinity would turn
+    a bound into none (or fail later, inside the daemon), a negative one into no wait at all."""
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{text!r} is not a number of seconds (0 or more)")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """The period of a loop: above 0 (at 0 it would run without pause)."""
+    value = seconds(text)
+    if value == 0:
+        raise ValueError(f"{text!r} is not a period in seconds (above 0)")
+    return value
+
+
 def _add_store_options(command: argparse.ArgumentParser, entry_timeout_s: float = ENTRY_TIMEOUT_S["mount"]) -> None:
     """Options of a node's store and mount, shared by `mount` and `node`."""
     command.add_argument("--dram", default=None,
@@ -86,22 +104,22 @@ def _add_store_options(command: argparse.ArgumentParser, entry_timeout_s: float 
     command.add_argument("--log-file", default=None,
                          help="where a background daemon logs (default: /var/log/kvfs/<mountpoint>.log)")
     command.add_argument("--eviction-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
-    command.add_argument("--entry-timeout", type=float, default=entry_timeout_s,
+    command.add_argument("--entry-timeout", type=seconds, default=entry_timeout_s,
                          help="seconds the kernel caches names and attributes")
-    command.add_argument("--negative-timeout", type=float, default=1.0, help="seconds the kernel caches absent names")
-    command.add_argument("--temp-grace", type=float, default=300.0,
+    command.add_argument("--negative-timeout", type=seconds, default=1.0, help="seconds the kernel caches absent names")
+    command.add_argument("--temp-grace", type=seconds, default=300.0,
                          help="seconds before an abandoned *.tmp file is collected")
     command.add_argument("--unsealed-per-user", default=None,
                          help="bytes of files open for writing one user (not root) may hold; a write past it "
                               "gets EDQUOT (default: half the DRAM tier; 0: no cap)")
-    command.add_argument("--publish-grace", type=float, default=30.0,
+    command.add_argument("--publish-grace", type=seconds, default=30.0,
                          help="seconds after close during which a new file not yet renamed or read is evicted last")
-    command.add_argument("--gc-interval", type=float, default=30.0, help="seconds between orphan collections")
+    command.add_argument("--gc-interval", type=positive_seconds, default=30.0, help="seconds between orphan collections")
     command.add_argument("--no-allow-other", dest="allow_other", action="store_false",
                          help="only the mounting user may access the mount")
     command.add_argument("--nonempty", action="store_true",
                          help="mount over a mount point that is not empty (its entries are hidden)")
-    command.add_argument("--start-timeout", type=float, default=120.0,
+    command.add_argument("--start-timeout", type=seconds, default=120.0,
                          help="seconds a background start may take (reaching the master included) before "
                               "the daemon is stopped (default 120)")
     ssd = command.add_argument_group("SSD tier (off unless --disk is given)")
@@ -118,7 +136,7 @@ def _add_store_options(command: argparse.ArgumentParser, entry_timeout_s: float 
                      help="O_DIRECT on the segment files (default on)")
     ssd.add_argument("--io-engine", default="auto", choices=["auto", "io_uring", "threads"],
                      help="SSD I/O through io_uring (auto: when the kernel allows it) or a thread pool")
-    ssd.add_argument("--backpressure-timeout", type=float, default=30.0,
+    ssd.add_argument("--backpressure-timeout", type=seconds, default=30.0,
                      help="seconds a writer may wait for the offloader before ENOSPC")
 
 
@@ -171,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--name", default=None,
                       help="stable node name, kept across restarts; must be its certificate's name "
                            "(default: the certificate's name)")
-    node.add_argument("--master-wait", type=float, default=10.0,
+    node.add_argument("--master-wait", type=seconds, default=10.0,
                       help="seconds a request waits for an unreachable master before failing with EIO")
     node.add_argument("--transport", default="auto", choices=["auto", "tcp", "rdma"],
                       help="chunks between nodes: auto (RDMA READs where both nodes have RDMA, else TCP), "
@@ -192,13 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     master.add_argument("--data", default=DEFAULT_MASTER_DATA,
                         help=f"directory for the master's state, lmdb (default {DEFAULT_MASTER_DATA})")
     master.add_argument("--eviction-policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
-    master.add_argument("--temp-grace", type=float, default=300.0,
+    master.add_argument("--temp-grace", type=seconds, default=300.0,
                         help="seconds before an abandoned *.tmp file is collected")
-    master.add_argument("--publish-grace", type=float, default=30.0,
+    master.add_argument("--publish-grace", type=seconds, default=30.0,
                         help="seconds after close during which a new file not yet renamed or read is evicted last")
-    master.add_argument("--dead-after", type=float, default=2.5,
+    master.add_argument("--dead-after", type=seconds, default=2.5,
                         help="seconds without a heartbeat before a node is declared dead")
-    master.add_argument("--forget-dead-after", type=float, default=7 * 86400.0,
+    master.add_argument("--forget-dead-after", type=seconds, default=7 * 86400.0,
                         help="seconds a node may stay dead before it is forgotten as by remove-node, its files "
                              "leaving the namespace (default 7 days; 0: never)")
     master.add_argument("--relocate-slice", type=int, default=1024,
@@ -223,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     top = commands.add_parser("top", help="live rates per node (lookups, hits, reads, writes, evictions)")
     _add_status_source(top)
-    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    top.add_argument("--interval", type=seconds, default=2.0, help="seconds between refreshes (default 2)")
     top.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (default: never)")
     _add_common(top)
 
@@ -231,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "hit rate, reads/s")
     du.add_argument("path", nargs="?", help="a kvfs mount, or a directory in it (instead of --master)")
     du.add_argument("--master", default=None, help="the master's HOST:PORT, or etcd://HOST:PORT[,HOST:PORT][/CLUSTER] to ask the leader etcd names")
-    du.add_argument("--interval", type=float, default=1.0,
+    du.add_argument("--interval", type=seconds, default=1.0,
                     help="seconds between the two samples that give the rates (0: no rates)")
     du.add_argument("--json", action="store_true", help="machine-readable output")
     _add_common(du)

@@ -3,6 +3,7 @@ crashes (SIGILL on a CPU without the instructions it was built for) never takes 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from conftest import small_tmpfs
 
 from kvfs.disk.probe import open_engine, probe_io_uring
 
@@ -45,6 +47,25 @@ def test_io_uring_is_proven_and_chosen_on_this_machine() -> None:
         assert engine.kind == "io_uring"
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("full", ["inodes", "bytes"])
+def test_a_full_file_system_does_not_cost_io_uring(tmp_path: Path, full: str) -> None:
+    """A node restarted on a full disk keeps io_uring: a write refused for want of space ran
+    through the ring, and a directory where not even the scratch file fits is probed elsewhere."""
+    with small_tmpfs(tmp_path / "fs", "1m,nr_inodes=16") as directory:
+        with pytest.raises(OSError) as raised:
+            if full == "inodes":
+                for i in range(100):
+                    (directory / f"f{i}").touch()
+            else:
+                with open(directory / "filler", "wb") as f:
+                    for _ in range(100):
+                        f.write(bytes(65536))
+                        f.flush()
+        assert raised.value.errno == errno.ENOSPC
+        assert probe_io_uring(directory) is None
+        open_engine("io_uring", directory).close()
 
 
 def test_the_probe_names_a_crash_and_auto_falls_back(crashing_liburing: Path,

@@ -7,7 +7,7 @@ agree again, keeping every file whose data is intact:
 - a damaged or missing index is set aside and rebuilt from the headers;
 - an index entry whose data fails its checksum is deleted (and its header erased);
 - an entry whose header is missing or stale gets its header rewritten;
-- a header no entry points at (a file removed just before a crash) is erased.
+- a header no entry points at (a file removed, or a copy cut short, just before a crash) is erased.
 
 A mount repairs a damaged index by itself; fsck is for checking a tier without
 mounting it, and for the finer repairs above.
@@ -146,7 +146,7 @@ def _compare(directory: Path, capacity: int, chunk_size: int, intact: list[Index
             if entry.header not in used_headers:
                 name = describe(HeaderBody(chunk_size, 0, entry.record))
                 report.problems.append(f"{name} at tier offset {entry.header}: a header the index does not "
-                                       "know (a file removed just before a crash)")
+                                       "know (a file removed, or a copy cut short, just before a crash)")
                 if repair:
                     _write_at(directory, fd_cache, entry.header, bytes(PAGE))
         if repair:

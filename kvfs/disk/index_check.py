@@ -65,6 +65,11 @@ def check_entries(raw_entries, capacity: int, chunk_size: int) -> tuple[int, str
     return count, None
 
 
+# Entries without the layout record: a rebuild's index (its layout record goes last) that a
+# crash cut short; every index kvfs makes otherwise has the record before any entry.
+CUT_SHORT = "it has no layout record (a rebuild cut short)"
+
+
 def examine(path: Path, capacity: int, chunk_size: int, map_size: int) -> IndexState:
     """The state of the index at `path` (runs in the child: may die on a damaged file)."""
     data = path / "data.mdb"
@@ -83,7 +88,7 @@ def examine(path: Path, capacity: int, chunk_size: int, map_size: int) -> IndexS
                 count, problem = check_entries(txn.cursor(), capacity, chunk_size)
             if raw is None:
                 return IndexState("absent") if count == 0 and problem is None else IndexState(
-                    "damaged", "it has no layout record")
+                    "damaged", CUT_SHORT)
             meta = msgspec.msgpack.decode(raw, type=LayoutMeta)
             if meta.layout != LAYOUT_VERSION:
                 return IndexState("layout", f"layout {meta.layout}", layout=meta.layout)

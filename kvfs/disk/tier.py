@@ -27,7 +27,7 @@ from kvfs.config import format_size
 from kvfs.disk.engine import ALIGN, AlignedIo
 from kvfs.disk.header import encode_header
 from kvfs.disk.index import DiskIndex
-from kvfs.disk.index_check import IndexState, check_index
+from kvfs.disk.index_check import CUT_SHORT, IndexState, check_index
 from kvfs.disk.rebuild import scan_tier
 from kvfs.disk.records import LAYOUT_VERSION, DiskRecord, IndexEntry, LayoutMeta
 from kvfs.disk.segments import SEGMENT_SIZE, SegmentFiles, segment_path
@@ -132,7 +132,12 @@ class SsdTier:
             raise StorageError(errno.EINVAL, old_layout_message(self.directory, state))
         damaged = state.kind == "damaged" or (state.kind == "absent" and has_segments(self.directory))
         if damaged:
-            aside = set_aside(path)
+            aside = path.with_name(path.name + ".damaged")
+            if (state.kind == "absent" or state.detail == CUT_SHORT) and aside.exists():
+                # The remains of a rebuild cut short: the damaged index it came from stays aside.
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                aside = set_aside(path)
             log.warning("the SSD index %s is %s; rebuilding it from the segments%s", path,
                         f"damaged ({state.detail})" if state.kind == "damaged" else "missing",
                         f" (the damaged copy is kept as {aside})" if aside.exists() else "")

@@ -36,6 +36,9 @@ OFFLOAD_BATCH_BYTES = 128 << 20
 # until writes pause for OFFLOAD_QUIET_S, but never for longer than OFFLOAD_MAX_DEFER_S
 # per batch, and not at all once DRAM passes the high watermark.
 OFFLOAD_MAX_DEFER_S = 0.5
+# Why an fsync found nothing to save: the owner found no name a restart could bring it back under.
+NAMELESS = ("no name to save it under was found (unlinked or replaced while open, a temp file private to "
+            "this node, or the master did not answer)")
 
 
 class Offloader:
@@ -59,6 +62,10 @@ class Offloader:
         self._idle = trio.Event()
         self._idle.set()
         self.stuck = False  # the SSD is full and nothing on it can be evicted
+        # Versions an fsync waits for, and those of them the owner found no name for: their
+        # fsync's EIO says so rather than blame a full tier.
+        self._awaited: set[int] = set()
+        self._nameless: set[int] = set()
 
     def nudge(self) -> None:
         """Something for the next pass that does not make callers wait (a removal, a rewrite)."""
@@ -141,11 +148,17 @@ class Offloader:
         failed copy is retried at once); EIO if it cannot be copied now."""
         if self.ssd is None or version not in self.residency or self.is_saved(version):
             return
-        self.queue(version)  # (unless it is being copied now)
-        self.retry_now()
-        await self.wait_offloaded()
+        self._awaited.add(version)
+        try:
+            self.queue(version)  # (unless it is being copied now)
+            self.retry_now()
+            await self.wait_offloaded()
+        finally:
+            self._awaited.discard(version)
+            nameless = version in self._nameless
+            self._nameless.discard(version)
         if version in self.residency and not self.is_saved(version):
-            cause = self.faults.last_error() or "the SSD tier is full"
+            cause = (NAMELESS if nameless else self.faults.last_error()) or "the SSD tier is full"
             raise StorageError(errno.EIO, f"version {version} could not be copied to {self.ssd.directory}: {cause}")
 
     # The loop ----------------------------------------------------------------------------
@@ -222,6 +235,8 @@ class Offloader:
                 record = await self._owner().describe(version)
                 if record is None or version not in self.residency:
                     self.ssd.release(offsets)
+                    if record is None and version in self._awaited:
+                        self._nameless.add(version)
                     continue
                 record.chunks = [(o, n, c) for o, n, c in zip(offsets, lengths, entry.checksums)]
                 planned.append((version, offsets, record))
