@@ -173,12 +173,17 @@ def raw_tcp(size: int, count: int, streams: int = 1, bundle: Path | None = None)
     return count // streams * streams * size / elapsed / 1e9
 
 
+# vLLM 0.29+ opens its loads with O_DIRECT once its start-up probe found it works (as it does on
+# kvfs), 0.23-0.26 always: `--o-direct` loads so (the buffers are page-aligned mmaps).
+LOAD_FLAGS = os.O_RDONLY
+
+
 def load_in_threads(root: Path, prefix: str, indices: range, size: int, buffers: list[mmap.mmap]) -> None:
     """vLLM's load (open, one read, close) of files `indices`, split over one thread per buffer."""
 
     def load(share: range, buffer: mmap.mmap) -> None:
         for i in share:
-            fd = os.open(root / f"{prefix}{i}.bin", os.O_RDONLY)
+            fd = os.open(root / f"{prefix}{i}.bin", LOAD_FLAGS)
             got = os.readv(fd, [buffer])
             os.close(fd)
             assert got == size, f"short read: {got}"
@@ -327,8 +332,12 @@ def main() -> None:
     parser.add_argument("--peer-encryption", default="on", choices=["on", "off"],
                         help="both nodes' --peer-encryption (on: chunks from A to B in kvfs's encrypted records "
                              "after the TLS setup; off: in the clear)")
+    parser.add_argument("--o-direct", action="store_true",
+                        help="loads open with O_DIRECT, as vLLM's do once its probe found O_DIRECT works")
     parser.add_argument("--report", metavar="JSON", help="print the tables of a run's --json file, measuring nothing")
     args = parser.parse_args()
+    global LOAD_FLAGS
+    LOAD_FLAGS = os.O_RDONLY | (os.O_DIRECT if args.o_direct else 0)
     sizes = [int(s) * MiB for s in args.sizes.split(",")]
     if args.report:
         saved: dict[str, list[float]] = json.loads(Path(args.report).read_text())
