@@ -42,7 +42,7 @@ class EmbeddedMaster:
     """The single-node mount's master: nothing saves its state, so what each request changed
     is forgotten at once (the dirty sets would otherwise grow with every file ever made).
     With an SSD tier, its directories are the exception: `directories` saves those a request
-    changed before the request is answered (kvfs.node.dirrecords)."""
+    changed, before the request is answered or, for a mkdir, just after (kvfs.node.dirrecords)."""
 
     def __init__(self, service: MetadataService) -> None:
         self.service = service

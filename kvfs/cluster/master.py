@@ -1179,7 +1179,8 @@ class MetadataService:
         self.admit(inode, record.size)
         return m.Restored(True, dropped)
 
-    def restore_directory(self, parent: Inode, name: bytes, mode: int, uid: int, gid: int, mtime_ns: int) -> Inode | None:
+    def restore_directory(self, parent: Inode, name: bytes, mode: int, uid: int, gid: int,
+                          mtime_ns: int) -> Inode | None:
         """Recovery: a saved directory under `parent`, made if absent, given its saved
         attributes; None where a file or link holds the name."""
         now = self.clock.wall_ns()

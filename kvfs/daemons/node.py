@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable, NoReturn
 
+import lmdb
 import pyfuse3
 import trio
 
@@ -191,7 +192,11 @@ class Daemon:
 
     def _restore_directories(self, index: DiskIndex) -> None:
         """Brings back the directories' records, then saves each change of one from now on."""
-        restore_directories(self.service, index)
+        try:
+            restore_directories(self.service, index)
+        except lmdb.Error as error:  # a garbled table: the files are back, their directories root's
+            log.warning("cannot read the directory records in %s (%s); directories come back root's with mode "
+                        "0755", index.env.path(), error)
         master = self.node.master
         assert isinstance(master, EmbeddedMaster)
         master.directories = self.directories = DirectoryRecords(index, self.service.ns)

@@ -5,12 +5,12 @@ directories above them; what those records cannot say (a directory's mode, owner
 time, an empty directory) is kept in the index's `dirs` table: one record per directory,
 keyed by its inode number, naming its parent's number and its own name, so that a rename
 or a chmod rewrites one record, never its descendants'. A chmod, chown, utimensat, rename
-or rmdir is saved (one lmdb transaction, synced) before the request is answered, as a
-file's rename or chmod is; a mkdir just after it is answered, by a background task that
+or rmdir of a directory is saved (one lmdb transaction, synced) before it is answered, as
+a file's rename or chmod is; a mkdir within MKDIR_SAVE_S after, by a background task that
 saves every mkdir waiting in one commit, as a new file is saved by its offload after its
-close (vLLM's store makes two directories per new prefix: a synced commit each would cost
-more than the store). At start, after the files are restored, the records are applied, then the
-table is rewritten under the new namespace's inode numbers.
+close (vLLM's store makes two directories per new prefix: a synced commit each halved its
+rate). At start, after the files are restored, the records are applied, then the table
+is rewritten under the new namespace's inode numbers.
 """
 
 from __future__ import annotations
@@ -34,9 +34,7 @@ log = logging.getLogger(__name__)
 
 MAX_ID = (1 << 32) - 1
 WRITE_ERRORS = (lmdb.Error, OSError, KvfsError)
-# Requests that touch a directory are answered once its record is saved, even where they
-# changed nothing in it (a chmod to the mode its mkdir, perhaps not saved yet, gave).
-SAVED_BEFORE_ANSWER = (m.SetAttr, m.Rename, m.RmDir)
+MKDIR_SAVE_S = 0.05  # how long after its answer a mkdir may wait to be saved
 
 
 class DirTable(Protocol):
@@ -225,17 +223,33 @@ class DirectoryRecords:
                 del self.known[ino]
                 self.pending.add(ino)
                 changed = True
-        if isinstance(request, SAVED_BEFORE_ANSWER) and any(ino in self.known for ino in dirty):
+        if self._changes_a_directory(request):
             changed = True  # `save` then waits for a commit in flight, which may hold its mkdir
         if changed and isinstance(request, m.MkDir):
             self._wanted.set()
             return False
         return changed
 
+    def _changes_a_directory(self, request: m.Request) -> bool:
+        """A chmod, chown, utimensat or rename of a directory, or an rmdir (not a file's
+        rename, which only touches its parents' times)."""
+        try:
+            if isinstance(request, m.SetAttr):
+                inode = self.ns.inodes.get(request.ino)
+            elif isinstance(request, m.Rename):
+                inode = self.ns.lookup(request.parent_new, request.name_new)
+            else:
+                return isinstance(request, m.RmDir)
+        except MetadataError:  # (a request that failed: its parent is gone)
+            return False
+        return inode is not None and inode.is_dir
+
     async def run(self) -> None:
-        """Saves the mkdirs answered meanwhile, all in one commit, one commit at a time."""
+        """Saves the mkdirs answered meanwhile, all in one commit, at most one commit per
+        MKDIR_SAVE_S: a synced commit for each of a store's mkdirs halved its rate."""
         while True:
             await self._wanted.wait()
+            await trio.sleep(MKDIR_SAVE_S)
             self._wanted = trio.Event()
             await self.save()
 
