@@ -29,20 +29,38 @@ class MasterClient(Protocol):
         waits up to `wait_s` (None: its default) for an unreachable master."""
 
 
+class DirectorySaver(Protocol):
+    """Saves the directories a request changed (kvfs.node.dirrecords)."""
+
+    def note(self, request: Request, dirty: set[int]) -> bool:
+        """Takes the changes among the inodes the request changed; True if any wait to be saved."""
+
+    async def save(self) -> None: ...
+
+
 class EmbeddedMaster:
     """The single-node mount's master: nothing saves its state, so what each request changed
-    is forgotten at once (the dirty sets would otherwise grow with every file ever made)."""
+    is forgotten at once (the dirty sets would otherwise grow with every file ever made).
+    With an SSD tier, its directories are the exception: `directories` saves those a request
+    changed, before the request is answered or, for a mkdir, just after (kvfs.node.dirrecords)."""
 
     def __init__(self, service: MetadataService) -> None:
         self.service = service
         self.calls = OperationStats()  # by request type: the master's part of each operation
+        self.directories: DirectorySaver | None = None
 
     async def call(self, request: Request, wait_s: float | None = None) -> Any:
+        saving = False
         try:
-            return self.calls.timed(type(request).__name__, lambda: self.service.handle(request))
+            answer = self.calls.timed(type(request).__name__, lambda: self.service.handle(request))
         finally:
+            if self.directories is not None:
+                saving = self.directories.note(request, self.service.ns.dirty)
             self.service.ns.dirty.clear()
             self.service.objects.dirty.clear()
+        if saving:
+            await self.directories.save()  # type: ignore[union-attr]
+        return answer
 
 
 Notify = Callable[[m.NameChanges], None]

@@ -1179,6 +1179,26 @@ class MetadataService:
         self.admit(inode, record.size)
         return m.Restored(True, dropped)
 
+    def restore_directory(self, parent: Inode, name: bytes, mode: int, uid: int, gid: int,
+                          mtime_ns: int) -> Inode | None:
+        """Recovery: a saved directory under `parent`, made if absent, given its saved
+        attributes; None where a file or link holds the name."""
+        now = self.clock.wall_ns()
+        inode = self.ns.lookup(parent.ino, name)
+        if inode is None:
+            inode = self.ns.new_inode(stat.S_IFDIR | 0o755, uid, gid, now, directory=True)
+            self._link(parent, name, inode, now)
+        elif not inode.is_dir:
+            return None
+        self.set_directory(inode, mode, uid, gid, mtime_ns)
+        return inode
+
+    def set_directory(self, inode: Inode, mode: int, uid: int, gid: int, mtime_ns: int) -> None:
+        inode.mode = stat.S_IFDIR | stat.S_IMODE(mode)
+        inode.uid, inode.gid = uid, gid
+        inode.mtime_ns = mtime_ns
+        self.ns.dirty.add(inode.ino)
+
     def _dir_usage(self, req: m.DirUsage) -> m.DirUsageInfo:
         return m.DirUsageInfo(self.usage.rows(self.ns, self.dir_totals if req.files else None))
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable, NoReturn
 
+import lmdb
 import pyfuse3
 import trio
 
@@ -36,9 +37,11 @@ from kvfs.fuse.operations import KvfsOperations
 from kvfs.metrics.exporter import serve_metrics
 from kvfs.metrics.node import NodeMetrics
 from kvfs.node.service import Node
+from kvfs.node.dirrecords import DirectoryRecords, restore_directories
 from kvfs.node.membership import HEARTBEAT_S
 from kvfs.policy import make_policy
 from kvfs.disk.engine import AlignedIo
+from kvfs.disk.index import DiskIndex
 from kvfs.disk.probe import open_engine
 from kvfs.disk.tier import SsdTier
 from kvfs.store.buffers import ReadBufferPool
@@ -98,6 +101,7 @@ class Daemon:
         self.peer_server: PeerServer | None = None
         self._mounted = False
         self.unsaved = (0, 0)  # files (and bytes) a clean stop could not copy to SSD
+        self.directories: DirectoryRecords | None = None  # a single-node mount's, with an SSD tier
 
     def _forget_entries(self, entries: list[tuple[int, bytes, int]]) -> None:
         # Names removed by eviction, collection or another node, not by this kernel: drop
@@ -179,11 +183,24 @@ class Daemon:
                 await self._join_cluster(nursery)
             elif self.store.ssd is not None:
                 await self.node.recover(self.config.temp_suffix.encode())
+                self._restore_directories(self.store.ssd.index)
             if self.config.metrics_listen is not None:
                 await nursery.start(serve_metrics, self.config.metrics_listen, self._metrics().describe)
             self._mount()
             await self._serve(on_ready)
             nursery.cancel_scope.cancel()
+
+    def _restore_directories(self, index: DiskIndex) -> None:
+        """Brings back the directories' records, then saves each change of one from now on."""
+        try:
+            restore_directories(self.service, index)
+        except lmdb.Error as error:  # a garbled table: the files are back, their directories root's
+            log.warning("cannot read the directory records in %s (%s); directories come back root's with mode "
+                        "0755", index.env.path(), error)
+        master = self.node.master
+        assert isinstance(master, EmbeddedMaster)
+        master.directories = self.directories = DirectoryRecords(index, self.service.ns)
+        self.directories.save_all_now()
 
     def _metrics(self) -> NodeMetrics:
         if self.config.master is None:
@@ -238,6 +255,8 @@ class Daemon:
             nursery.start_soon(self.operations.run_forgetter)
             nursery.start_soon(self._collect_orphans)
             nursery.start_soon(systemd.keep_watchdog_fed)
+            if self.directories is not None:
+                nursery.start_soon(self.directories.run)
             nursery.start_soon(trio.to_thread.run_sync, self._confirm_mounted, on_ready, trio.lowlevel.current_trio_token())
             await pyfuse3.main(max_tasks=self.config.max_tasks)
             systemd.notify("STOPPING=1")
@@ -250,6 +269,8 @@ class Daemon:
         store = self.store
         if store.ssd is None:
             return
+        if self.directories is not None:  # the mkdirs not saved yet
+            await self.directories.save()
         store.retry_now()
         pending = store.queue_all_dram_only()
         if pending:

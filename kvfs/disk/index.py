@@ -16,7 +16,7 @@ from typing import Iterator
 import lmdb
 import msgspec
 
-from kvfs.disk.records import DiskRecord, IndexEntry, LayoutMeta
+from kvfs.disk.records import DiskDir, DiskRecord, IndexEntry, LayoutMeta
 
 
 def _key(version: int) -> bytes:
@@ -24,7 +24,7 @@ def _key(version: int) -> bytes:
 
 
 def open_environment(path: Path, map_size: int) -> lmdb.Environment:
-    return lmdb.open(str(path), map_size=map_size, max_dbs=2, sync=True, metasync=True)
+    return lmdb.open(str(path), map_size=map_size, max_dbs=3, sync=True, metasync=True)
 
 
 class DiskIndex:
@@ -32,6 +32,9 @@ class DiskIndex:
         self.env = open_environment(path, map_size)
         self._files = self.env.open_db(b"files")
         self._meta = self.env.open_db(b"meta")
+        # A single-node mount's directories (kvfs/cluster/dirrecords.py); a kvfs that predates
+        # it opens only `files` and `meta`, so the layout stays 2.
+        self._dirs = self.env.open_db(b"dirs")
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode_entry = msgspec.msgpack.Decoder(IndexEntry).decode
 
@@ -78,6 +81,32 @@ class DiskIndex:
         with self.env.begin(db=self._files, write=True) as txn:
             for key in keys:
                 txn.delete(key)
+
+    def put_dirs(self, changes: dict[int, DiskDir | None]) -> None:
+        """Stores and deletes (None) directory records durably (one transaction, synced)."""
+        with self.env.begin(db=self._dirs, write=True) as txn:
+            for ino, record in changes.items():
+                if record is None:
+                    txn.delete(_key(ino))
+                else:
+                    txn.put(_key(ino), self._encode(record))
+
+    def replace_dirs(self, records: dict[int, DiskDir]) -> None:
+        """Replaces every directory record at once (one transaction, synced)."""
+        with self.env.begin(db=self._dirs, write=True) as txn:
+            txn.drop(self._dirs, delete=False)
+            for ino, record in records.items():
+                txn.put(_key(ino), self._encode(record))
+
+    def dirs(self) -> Iterator[tuple[bytes, DiskDir | None]]:
+        """Every directory record by its raw key; None for one that does not decode."""
+        decode = msgspec.msgpack.Decoder(DiskDir).decode
+        with self.env.begin(db=self._dirs) as txn:
+            for key, value in txn.cursor():
+                try:
+                    yield bytes(key), decode(value)
+                except msgspec.DecodeError:
+                    yield bytes(key), None
 
     def close(self) -> None:
         self.env.close()

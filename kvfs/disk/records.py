@@ -44,6 +44,19 @@ class IndexEntry(msgspec.Struct):
     header_length: int  # page-rounded
 
 
+class DiskDir(msgspec.Struct):
+    """A directory of a single-node mount, as its record in the index's `dirs` table holds it
+    (key: the directory's inode number in the namespace that wrote it). The table came after
+    layout 2 and sits beside the files: a tier without it mounts as before (files only)."""
+
+    parent: int  # the parent's inode number, as keyed in the same table; 0 for the root
+    name: bytes
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+
+
 class LayoutMeta(msgspec.Struct):
     layout: int
     chunk_size: int
