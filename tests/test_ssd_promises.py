@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import re
 import shutil
@@ -19,6 +18,8 @@ from typing import Iterator
 
 import pytest
 from conftest import KvfsMount, drop_page_cache, is_stored, small_tmpfs
+from test_ssd import stats, sync, tier
+from test_ssd_faults import content, fill
 
 from kvfs.disk.index import DiskIndex
 from kvfs.disk.records import LayoutMeta
@@ -26,23 +27,6 @@ from kvfs.disk.tier import index_map_size
 
 KiB, MiB = 1 << 10, 1 << 20
 SEGMENT_SIZE = 256 * MiB
-
-
-def content(name: str, size: int) -> bytes:
-    seed = name.encode().ljust(32, b".")[:32]
-    return (seed * (size // 32 + 1))[:size]
-
-
-def stats(root: Path) -> dict:
-    return json.loads(os.getxattr(root, "user.kvfs.stats"))
-
-
-def sync(root: Path) -> None:
-    os.setxattr(root, "user.kvfs.control", b"sync")
-
-
-def tier(path: Path) -> str:
-    return os.getxattr(path, "user.kvfs.tier").decode()
 
 
 def extents(path: Path) -> list[int]:
@@ -53,23 +37,6 @@ def extents(path: Path) -> list[int]:
 def tree(root: Path) -> dict[str, bytes]:
     drop_page_cache()
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def fill(directory: Path) -> Path:
-    """Writes a file until its file system has not one block left."""
-    filler = directory / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        for block in (MiB, 4 * KiB):
-            try:
-                while os.write(fd, bytes(block)) == block:
-                    pass
-            except OSError as error:
-                assert error.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-    assert os.statvfs(directory).f_bavail == 0
-    return filler
 
 
 @pytest.fixture
