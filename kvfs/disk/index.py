@@ -32,7 +32,7 @@ class DiskIndex:
         self.env = open_environment(path, map_size)
         self._files = self.env.open_db(b"files")
         self._meta = self.env.open_db(b"meta")
-        # A single-node mount's directories (kvfs/cluster/dirrecords.py); a kvfs that predates
+        # A single-node mount's directories (kvfs/node/dirrecords.py); a kvfs that predates
         # it opens only `files` and `meta`, so the layout stays 2.
         self._dirs = self.env.open_db(b"dirs")
         self._encode = msgspec.msgpack.Encoder().encode

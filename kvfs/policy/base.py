@@ -37,7 +37,7 @@ class EvictionPolicy(Protocol):
     def keep_keys_in(self, table: MutableMapping[int, Any]) -> None:
         """The policy's key map is `table` (empty) from now on, not a dict. The master's keys
         are inode numbers, which only grow, and its records ints: it passes pages of packed
-        ints (kvfs.cluster.inttable), 18 B per key and record instead of a dict entry's 42-52
+        ints (kvfs.cluster.inttable), 19 B per key and record instead of a dict entry's 42-52
         and an int object, and no dict of every key that resizes at once. Called while the
         policy holds no key."""
 
