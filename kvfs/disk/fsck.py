@@ -25,7 +25,7 @@ from pathlib import Path
 from kvfs.config import format_size
 from kvfs.disk.header import PAGE, HeaderBody, encode_header
 from kvfs.disk.index import DiskIndex
-from kvfs.disk.index_check import check_index
+from kvfs.disk.index_check import IndexState, check_index
 from kvfs.disk.rebuild import Found, SegmentReader, describe, scan_tier, verify
 from kvfs.disk.records import LAYOUT_VERSION, IndexEntry, LayoutMeta
 from kvfs.disk.segments import SEGMENT_SIZE, segment_path
@@ -85,15 +85,15 @@ def fsck(directory: Path, repair: bool, chunk_size: int = CHUNK_SIZE) -> FsckRep
             report.problems += scanned.skipped
             report.files, report.file_bytes = len(scanned.entries), scanned.file_bytes
             if repair:
-                _replace_index(index_path, capacity, chunk_size, scanned.entries)
+                _replace_index(index_path, state, capacity, chunk_size, scanned.entries)
                 report.repaired = True
         return report
     finally:
         os.close(lock)
 
 
-def _replace_index(path: Path, capacity: int, chunk_size: int, entries: list[IndexEntry]) -> None:
-    aside = set_aside(path)
+def _replace_index(path: Path, state: IndexState, capacity: int, chunk_size: int, entries: list[IndexEntry]) -> None:
+    aside = set_aside(path, state)
     index = DiskIndex(path, index_map_size(capacity))
     try:
         for start in range(0, len(entries), 1000):

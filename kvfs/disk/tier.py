@@ -87,9 +87,15 @@ def old_layout_message(directory: Path, state: IndexState) -> str:
             "or remove it")
 
 
-def set_aside(index_path: Path) -> Path:
-    """Moves a damaged index out of the way (the last one is kept, for a post-mortem)."""
+def set_aside(index_path: Path, state: IndexState) -> Path:
+    """Moves a damaged index out of the way (the last one is kept, for a post-mortem). The
+    remains of a rebuild cut short (no index, or one without its layout record) are
+    discarded instead where a damaged copy is already aside: that copy is the index the
+    rebuild came from."""
     aside = index_path.with_name(index_path.name + ".damaged")
+    if (state.kind == "absent" or state.detail == CUT_SHORT) and aside.exists():
+        shutil.rmtree(index_path, ignore_errors=True)
+        return aside
     shutil.rmtree(aside, ignore_errors=True)
     if index_path.exists():
         index_path.rename(aside)
@@ -132,12 +138,7 @@ class SsdTier:
             raise StorageError(errno.EINVAL, old_layout_message(self.directory, state))
         damaged = state.kind == "damaged" or (state.kind == "absent" and has_segments(self.directory))
         if damaged:
-            aside = path.with_name(path.name + ".damaged")
-            if (state.kind == "absent" or state.detail == CUT_SHORT) and aside.exists():
-                # The remains of a rebuild cut short: the damaged index it came from stays aside.
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                aside = set_aside(path)
+            aside = set_aside(path, state)
             log.warning("the SSD index %s is %s; rebuilding it from the segments%s", path,
                         f"damaged ({state.detail})" if state.kind == "damaged" else "missing",
                         f" (the damaged copy is kept as {aside})" if aside.exists() else "")
