@@ -9,7 +9,8 @@ too). Each kind runs back to back, then with a pause of `--gap-us` before each r
 a cluster node's request with one writer comes after the writer's and the node's own work,
 so the master waits idle between requests, and a process woken from idle pays more CPU
 for the same work than one kept busy. Prints the CPU per request of the master (/proc)
-and of the client (this process), medians of the rounds, and the rate.
+and of the client (this process), medians of the rounds, and the rate; then, per kind, the
+CPU after an idle wait as a ratio to back to back in the same round.
 
 Usage (as root, for the TLS bundles' directory): python scripts/bench_master_request.py
 [--requests 3000] [--rounds 3] [--gap-us 800]
@@ -119,6 +120,12 @@ def main() -> None:
         client, master, rate = (statistics.median(v[i] for v in values) for i in range(3))
         rounds = " ".join(f"{c:.0f}/{w:.0f}" for c, w, _ in values)
         print(f"{row:<34} {client:>10.0f} {master:>10.0f} {rate:>8.0f}   {rounds}")
+    print("idle against back to back, the median of each round's ratio (the same round, one after the other):")
+    for kind in ("Lookup (absent)", "Publish"):
+        idle = next(values for row, values in results.items() if row.startswith(kind) and "idle" in row)
+        busy = results[f"{kind}, back to back"]
+        client, master = (statistics.median(i[n] / b[n] for i, b in zip(idle, busy)) for n in (0, 1))
+        print(f"  {kind}: client CPU per request x{client:.2f}, master x{master:.2f}")
 
 
 if __name__ == "__main__":
