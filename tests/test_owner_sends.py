@@ -228,3 +228,34 @@ def test_the_hop_returns_raises_bounds_its_threads_and_outlives_a_cancel() -> No
         assert finished == [42] and scope.cancelled_caught and limiter.borrowed_tokens == 0
 
     trio.run(main)
+
+
+def test_the_hop_s_first_step_runs_in_the_loop_with_a_token_held_and_a_failing_one_starts_no_thread() -> None:
+    """What must not wait for the thread to be scheduled (a reader's request) runs in the event
+    loop, once a thread is granted; if it fails, no thread starts and the token goes back."""
+    loop_thread = threading.get_ident()
+
+    async def main() -> None:
+        limiter = trio.CapacityLimiter(1)
+        seen: list[tuple[str, int, int]] = []
+
+        def first() -> None:
+            seen.append(("first", threading.get_ident(), limiter.borrowed_tokens))
+
+        def work() -> int:
+            seen.append(("work", threading.get_ident(), limiter.borrowed_tokens))
+            return 5
+
+        assert await in_thread(limiter, work, first=first) == 5
+        assert [step for step, _, _ in seen] == ["first", "work"]
+        assert seen[0][1:] == (loop_thread, 1) and seen[1][1] != loop_thread
+
+        def refuse() -> None:
+            raise BrokenPipeError("gone")
+
+        ran: list[int] = []
+        with pytest.raises(BrokenPipeError):
+            await in_thread(limiter, ran.append, 1, first=refuse)
+        assert ran == [] and limiter.borrowed_tokens == 0
+
+    trio.run(main)

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import trio
+import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -420,6 +421,59 @@ def test_a_connection_dropped_as_the_request_arrives_is_retried_once_on_a_new_on
                     assert await fetch_all(transport, f"127.0.0.1:{port}", CHUNK, [chunk_checksum(data)]) == data
             nursery.cancel_scope.cancel()
         assert connections == 2
+
+    trio.run(main)
+
+
+def test_a_fetch_asks_its_owner_only_once_a_thread_is_granted_to_receive_the_answer() -> None:
+    """The request goes out from the event loop, so that the owner starts on it while the
+    receiving thread is being scheduled, but only once that thread is granted: with every
+    worker thread taken, the owner is not asked (an answer nobody reads would fill the socket
+    until the owner drops the reader as stalled)."""
+    data = os.urandom(CHUNK)
+    gate = Gate(OWNER, PEER_CLIENTS)
+    asked = 0
+
+    async def owner(stream: trio.SocketStream) -> None:
+        nonlocal asked
+        admitted = await gate.admit(stream)
+        assert admitted is not None
+        frames, _ = admitted
+        while True:
+            request = await frames.receive()
+            asked += 1
+            await frames.send(FrameKind.RESPONSE, request.prefix.request_id, ChunkData(0, CHUNK), data)
+
+    async def main() -> None:
+        transport = TcpTransport(READER)
+        threads = trio.to_thread.current_default_thread_limiter()
+        holders = [object() for _ in range(int(threads.total_tokens))]
+        got: list[bytes] = []
+
+        async def load(address: str) -> None:
+            got.append(await fetch_all(transport, address, CHUNK, [chunk_checksum(data)]))
+
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_tcp, owner, "127.0.0.1", 0)
+            address = f"127.0.0.1:{port}"
+            with trio.fail_after(20):
+                await load(address)  # (the connection is pooled now)
+                assert asked == 1
+                for holder in holders:
+                    threads.acquire_on_behalf_of_nowait(holder)
+                try:
+                    async with trio.open_nursery() as loads:
+                        loads.start_soon(load, address)
+                        await trio.testing.wait_all_tasks_blocked(0.05)
+                        assert asked == 1 and len(got) == 1  # waiting for a thread; the owner not asked
+                        for holder in holders:
+                            threads.release_on_behalf_of(holder)
+                        holders = []
+                finally:
+                    for holder in holders:
+                        threads.release_on_behalf_of(holder)
+            assert asked == 2 and got == [data, data]
+            nursery.cancel_scope.cancel()
 
     trio.run(main)
 

@@ -31,17 +31,21 @@ def _resume(task: trio.lowlevel.Task, result: Any, returned: Callable[[], None] 
 
 
 async def in_thread(limiter: trio.CapacityLimiter, fn: Callable[..., T], *args: Any,
-                    returned: Callable[[], None] | None = None) -> T:
+                    returned: Callable[[], None] | None = None, first: Callable[[], None] | None = None) -> T:
     """`fn(*args)` in a cached worker thread, with one of `limiter`'s tokens held meanwhile;
     returns its result or raises its exception. A cancel takes effect after it returns.
     `returned()`, if given, runs in the event loop as soon as `fn` has returned (not raised),
     on the same wake-up that reschedules the caller: a report that would otherwise wake the
-    loop on its own, or wait for the caller's next step."""
+    loop on its own, or wait for the caller's next step. `first()`, if given, runs in the
+    event loop once the token is held, just before the thread starts (what it raises is
+    raised, and no thread starts): work that must not wait for the thread to be scheduled."""
     try:
         limiter.acquire_nowait()
     except trio.WouldBlock:
         await limiter.acquire()
     try:
+        if first is not None:
+            first()
         task = trio.lowlevel.current_task()
         token = trio.lowlevel.current_trio_token()
 
