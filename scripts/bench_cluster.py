@@ -30,6 +30,14 @@ kvfs's and Mooncake's loads alternate (which goes first swaps every round), and 
 busy, so that each one's loss under a competing CPU load is shown. Rounds interleave
 the transfers; the tables show medians and kvfs/Mooncake ratios of medians.
 
+Every party shares this machine's cores, so a load's throughput is bounded by the CPU it
+spends: each load but the raw ones also records, per file (object) loaded, the CPU (user +
+system, every thread, from /proc/PID/stat) of the processes that serve it, and the reader's
+own (getrusage of this process, which runs nothing else meanwhile; every other party is a
+process of its own), as "cpu ROLE METRIC" in ms: kvfs's master, A, B and reader; the
+single-node mount's and trivialfs's daemon and reader; Mooncake's master, writer and
+readers. The last table sets kvfs's open beside Mooncake's get, by process.
+
 kvfs's cluster connections are set up in TLS 1.3; B's chunk connections to A then leave TLS
 for kvfs's own AES-256-GCM records (--peer-encryption on, the default), or, with
 --peer-encryption off (both nodes run with `kvfs node --peer-encryption off`), for plain
@@ -48,6 +56,7 @@ import json
 import mmap
 import os
 import re
+import resource
 import socket
 import statistics
 import subprocess
@@ -56,7 +65,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from multiprocessing import Process
 from pathlib import Path
 
@@ -75,6 +84,50 @@ PARALLEL = 4  # readers (raw TCP streams, Mooncake reader processes) in the para
 BATCH = 8  # objects per Mooncake batch_get_into
 HOG_SHARE = 0.8  # of one core, the competing load of --hog
 Record = Callable[[str, float], None]  # appends one round's figure to a metric
+TICK = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat counts CPU in these per second
+
+
+def process_cpu(pid: int) -> float:
+    """Seconds of CPU (user + system) that process PID has spent, every thread's, exited ones too."""
+    # After the parenthesised name (which may hold spaces): utime and stime are fields 14 and 15.
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def own_cpu() -> float:
+    """Seconds of CPU this process (the reader) has spent, all its threads; its children not."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class CpuSpan:
+    """The CPU each party spends over a `with` block: `spent` maps a role to seconds.
+
+    `pids` maps roles to the processes summed into them; `reader` adds this process as the
+    role "reader", which must then run nothing but the load (it holds one thread at the start)."""
+
+    def __init__(self, pids: dict[str, list[int]], reader: bool) -> None:
+        self.pids, self.reader = pids, reader
+        self.start: dict[str, float] = {}
+        self.own = 0.0
+        self.spent: dict[str, float] = {}
+
+    def others(self) -> dict[str, float]:
+        return {role: sum(process_cpu(pid) for pid in pids) for role, pids in self.pids.items()}
+
+    def __enter__(self) -> CpuSpan:
+        if self.reader and len(os.listdir("/proc/self/task")) != 1:
+            # A thread left running here would be counted as the load's.
+            raise SystemExit(f"the benchmark runs {len(os.listdir('/proc/self/task'))} threads before a load")
+        self.start = self.others()
+        self.own = own_cpu() if self.reader else 0.0  # read last: the reads above are not the load's
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        own = own_cpu() if self.reader else 0.0  # read first, for the same reason
+        self.spent = {role: seconds - self.start[role] for role, seconds in self.others().items()}
+        if self.reader:
+            self.spent["reader"] = own - self.own
 
 
 def issue_bundles(base: Path) -> dict[str, Path]:
@@ -196,27 +249,34 @@ def load_in_threads(root: Path, prefix: str, indices: range, size: int, buffers:
         thread.join()
 
 
-def cold_load(root: Path, prefix: str, count: int, size: int, readers: int = 1) -> float:
-    """Files 0..count-1 loaded by `readers` threads, cold."""
+def cold_load(root: Path, prefix: str, count: int, size: int, readers: int = 1,
+              cpu: AbstractContextManager[object] | None = None) -> float:
+    """Files 0..count-1 loaded by `readers` threads, cold; `cpu` (a CpuSpan) spans the load alone."""
     drop_page_cache()
     buffers = [mmap.mmap(-1, size) for _ in range(readers)]
-    start = time.perf_counter()
-    load_in_threads(root, prefix, range(count), size, buffers)
-    return count * size / (time.perf_counter() - start) / 1e9
+    with cpu or nullcontext():
+        start = time.perf_counter()
+        load_in_threads(root, prefix, range(count), size, buffers)
+        elapsed = time.perf_counter() - start
+    return count * size / elapsed / 1e9
 
 
-def lookup_then_load(root: Path, prefix: str, count: int, size: int, readers: int = 1, batch: int = 16) -> float:
+def lookup_then_load(root: Path, prefix: str, count: int, size: int, readers: int = 1, batch: int = 16,
+                     cpu: AbstractContextManager[object] | None = None) -> float:
     """vLLM's pattern per request: its lookup thread checks that each chunk's file exists
-    (`access`, serially), then the loaders load them; `batch` chunks per request. Cold."""
+    (`access`, serially), then the loaders load them; `batch` chunks per request. Cold;
+    `cpu` (a CpuSpan) spans the loads alone."""
     drop_page_cache()
     buffers = [mmap.mmap(-1, size) for _ in range(readers)]
-    start = time.perf_counter()
-    for first in range(0, count, batch):
-        request = range(first, min(count, first + batch))
-        for i in request:
-            assert os.access(root / f"{prefix}{i}.bin", os.F_OK)
-        load_in_threads(root, prefix, request, size, buffers)
-    return count * size / (time.perf_counter() - start) / 1e9
+    with cpu or nullcontext():
+        start = time.perf_counter()
+        for first in range(0, count, batch):
+            request = range(first, min(count, first + batch))
+            for i in request:
+                assert os.access(root / f"{prefix}{i}.bin", os.F_OK)
+            load_in_threads(root, prefix, request, size, buffers)
+        elapsed = time.perf_counter() - start
+    return count * size / elapsed / 1e9
 
 
 def spin(share: float, period: float = 0.01) -> None:
@@ -375,12 +435,15 @@ def main() -> None:
             floor = start_daemon("trivial", [sys.executable, "scripts/trivialfs.py", str(base / "trivial")],
                                  base / "trivial")
             processes += [a.process, b.process, single.process, floor.process]
+            pids = {name: target.process.pid for name, target in
+                    (("A", a), ("B", b), ("local", single), ("floor", floor)) if target.process is not None}
+            pids["master"] = master.pid
             with mooncake as side:
                 for round_ in range(args.rounds):
                     print(f"round {round_ + 1}/{args.rounds}", file=sys.stderr, flush=True)
                     for size in sizes:
                         transfers(record, round_, size, total, a.path, b.path, single.path, floor.path, bundles,
-                                  side, loads)
+                                  side, loads, pids)
                     if not args.transfers_only:
                         lookups(record, round_, a.path, b.path, single.path, args.lookups)
                     if args.json:  # after every round: a run cut short keeps what it measured
@@ -394,9 +457,11 @@ def main() -> None:
 
 
 def transfers(record: Record, round_: int, size: int, total: int, a: Path, b: Path, single: Path, floor: Path,
-              bundles: dict[str, Path], mooncake: mooncake_peer.MooncakeSide | None, loads: list[str]) -> None:
+              bundles: dict[str, Path], mooncake: mooncake_peer.MooncakeSide | None, loads: list[str],
+              pids: dict[str, int]) -> None:
     """One round of one size: raw TCP and TLS, kvfs B<-A beside Mooncake (alternating), local,
-    and the smallest pyfuse3 file system's local load."""
+    and the smallest pyfuse3 file system's local load; with the CPU of each load but the raw ones
+    (`pids`: the processes of kvfs's "master", "A", "B", "local" and the "floor" file system)."""
     count = max(PARALLEL, total // size)
     label = f"{size // MiB}MiB"
     buffer = mmap.mmap(-1, size)
@@ -412,25 +477,46 @@ def transfers(record: Record, round_: int, size: int, total: int, a: Path, b: Pa
             before = mooncake.loopback_bytes()  # a check that Mooncake's gets cross TCP
             mooncake.get(prefix, count, size, 1, 1)
             record(f"mooncake loopback share {label}", (mooncake.loopback_bytes() - before) / (count * size))
+    cluster = {role: [pids[role]] for role in ("master", "A", "B")}
+
+    def measured(metric: str, files: int, cpu: CpuSpan, measure: Callable[[CpuSpan], float]) -> None:
+        """Records the load's GB/s and, as "cpu ROLE METRIC", each party's ms of CPU per file."""
+        record(metric, measure(cpu))
+        for role, seconds in cpu.spent.items():
+            record(f"cpu {role} {metric}", seconds * 1000 / files)
+
+    def mooncake_get(cpu: CpuSpan, readers: int, batch: int) -> float:
+        assert mooncake is not None
+        with cpu:
+            return mooncake.get(prefix, count, size, readers, batch)
+
     for streams in (1, PARALLEL):
         cell = f"{label} x{streams}"
         record(f"raw TCP {cell}", raw_tcp(size, count, streams))
         record(f"raw TLS {cell}", raw_tcp(size, count, streams, bundles["a"]))
-        # kvfs and Mooncake alternate; which one goes first swaps every round.
-        steps = [(f"cross-node {cell}", lambda: cold_load(b, prefix, count, size, streams)),
-                 (f"mooncake get {cell}", lambda: mooncake.get(prefix, count, size, streams, 1)),
-                 (f"lookup first {cell}", lambda: lookup_then_load(b, prefix, count, size, streams)),
-                 (f"mooncake batch {cell}", lambda: mooncake.get(prefix, count, size, streams, BATCH))]
+        # kvfs and Mooncake alternate; which one goes first swaps every round. Each step: its
+        # metric, the files (objects) it loads, the processes whose CPU it counts, the load.
+        got = count // streams * streams  # Mooncake's readers share the objects evenly
+        steps: list[tuple[str, int, Callable[[], CpuSpan], Callable[[CpuSpan], float]]] = [
+            (f"cross-node {cell}", count, lambda: CpuSpan(cluster, reader=True),
+             lambda cpu: cold_load(b, prefix, count, size, streams, cpu=cpu)),
+            (f"mooncake get {cell}", got, lambda: CpuSpan(mooncake.pids(streams), reader=False),
+             lambda cpu: mooncake_get(cpu, streams, 1)),
+            (f"lookup first {cell}", count, lambda: CpuSpan(cluster, reader=True),
+             lambda cpu: lookup_then_load(b, prefix, count, size, streams, cpu=cpu)),
+            (f"mooncake batch {cell}", got, lambda: CpuSpan(mooncake.pids(streams), reader=False),
+             lambda cpu: mooncake_get(cpu, streams, BATCH))]
         if mooncake is None:
             steps = steps[0::2]
         elif round_ % 2:
             steps = [steps[1], steps[0], steps[3], steps[2]]
         for load in loads[round_ % 2 :] + loads[: round_ % 2]:
             with competing_load(HOG_SHARE) if load else nullcontext():
-                for metric, measure in steps:
-                    record(metric + load, measure())
-        record(f"local {cell}", cold_load(single, prefix, local_count, size, streams))
-        record(f"pyfuse3 floor {cell}", cold_load(floor, prefix, local_count, size, streams))
+                for metric, files, span, measure in steps:
+                    measured(metric + load, files, span(), measure)
+        for metric, root, role in ((f"local {cell}", single, "local"), (f"pyfuse3 floor {cell}", floor, "floor")):
+            measured(metric, local_count, CpuSpan({"daemon": [pids[role]]}, reader=True),
+                     lambda cpu: cold_load(root, prefix, local_count, size, streams, cpu=cpu))
     for i in range(count):
         os.unlink(a / f"{prefix}{i}.bin")
     for i in range(local_count):
@@ -461,6 +547,61 @@ def paired(kvfs: list[float], mooncake: list[float]) -> float:
 
 def spread(values: list[float]) -> str:
     return f"{min(values):.2f}-{max(values):.2f}"
+
+
+KVFS_ROLES = ("master", "A", "B", "reader")  # the parties of a cross-node load, as "cpu ROLE METRIC" names them
+MOONCAKE_ROLES = ("master", "writer", "readers")
+ALONE_ROLES = ("daemon", "reader")  # a single file system's load: its one daemon and the reader
+
+
+def cpu_report(results: dict[str, list[float]], sizes: list[int], mooncake: bool) -> None:
+    """The CPU per file loaded, by process: kvfs's open beside Mooncake's get, and the other loads' sums."""
+
+    def sums(metric: str, roles: tuple[str, ...]) -> list[float]:
+        """Each round's CPU per file, all ROLES together."""
+        return [sum(each) for each in zip(*(results[f"cpu {role} {metric}"] for role in roles))]
+
+    def roles(metric: str, names: tuple[str, ...]) -> str:
+        return "".join(f"{statistics.median(results[f'cpu {role} {metric}']):>8.2f}" for role in names)
+
+    def total(values: list[float]) -> str:
+        return f"{f'{statistics.median(values):.2f} ({spread(values)})':>22}"
+
+    others = [("lookup,open", "lookup first", KVFS_ROLES), ("local", "local", ALONE_ROLES),
+              ("floor", "pyfuse3 floor", ALONE_ROLES)]
+    if mooncake:
+        others.insert(1, ("MC batch", "mooncake batch", MOONCAKE_ROLES))
+    print("CPU per file loaded, by process (ms of user + system time, every thread): medians over rounds; "
+          "sums: the median of each round's sum (range)")
+    print(f"{'':<12}{'kvfs open (B<-A)':^54}" + (f"{'Mooncake get':^46}{'':>14}" if mooncake else "")
+          + f"{'sums of the other loads':^{13 * len(others)}}")
+    print(f"{'cell':<12}" + "".join(f"{role:>8}" for role in KVFS_ROLES) + f"{'sum':>22}"
+          + ("".join(f"{role:>8}" for role in MOONCAKE_ROLES) + f"{'sum':>22}{'kvfs/MC':>14}" if mooncake else "")
+          + "".join(f"{name:>13}" for name, _, _ in others))
+    for size in sizes:
+        for streams in (1, PARALLEL):
+            cell = f"{size // MiB}MiB x{streams}"
+            kvfs = sums(f"cross-node {cell}", KVFS_ROLES)
+            row = f"{cell:<12}{roles(f'cross-node {cell}', KVFS_ROLES)}{total(kvfs)}"
+            if mooncake:
+                get = sums(f"mooncake get {cell}", MOONCAKE_ROLES)
+                ratio = f"{statistics.median(kvfs) / statistics.median(get):.2f} [{paired(kvfs, get):.2f}]"
+                row += f"{roles(f'mooncake get {cell}', MOONCAKE_ROLES)}{total(get)}{ratio:>14}"
+            row += "".join(f"{statistics.median(sums(f'{metric} {cell}', parties)):>13.2f}"
+                           for _, metric, parties in others)
+            print(row)
+    print("(per file" + (" or object" if mooncake else "") + " loaded. master, A, B, daemon"
+          + (" and Mooncake's processes" if mooncake else "") + ": utime + stime of /proc/PID/stat,")
+    print(f" counted in ticks of {1000 / TICK:g} ms per process and load; reader: this process's getrusage over "
+          "the load, its N threads together;")
+    if mooncake:
+        print(" Mooncake xN: its N reader processes summed. kvfs/MC: ratio of the median sums [the median of each "
+              "round's ratio];")
+        print(" above 1, a kvfs load costs more CPU than a Mooncake get. MC batch: batch_get_into (master, writer, "
+              "readers);")
+    print(" lookup,open: kvfs's lookup then load (master, A, B, reader); local: the single-node mount, floor:")
+    print(" scripts/trivialfs.py (each its daemon and the reader))")
+    print()
 
 
 def report(results: dict[str, list[float]], sizes: list[int], mooncake: bool, hog: bool, transfers_only: bool) -> None:
@@ -531,6 +672,8 @@ def report(results: dict[str, list[float]], sizes: list[int], mooncake: bool, ho
                     row += f"{f'{quiet:.2f} -> {loaded:.2f} {loaded / quiet - 1:+.0%} [{each:+.0%}]':>30}"
                 print(f"{cell:<12}{row}")
         print()
+    if any(metric.startswith("cpu ") for metric in results):  # runs saved before it was measured have none
+        cpu_report(results, sizes, mooncake)
     if not mooncake:
         print("Mooncake was not measured: no ratios to it (see the first line of the output)")
     if transfers_only:

@@ -66,6 +66,26 @@ def missing(venv: Path) -> str | None:
     return None
 
 
+def check_exec(process: subprocess.Popen, program: str) -> None:
+    """That `ip netns exec` exec'd PROGRAM in its own process and nothing there forked: the
+    Popen's pid is then all of PROGRAM, whose CPU bench_cluster.py reads. Called once PROGRAM
+    answered. (The venv's mooncake_master is a script that execs the package's binary of that name.)"""
+    task = Path(f"/proc/{process.pid}")
+    running = os.path.basename(task.joinpath("cmdline").read_bytes().split(b"\0")[0].decode(errors="replace"))
+    if running != os.path.basename(program):
+        raise SystemExit(f"process {process.pid} runs {running}, not {program}: its CPU would not be Mooncake's")
+    if any(children(thread) for thread in task.joinpath("task").iterdir()):
+        raise SystemExit(f"{program} (process {process.pid}) started processes of its own: its CPU would be missed")
+
+
+def children(thread: Path) -> str:
+    """The pids of the processes a thread (/proc/PID/task/TID) started, or "" (also once it exited)."""
+    try:
+        return thread.joinpath("children").read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
 class Peer:
     """A client process (main() below) and its command pipe."""
 
@@ -74,6 +94,7 @@ class Peer:
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=open(log, "wb"), env=env, text=True)
         self.expect("ready")
+        check_exec(self.process, command[command.index("exec") + 2])
 
     def send(self, line: str) -> None:
         assert self.process.stdin is not None
@@ -147,6 +168,7 @@ class MooncakeSide:
             if self.master.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"mooncake_master did not start; see {log}")
             time.sleep(0.05)
+        check_exec(self.master, str(self.venv / "bin" / "mooncake_master"))
         self.peers.append(self.client("writer", self.segment, self.largest))
         for r in range(self.readers):
             self.peers.append(self.client(f"reader{r}", 0, self.largest * self.batch))
@@ -180,6 +202,12 @@ class MooncakeSide:
         spans = [tuple(map(float, reader.reply().split())) for reader in self.peers[1 : readers + 1]]
         elapsed = max(end for _, end in spans) - min(start for start, _ in spans)
         return each * readers * size / elapsed / 1e9
+
+    def pids(self, readers: int) -> dict[str, list[int]]:
+        """The processes of a get by READERS readers, by role (for their CPU)."""
+        assert self.master is not None
+        return {"master": [self.master.pid], "writer": [self.peers[0].process.pid],
+                "readers": [reader.process.pid for reader in self.peers[1 : readers + 1]]}
 
     def loopback_bytes(self) -> int:
         """Bytes received on the namespace's loopback so far: a check that gets cross TCP."""
