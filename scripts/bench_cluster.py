@@ -514,6 +514,10 @@ def transfers(record: Record, round_: int, size: int, total: int, a: Path, b: Pa
             with competing_load(HOG_SHARE) if load else nullcontext():
                 for metric, files, span, measure in steps:
                     measured(metric + load, files, span(), measure)
+        # The same files loaded through A's own mount: every step of B's load but the transfer
+        # (the directory copy's lookup, the master's OpenRead, A's DRAM): what B's load can reach.
+        measured(f"on owner {cell}", count, CpuSpan(cluster, reader=True),
+                 lambda cpu: cold_load(a, prefix, count, size, streams, cpu=cpu))
         for metric, root, role in ((f"local {cell}", single, "local"), (f"pyfuse3 floor {cell}", floor, "floor")):
             measured(metric, local_count, CpuSpan({"daemon": [pids[role]]}, reader=True),
                      lambda cpu: cold_load(root, prefix, local_count, size, streams, cpu=cpu))
@@ -571,6 +575,8 @@ def cpu_report(results: dict[str, list[float]], sizes: list[int], mooncake: bool
               ("floor", "pyfuse3 floor", ALONE_ROLES)]
     if mooncake:
         others.insert(1, ("MC batch", "mooncake batch", MOONCAKE_ROLES))
+    if any(metric.startswith("cpu A on owner ") for metric in results):  # (runs saved before it have none)
+        others.insert(-2, ("on A", "on owner", KVFS_ROLES))
     print("CPU per file loaded, by process (ms of user + system time, every thread): medians over rounds; "
           "sums: the median of each round's sum (range)")
     print(f"{'':<12}{'kvfs open (B<-A)':^54}" + (f"{'Mooncake get':^46}{'':>14}" if mooncake else "")
@@ -599,7 +605,9 @@ def cpu_report(results: dict[str, list[float]], sizes: list[int], mooncake: bool
               "round's ratio];")
         print(" above 1, a kvfs load costs more CPU than a Mooncake get. MC batch: batch_get_into (master, writer, "
               "readers);")
-    print(" lookup,open: kvfs's lookup then load (master, A, B, reader); local: the single-node mount, floor:")
+    print(" lookup,open: kvfs's lookup then load (master, A, B, reader); on A: the same files through A's own mount"
+          " (master, A, B, reader);")
+    print(" local: the single-node mount, floor:")
     print(" scripts/trivialfs.py (each its daemon and the reader))")
     print()
 
@@ -641,19 +649,24 @@ def report(results: dict[str, list[float]], sizes: list[int], mooncake: bool, ho
               + ", ".join(f"{median(f'mooncake loopback share {s // MiB}MiB'):.2f}" for s in sizes) + ")")
         print()
         print("the ceiling of a load through pyfuse3 here: the smallest pyfuse3 file system (scripts/trivialfs.py) "
-              "loading the same files from its own memory, no network; kvfs's own local load beside it")
-        print(f"{'cell':<12}{'pyfuse3 floor':>18}{'kvfs local':>18}{'MC get':>18}{'floor/get':>14}{'local/get':>14}")
+              "loading the same files from its own memory, no network; kvfs's own local load beside it; and the "
+              "same files loaded through node A's own mount (on A: all of B's load but the transfer)")
+        owner = any(metric.startswith("on owner ") for metric in results)  # (runs saved before it have none)
+        print(f"{'cell':<12}{'pyfuse3 floor':>18}{'kvfs local':>18}" + (f"{'kvfs on A':>18}" if owner else "")
+              + f"{'MC get':>18}{'floor/get':>14}{'local/get':>14}" + (f"{'on A/get':>14}" if owner else ""))
         for size in sizes:
             for streams in (1, PARALLEL):
                 cell = f"{size // MiB}MiB x{streams}"
-                names = (f"pyfuse3 floor {cell}", f"local {cell}", f"mooncake get {cell}")
+                names = (f"pyfuse3 floor {cell}", f"local {cell}", *([f"on owner {cell}"] if owner else []),
+                         f"mooncake get {cell}")
                 shown = "".join(f"{f'{median(n):.2f} ({spread(results[n])})':>18}" for n in names)
-                get = names[2]
+                get = names[-1]
                 ratios = "".join(f"{f'{median(k) / median(get):.2f} [{paired(results[k], results[get]):.2f}]':>14}"
-                                 for k in names[:2])
+                                 for k in names[:-1])
                 print(f"{cell:<12}{shown}{ratios}")
         print("(where floor/get is below 1, no file system served through pyfuse3 on this machine, with or without "
-              "a network, loads as fast as Mooncake's get in that cell)")
+              "a network, loads as fast as Mooncake's get in that cell; where on A/get is, neither does a kvfs "
+              "load that needs no transfer at all)")
         print()
     if hog:
         print(f"beside a competing load of {HOG_SHARE:g} core: medians quiet -> loaded (GB/s), the change, "
