@@ -18,7 +18,9 @@ with PARALLEL readers at once (and as many raw TCP connections). For scale, the
 same cold load from a single-node mount's own DRAM (the FUSE path with no
 network) is shown too, and the same load from the smallest pyfuse3 file system
 (scripts/trivialfs.py, its files in its own memory): the ceiling of any load served
-through pyfuse3 on this machine, against which Mooncake's get is set too.
+through pyfuse3 on this machine, against which Mooncake's get is set too. And the same
+files loaded through node A's own mount ("on A"): every step of B's load (the lookup, the
+master's OpenRead, the FUSE reads) but the transfer, which B's cross-node load cannot beat.
 
 Mooncake Store (its PyPI package in a venv of its own, scripts/mooncake_peer.py) is
 measured in the same run: its master, a writer client and reader clients in a network
