@@ -487,7 +487,7 @@ class TcpTransport(MeasuredTransport):
         def send_request() -> None:
             # From the event loop, once a thread is granted: the owner starts on the request
             # while the receiving thread is still being scheduled (on two busy cores that
-            # took 0.5 ms per load). It never blocks the loop: the connection is idle, every
+            # took up to 0.5 ms per load). It never blocks the loop: the connection is idle, every
             # earlier request's answer read whole, so its send buffer is empty and takes a
             # request frame at once.
             try:
