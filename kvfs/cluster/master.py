@@ -1153,12 +1153,8 @@ class MetadataService:
             if walked is not None and not walked.is_dir:
                 return m.Restored(False, [req.version])
         for name in record.path[:-1]:
-            child = self.ns.lookup(directory.ino, name)
+            child = self._restored_directory(directory, name, now)
             if child is None:
-                child = self.ns.new_inode(stat.S_IFDIR | 0o755, self.settings.root_uid, self.settings.root_gid, now,
-                                          directory=True)
-                self._link(directory, name, child, now)
-            elif not child.is_dir:
                 return m.Restored(False, [req.version])
             directory = child
         name = record.path[-1]
@@ -1179,18 +1175,25 @@ class MetadataService:
         self.admit(inode, record.size)
         return m.Restored(True, dropped)
 
+    def _restored_directory(self, parent: Inode, name: bytes, now: int) -> Inode | None:
+        """Recovery: the directory `name` under `parent`, made (root's, 0755) if absent; None
+        where a file or link holds the name."""
+        child = self.ns.lookup(parent.ino, name)
+        if child is None:
+            child = self.ns.new_inode(stat.S_IFDIR | 0o755, self.settings.root_uid, self.settings.root_gid, now,
+                                      directory=True)
+            self._link(parent, name, child, now)
+        elif not child.is_dir:
+            return None
+        return child
+
     def restore_directory(self, parent: Inode, name: bytes, mode: int, uid: int, gid: int,
                           mtime_ns: int) -> Inode | None:
         """Recovery: a saved directory under `parent`, made if absent, given its saved
         attributes; None where a file or link holds the name."""
-        now = self.clock.wall_ns()
-        inode = self.ns.lookup(parent.ino, name)
-        if inode is None:
-            inode = self.ns.new_inode(stat.S_IFDIR | 0o755, uid, gid, now, directory=True)
-            self._link(parent, name, inode, now)
-        elif not inode.is_dir:
-            return None
-        self.set_directory(inode, mode, uid, gid, mtime_ns)
+        inode = self._restored_directory(parent, name, self.clock.wall_ns())
+        if inode is not None:
+            self.set_directory(inode, mode, uid, gid, mtime_ns)
         return inode
 
     def set_directory(self, inode: Inode, mode: int, uid: int, gid: int, mtime_ns: int) -> None:
